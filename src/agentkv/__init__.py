@@ -1,0 +1,92 @@
+"""agentkv: multi-turn agent sessions pinned to their KV on a disaggregated vLLM pair.
+
+    from agentkv import Session
+
+    with Session(system="You are terse.") as s:
+        r = s.run_sync("What is the capital of France?")
+        print(r.text, r.steps[-1].stats.ttft_s, r.steps[-1].stats.pulled_tokens)
+"""
+
+from ._conversation import Message
+from ._engines import (
+    Colocated,
+    EmbeddedPair,
+    Engine,
+    EngineInfo,
+    EngineState,
+    KVHandle,
+    Sampling,
+    StepDone,
+    StepEvent,
+    StepRequest,
+    StepTimings,
+    TokenDelta,
+)
+from ._errors import (
+    AgentKVError,
+    ContextLengthError,
+    EngineDeadError,
+    EngineError,
+    EngineStartError,
+    InvalidMessageError,
+    ModelPreparationError,
+    SessionClosedError,
+    TemplateError,
+    UserError,
+)
+from ._model import DEFAULT_MODEL, prepare_model
+from ._results import Event, Step, StepEnd, TextDelta, TurnEnd, TurnResult
+from ._session import Mode, Session
+from ._stats import MissReason, SessionStats, StepStats, TurnStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "AgentKVError",
+    "Colocated",
+    "ContextLengthError",
+    "EmbeddedPair",
+    "Engine",
+    "EngineDeadError",
+    "EngineError",
+    "EngineInfo",
+    "EngineStartError",
+    "EngineState",
+    "Event",
+    "InvalidMessageError",
+    "KVHandle",
+    "Message",
+    "MissReason",
+    "Mode",
+    "ModelPreparationError",
+    "Sampling",
+    "Session",
+    "SessionClosedError",
+    "SessionStats",
+    "Step",
+    "StepDone",
+    "StepEnd",
+    "StepEvent",
+    "StepRequest",
+    "StepStats",
+    "StepTimings",
+    "TemplateError",
+    "TextDelta",
+    "TokenDelta",
+    "TurnEnd",
+    "TurnResult",
+    "TurnStats",
+    "UserError",
+    "__version__",
+    "prepare_model",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("agentkv._"):
+        try:
+            _obj.__module__ = "agentkv"
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj

@@ -1,0 +1,126 @@
+"""The ``agentkv`` command: ``demo``, ``chat`` and ``models``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from ._errors import AgentKVError
+from ._model import list_models, prepare_model
+from ._session import Session
+
+__all__ = ["main"]
+
+_DEMO_SYSTEM = (
+    "You are a coding agent working in the repository of a small Python web service. "
+    "The service has modules app.py (routes), db.py (a SQLite layer), auth.py (token checks) "
+    "and tests in tests/test_app.py. Conventions: functions are typed, pure where possible, "
+    "and every change comes with a test. Answer in one or two short sentences. "
+    + " ".join(f"Rule {i}: keep module m{i} documented and covered by tests." for i in range(1, 25))
+)
+_DEMO_TURNS = (
+    "The test test_login fails with a 401. Which module should I look at first?",
+    "The token check compares the header with a stale secret. What is the fix?",
+    "Write the name of the test you would add for it.",
+    "Summarise the change in one sentence for the commit message.",
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``agentkv`` command."""
+    parser = argparse.ArgumentParser(prog="agentkv", description="Agent sessions pinned to their KV on a vLLM pair.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what agentkv does")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="a multi-turn agent conversation on the real pair, with a stats table")
+    demo.add_argument("--mode", choices=("bidirectional", "disaggregated", "colocated"), default="bidirectional")
+    demo.add_argument("--model", default=None, help="bundled model name or HF folder (default: bundled SmolLM2)")
+    demo.add_argument("--turns", type=int, default=len(_DEMO_TURNS), help="number of turns (up to 4)")
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--json", metavar="FILE", help="also write the session stats as JSON to FILE")
+
+    chat = commands.add_parser("chat", help="chat with the model in the terminal (empty line to quit)")
+    chat.add_argument("--mode", choices=("bidirectional", "disaggregated", "colocated"), default="bidirectional")
+    chat.add_argument("--model", default=None)
+    chat.add_argument("--system", default="You are a helpful assistant.")
+    chat.add_argument("--max-tokens", type=int, default=128)
+
+    models = commands.add_parser("models", help="list the bundled models, or prepare one")
+    models.add_argument("action", nargs="?", choices=("list", "prepare"), default="list")
+    models.add_argument("name", nargs="?", default=None)
+
+    args = parser.parse_args(argv)
+    if not args.verbose:  # vLLM's own start-up logging is long; read before vLLM is imported
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    logging.getLogger("agentkv").setLevel(logging.INFO)  # start-up progress is shown
+    try:
+        if args.command == "demo":
+            return _demo(args)
+        if args.command == "chat":
+            return _chat(args)
+        return _models(args)
+    except AgentKVError as exc:
+        print(f"agentkv: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _demo(args: argparse.Namespace) -> int:
+    turns = _DEMO_TURNS[: max(1, min(args.turns, len(_DEMO_TURNS)))]
+    with Session(mode=args.mode, model=args.model, system=_DEMO_SYSTEM, max_tokens=args.max_tokens) as session:
+        for number, message in enumerate(turns, start=1):
+            print(f"\n[turn {number}] user: {message}")
+            result = session.run_sync(message)
+            stats = result.steps[-1].stats
+            print(f"[turn {number}] model: {result.text.strip()}")
+            print(f"           ttft {stats.ttft_s:.3f} s | prompt {stats.prompt_tokens} = local {stats.local_hit_tokens}"
+                  f" + pulled {stats.pulled_tokens} + computed {stats.computed_tokens}"
+                  f" | {stats.miss_reason or 'reused'}")
+        summary = session.stats
+        print(f"\nmode: {summary.mode}\n{summary.table()}")
+        if summary.mean_ttft_after_first_turn_s is not None:
+            print(f"mean TTFT, turns 2+: {summary.mean_ttft_after_first_turn_s:.3f} s; "
+                  f"reuse over the session: {summary.reuse_ratio:.0%}")
+        if args.json:
+            with open(args.json, "w") as handle:
+                handle.write(summary.to_json())
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    with Session(mode=args.mode, model=args.model, system=args.system, max_tokens=args.max_tokens) as session:
+        while True:
+            try:
+                message = input("you> ")
+            except EOFError:
+                break
+            if not message.strip():
+                break
+            result = session.run_sync(message, on_event=_print_delta)
+            stats = result.steps[-1].stats
+            print(f"\n  [ttft {stats.ttft_s:.3f} s, reused {stats.reuse_ratio:.0%} of {stats.prompt_tokens} tokens]")
+    return 0
+
+
+def _print_delta(event: object) -> None:
+    text = getattr(event, "text", None)
+    if getattr(event, "kind", None) == "text_delta" and text:
+        print(text, end="", flush=True)
+
+
+def _models(args: argparse.Namespace) -> int:
+    if args.action == "prepare":
+        print(prepare_model(args.name, progress=print))
+        return 0
+    print(json.dumps(list_models(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,231 @@
+"""The conversation as token ids, exactly as the model saw and produced them (DESIGN.md section 6).
+
+The next prompt is always: the previous prompt + the generated tokens exactly as generated
++ the tokens of what was appended. Nothing is re-tokenized on the step path: appended
+messages are rendered with the chat template against a small fixed context and only the
+rendered delta is tokenized. A template that renders an earlier part differently once more
+messages follow (so that no token-exact delta exists) raises `TemplateError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from ._errors import InvalidMessageError, TemplateError, UserError
+
+__all__ = ["ChatRenderer", "Conversation", "Message"]
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+# Placeholder contents for the fixed rendering context; never sent to a model.
+_USER_PLACEHOLDER = "\x00agentkv-user\x00"
+_ASSISTANT_PLACEHOLDER = "\x00agentkv-assistant\x00"
+
+
+class Message(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(frozen=True)
+
+    role: Role
+    content: str
+    name: str | None = None
+    """The tool's name, on tool messages."""
+
+    def template_dict(self) -> dict[str, Any]:
+        """The dict a chat template renders."""
+        data: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            data["name"] = self.name
+        return data
+
+
+class ChatRenderer:
+    """Token deltas from a Hugging Face tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any, *, system: Message | None) -> None:
+        self._tokenizer = tokenizer
+        head = [system] if system is not None else []
+        self._after_assistant = [*head, Message(role="user", content=_USER_PLACEHOLDER),
+                                 Message(role="assistant", content=_ASSISTANT_PLACEHOLDER)]
+        prompt = self._render(self._after_assistant[:-1], generation_prompt=True)
+        self._base = self._render(self._after_assistant, generation_prompt=False)
+        if not self._base.startswith(prompt + _ASSISTANT_PLACEHOLDER):
+            raise TemplateError("the chat template does not render an assistant message as the generation "
+                                "prompt followed by its content; token-exact deltas are impossible with it")
+        self.assistant_suffix = self._base[len(prompt) + len(_ASSISTANT_PLACEHOLDER):]
+        """What the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", ()))
+
+    def with_system(self, system: Message | None) -> ChatRenderer:
+        """A renderer for the same tokenizer with another system message."""
+        return ChatRenderer(self._tokenizer, system=system)
+
+    def _render(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
+        text = self._tokenizer.apply_chat_template([m.template_dict() for m in messages], tokenize=False,
+                                                   add_generation_prompt=generation_prompt)
+        return str(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens in it are recognised; no BOS added)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` without special tokens."""
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def initial(self, messages: Sequence[Message]) -> list[int]:
+        """Tokens of a whole conversation start, ending with the generation prompt."""
+        return self.encode(self._render(messages, generation_prompt=True))
+
+    def after_assistant(self, generated: Sequence[int], messages: Sequence[Message]) -> list[int]:
+        """Tokens to append after an assistant output ``generated``: its closing tail, the
+        messages, and the next generation prompt."""
+        full = self._render([*self._after_assistant, *messages], generation_prompt=True)
+        if not full.startswith(self._base):
+            raise TemplateError("the chat template renders an assistant message differently once more messages "
+                                "follow; token-exact deltas are impossible with it")
+        return self.encode(self._closing_tail(generated) + full[len(self._base):])
+
+    def _closing_tail(self, generated: Sequence[int]) -> str:
+        """The part of the template's assistant suffix the model did not generate itself."""
+        if generated and generated[-1] in self._special_ids:
+            stop_text = str(self._tokenizer.decode([generated[-1]], skip_special_tokens=False))
+            if self.assistant_suffix.startswith(stop_text):
+                return self.assistant_suffix[len(stop_text):]
+        return self.assistant_suffix
+
+
+@dataclass(frozen=True)
+class _Segment:
+    start: int
+    """Token offset where the segment starts."""
+    messages: tuple[Message, ...]
+    generated: tuple[int, ...] | None = None
+    """For an assistant output: its token ids, exactly as generated."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A point a conversation can be restored to (see `Conversation.checkpoint`)."""
+
+    tokens: int
+    segments: int
+
+
+class Conversation:
+    """A chat as token ids, with the messages they render and the points where turns begin."""
+
+    def __init__(self, renderer: ChatRenderer, *, system: Message | None) -> None:
+        self._renderer = renderer
+        self.system = system
+        self.tokens: list[int] = []
+        self._segments: list[_Segment] = []
+
+    # ----------------------------------------------------------------- reading
+
+    @property
+    def messages(self) -> list[Message]:
+        """Every message, the system message first when there is one."""
+        head = [self.system] if self.system is not None else []
+        return head + [m for segment in self._segments for m in segment.messages]
+
+    @property
+    def last_output(self) -> tuple[int, ...] | None:
+        """The last assistant output's token ids, if the conversation ends with one."""
+        return self._segments[-1].generated if self._segments else None
+
+    # ----------------------------------------------------------------- appending
+
+    def add_messages(self, messages: Sequence[Message]) -> None:
+        """Append messages and the generation prompt, as tokens."""
+        if not messages:
+            raise UserError("nothing to append")
+        for message in messages:
+            if message.role == "assistant":
+                raise InvalidMessageError("assistant messages come from the model; use add_output")
+        start = len(self.tokens)
+        if not self._segments:
+            head = [self.system] if self.system is not None else []
+            self.tokens = self._renderer.initial([*head, *messages])
+        else:
+            previous = self._segments[-1].generated
+            if previous is None:
+                raise UserError("messages can only follow an assistant output; send them together")
+            self.tokens.extend(self._renderer.after_assistant(previous, messages))
+        self._segments.append(_Segment(start, tuple(messages)))
+
+    def add_output(self, token_ids: Sequence[int], text: str) -> None:
+        """Append an assistant output exactly as generated."""
+        if not self._segments or self._segments[-1].generated is not None:
+            raise UserError("an assistant output must follow appended messages")
+        self._segments.append(_Segment(len(self.tokens), (Message(role="assistant", content=text),),
+                                       tuple(token_ids)))
+        self.tokens.extend(token_ids)
+
+    # ----------------------------------------------------------------- going back
+
+    def checkpoint(self) -> Checkpoint:
+        """The current end, to restore to if a turn fails."""
+        return Checkpoint(len(self.tokens), len(self._segments))
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Drop everything appended since ``checkpoint``."""
+        del self.tokens[checkpoint.tokens:]
+        del self._segments[checkpoint.segments:]
+
+    def turn_starts(self) -> list[int]:
+        """Indexes of the segments where a turn (a user message) begins."""
+        return [i for i, s in enumerate(self._segments) if s.generated is None and s.messages[0].role == "user"]
+
+    def rewind(self, turns: int = 1) -> None:
+        """Drop the last ``turns`` turns (their user messages and everything after)."""
+        starts = self.turn_starts()
+        if not 1 <= turns <= len(starts):
+            raise UserError(f"cannot rewind {turns} turn(s): the conversation has {len(starts)}")
+        segment = self._segments[starts[-turns]]
+        self.restore(Checkpoint(segment.start, starts[-turns]))
+
+    def replace(self, index: int, content: str) -> None:
+        """Replace the content of message ``index`` (as in `messages`) and re-render what follows."""
+        messages = self.messages
+        if not 0 <= index < len(messages):
+            raise UserError(f"no message {index}: the conversation has {len(messages)}")
+        offset = 1 if self.system is not None else 0
+        if index < offset:
+            self.system = Message(role="system", content=content)
+            self._renderer = self._renderer.with_system(self.system)
+            self._replay(0, None)
+            return
+        position = index - offset
+        for number, segment in enumerate(self._segments):
+            if position < len(segment.messages):
+                self._replay(number, (position, content))
+                return
+            position -= len(segment.messages)
+
+    def _replay(self, first: int, change: tuple[int, str] | None) -> None:
+        segments = self._segments[first:]
+        self.restore(Checkpoint(self._segments[first].start if segments else len(self.tokens), first))
+        for number, segment in enumerate(segments):
+            messages = list(segment.messages)
+            generated = segment.generated
+            if change is not None and number == 0:
+                messages[change[0]] = messages[change[0]].model_copy(update={"content": change[1]})
+                if generated is not None:  # an edited answer is no longer what the model generated
+                    generated = tuple(self._renderer.encode(change[1]))
+            if generated is not None:
+                self.add_output(generated, messages[0].content)
+            else:
+                self.add_messages(messages)
+
+    def copy(self) -> Conversation:
+        """An independent copy (for forks)."""
+        twin = Conversation(self._renderer, system=self.system)
+        twin.tokens = list(self.tokens)
+        twin._segments = list(self._segments)
+        return twin

@@ -1,0 +1,232 @@
+"""The engine contract: token ids and a handle in; token deltas, then tokens, a handle and timings out.
+
+Engines know nothing of sessions, tools or chat messages. An engine is an async context
+manager with an explicit lifecycle (unopened -> open -> closed); `Engine.step` is the one
+method an implementation must provide.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from .._errors import EngineDeadError, SessionClosedError
+from .._home import LoopHome
+from ._handle import KVHandle
+
+__all__ = [
+    "Engine",
+    "EngineInfo",
+    "EngineState",
+    "Sampling",
+    "StepDone",
+    "StepEvent",
+    "StepRequest",
+    "StepTimings",
+    "TokenDelta",
+]
+
+EngineKind = Literal["pair", "colocated", "scripted"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How to sample one step's output."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    json_schema: dict[str, Any] | None = None
+    """Force the output to match this JSON schema (vLLM structured outputs)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRequest:
+    """One model call: the whole prompt as token ids, and D's handle to push back (or None)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: Sampling
+    handle: KVHandle | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenDelta:
+    """New output tokens, streamed as the decoding engine produces them."""
+
+    token_ids: Sequence[int]
+    text: str
+
+
+@dataclass(kw_only=True)
+class StepTimings:
+    """Where one step's time went and where its prompt KV came from, as the engine measured.
+
+    Token counts are those of the engine that prefilled the prompt (P in a pair).
+    Every field documents its source; `None` means the source did not report it.
+    """
+
+    ttft_s: float
+    """Client clock: submit to P, to the first output token from D (``time.perf_counter``)."""
+    prefill_s: float | None = None
+    """Prefilling engine: ``first_token_ts - scheduled_ts`` (vLLM ``RequestStateStats``)."""
+    kv_wait_s: float = 0.0
+    """Both engines: ``scheduled_ts - queued_ts``: time requests waited, mostly for KV to arrive."""
+    decode_s: float | None = None
+    """Decoding engine: ``last_token_ts - first_token_ts``."""
+    local_hit_tokens: int = 0
+    """Prefilling engine's own prefix cache (vLLM ``PrefillStats.num_local_cached_tokens``)."""
+    pulled_tokens: int = 0
+    """Pulled back from D over NIXL (``PrefillStats.num_external_cached_tokens`` on P)."""
+    computed_tokens: int = 0
+    """Computed by the prefilling engine (``PrefillStats.num_computed_tokens``)."""
+    handoff_tokens: int = 0
+    """Tokens D pulled from P to start decoding (``PrefillStats.num_external_cached_tokens`` on D)."""
+    kv_bytes: int | None = None
+    """NIXL bytes read by either engine while this step was the only one in flight on it."""
+    kv_transfer_s: float | None = None
+    """NIXL transfer time, same attribution as `kv_bytes`."""
+    pullback_declined: bool = False
+    """P declined to read D's blocks (NIXL ``num_kv_expired_reqs`` or a failed read)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDone:
+    """The end of a step: the output exactly as generated, D's new handle, and timings."""
+
+    token_ids: Sequence[int]
+    text: str
+    finish_reason: str
+    handle: KVHandle | None
+    timings: StepTimings
+
+
+StepEvent = TokenDelta | StepDone
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineInfo:
+    """What a session needs to know of the model an engine serves."""
+
+    kind: EngineKind
+    model_path: Path
+    max_model_len: int
+    push_back: bool
+    """Whether D pins KV after each step and P can pull it back (bidirectional transfer)."""
+    extra: dict[str, Any] = field(default_factory=dict[str, Any])
+
+
+class EngineState(enum.Enum):
+    """Lifecycle of an engine."""
+
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Engine(ABC):
+    """An inference backend for sessions. Subclasses implement `step`, `_start` and `_stop`."""
+
+    def __init__(self) -> None:
+        self._state = EngineState.UNOPENED
+        self._dead: BaseException | None = None
+        self.home: LoopHome | None = None
+        """The event loop the engine lives on (set when it opens)."""
+
+    @property
+    def state(self) -> EngineState:
+        """The engine's lifecycle state."""
+        return self._state
+
+    @property
+    @abstractmethod
+    def info(self) -> EngineInfo:
+        """The model and capabilities (valid once open)."""
+
+    @abstractmethod
+    def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
+        """Run one model call, yielding `TokenDelta`s and then exactly one `StepDone`."""
+
+    async def _start(self) -> None:
+        """Start the engine's processes. Called once, by `open`."""
+
+    async def _warm_up(self) -> None:
+        """Serve first requests before users do (called once by `open`, the engine already open)."""
+
+    async def _stop(self) -> None:
+        """Stop every process the engine started. Called once, by `aclose`; must not raise."""
+
+    async def open(self) -> None:
+        """Start the engine. Raises `SessionClosedError` if it was closed before."""
+        if self._state is EngineState.OPEN:
+            return
+        if self._state is EngineState.CLOSED:
+            raise SessionClosedError(f"{type(self).__name__} was closed; an engine cannot be reopened")
+        if self.home is None:
+            self.home = LoopHome.current()
+        try:
+            await self._start()
+            self._state = EngineState.OPEN
+            await self._warm_up()
+        except BaseException:
+            self._state = EngineState.CLOSED
+            await self._stop()
+            raise
+
+    async def aclose(self) -> None:
+        """Stop the engine and every process it started. Safe to call twice."""
+        if self._state is EngineState.CLOSED:
+            return
+        self._state = EngineState.CLOSED
+        await self._stop()
+
+    def check_open(self) -> None:
+        """Raise the right error when the engine cannot serve a step."""
+        if self._dead is not None:
+            raise EngineDeadError(f"{type(self).__name__} died: {self._dead}") from self._dead
+        if self._state is not EngineState.OPEN:
+            raise SessionClosedError(f"{type(self).__name__} is {self._state.value}, not open")
+
+    @property
+    def is_dead(self) -> bool:
+        """Whether an engine process died; a dead engine serves no more steps."""
+        return self._dead is not None
+
+    def __enter__(self) -> Engine:
+        """Open the engine on an event loop of its own (for scripts and notebooks)."""
+        if self._state is not EngineState.UNOPENED:
+            raise SessionClosedError(f"{type(self).__name__} is {self._state.value}; use a new engine")
+        self.home = LoopHome.start_thread()
+        try:
+            self.home.call(self.open)
+        except BaseException:
+            self.home.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Blocking `aclose` for an engine opened with ``with``."""
+        if self.home is None or not self.home.owns_thread:
+            raise SessionClosedError(f"{type(self).__name__} was not opened with `with`; use `await aclose()`")
+        self.home.call(self.aclose)
+        self.home.stop()
+
+    async def __aenter__(self) -> Engine:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

@@ -1,0 +1,118 @@
+"""`Colocated`: one vLLM engine with prefix caching on all given cores, the baseline to a pair."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import anyio
+import anyio.to_thread
+
+from .._errors import EngineDeadError, EngineError, UserError
+from .._model import prepare_model
+from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings
+from ._system import available_cores
+from ._vllm import DecodeStream, VLLMEngine, VLLMSettings, engine_seconds, vllm_sampling
+
+__all__ = ["Colocated"]
+
+logger = logging.getLogger("agentkv")
+
+
+class Colocated(Engine):
+    """One vLLM engine that prefills and decodes, reusing KV through its prefix cache.
+
+    Args:
+        model: a bundled model name or a local HF folder (default: the bundled SmolLM2-135M).
+        cores: cores for the engine (default: all available).
+        max_model_len: context length.
+        kv_cache_gib: KV cache size (``VLLM_CPU_KVCACHE_SPACE``).
+        warmup: run one short request at start.
+        step_timeout_s: a step that makes no progress for this long fails with `EngineError`.
+        progress: called with one line per start-up stage.
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, *, cores: Sequence[int] | None = None,
+                 max_model_len: int = 4096, kv_cache_gib: float = 1.0, warmup: bool = True,
+                 step_timeout_s: float = 300.0, progress: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        self._model = model
+        self._cores = list(cores) if cores is not None else None
+        self._max_model_len = max_model_len
+        self._kv_cache_gib = kv_cache_gib
+        self._warmup = warmup
+        self._step_timeout_s = step_timeout_s
+        self._progress = progress or (lambda line: logger.info("%s", line))
+        self._engine: VLLMEngine | None = None
+        self._info: EngineInfo | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineError("Colocated is not open")
+        return self._info
+
+    @property
+    def pids(self) -> set[int]:
+        """Every process the engine started."""
+        return set(self._engine.pids) if self._engine is not None else set()
+
+    async def _start(self) -> None:
+        model_path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
+        cores = self._cores or available_cores()
+        self._engine = VLLMEngine(name="colocated", cores=cores, settings=VLLMSettings(
+            model_path=model_path, max_model_len=self._max_model_len, kv_cache_gib=self._kv_cache_gib))
+        self._progress(f"agentkv: starting the colocated engine on cores {cores}")
+        started = time.perf_counter()
+        await anyio.to_thread.run_sync(self._engine.start)
+        self._progress(f"agentkv: colocated engine up in {time.perf_counter() - started:.0f} s")
+        self._info = EngineInfo(kind="colocated", model_path=model_path, max_model_len=self._max_model_len,
+                                push_back=False, extra={"cores": cores})
+
+    async def _warm_up(self) -> None:
+        if self._warmup:
+            request = StepRequest(request_id=f"agentkv-warmup-{uuid.uuid4().hex}", prompt_token_ids=[1] + [28] * 300,
+                                  sampling=Sampling(max_tokens=4))
+            async for _ in self.step(request):
+                pass
+
+    async def _stop(self) -> None:
+        if self._engine is not None:
+            killed = await anyio.to_thread.run_sync(self._engine.shutdown)
+            if killed:
+                logger.warning("agentkv: colocated engine processes %s had to be killed", sorted(killed))
+
+    async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
+        self.check_open()
+        if request.handle is not None:
+            raise UserError("a colocated engine takes no KV handle")
+        engine = self._engine
+        assert engine is not None
+        started = time.perf_counter()
+        params = vllm_sampling(request.sampling, kv_transfer_params=None, stream=True)
+        stream = DecodeStream(engine, request.prompt_token_ids, params, request.request_id,
+                              idle_timeout_s=self._step_timeout_s)
+        try:
+            async for delta in stream:
+                yield delta
+        except EngineDeadError as exc:
+            self._dead = exc
+            await self.aclose()
+            raise
+        output, stats, _ = stream.result()
+        completion = output.outputs[0]
+        if completion.finish_reason not in ("stop", "length"):
+            raise EngineError(f"the engine ended the step with {completion.finish_reason!r}")
+        prefill_s, wait_s, decode_s = engine_seconds(output)
+        prompt_tokens = len(request.prompt_token_ids)
+        local = stats.num_cached_tokens if stats is not None else min(output.num_cached_tokens or 0, prompt_tokens)
+        timings = StepTimings(
+            ttft_s=(stream.first_token_at or time.perf_counter()) - started, prefill_s=prefill_s, kv_wait_s=wait_s,
+            decode_s=decode_s, local_hit_tokens=local, computed_tokens=prompt_tokens - local, kv_bytes=0,
+            kv_transfer_s=0.0,
+        )
+        yield StepDone(token_ids=stream.token_ids, text=stream.text, finish_reason=completion.finish_reason,
+                       handle=None, timings=timings)

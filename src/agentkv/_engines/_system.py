@@ -1,0 +1,185 @@
+"""Cores, ports and processes: what an embedded engine needs from the operating system (Linux)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterable
+
+__all__ = [
+    "cpu_list",
+    "descendants",
+    "alive",
+    "available_cores",
+    "free_port",
+    "is_helper",
+    "kill_and_reap",
+    "listening_ports",
+    "repin_threads",
+    "split_cores",
+]
+
+logger = logging.getLogger("agentkv")
+
+
+def available_cores() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def split_cores(cores: Iterable[int] | None = None) -> tuple[list[int], list[int]]:
+    """Disjoint core sets for P and D: P gets the first half (rounded up), D the rest.
+
+    Two engines on shared cores thrash (D decoded 30x slower on this machine), so the
+    sets never overlap; on a single core both get it and a warning is logged.
+    """
+    ordered = sorted(cores) if cores is not None else available_cores()
+    if len(ordered) < 2:
+        logger.warning("agentkv: one core only; prefill and decode engines will share it")
+        return ordered, ordered
+    half = (len(ordered) + 1) // 2
+    return ordered[:half], ordered[half:]
+
+
+def cpu_list(cores: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``, the form ``VLLM_CPU_OMP_THREADS_BIND`` takes."""
+    ordered = sorted(set(cores))
+    parts: list[str] = []
+    start = prev = ordered[0]
+    for core in [*ordered[1:], None]:
+        if core is not None and core == prev + 1:
+            prev = core
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if core is not None:
+            start = prev = core
+    return ",".join(parts)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    # the command name may hold spaces or parentheses: fields start after the last ")"
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, their children, ...)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            parent = _parent_of(int(entry))
+            if parent is not None:
+                parents[int(entry)] = parent
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def is_helper(pid: int) -> bool:
+    """Whether ``pid`` is a Python multiprocessing helper (resource tracker, forkserver).
+
+    Such a helper starts with the first engine but serves the whole process and exits with
+    it: it is not an engine process.
+    """
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            cmdline = handle.read()
+    except OSError:
+        return False
+    return b"resource_tracker" in cmdline or b"forkserver" in cmdline
+
+
+def repin_threads(pids: Iterable[int], cores: Iterable[int]) -> int:
+    """Move every thread of ``pids`` that may run outside ``cores`` onto ``cores``.
+
+    vLLM's NIXL worker pins its main thread to the last core of the NUMA node, whatever
+    the process's own binding: on two cores that puts P's worker on D's core. Threads
+    already inside ``cores`` (vLLM's per-core OMP threads) keep their finer binding.
+    Returns how many threads were moved.
+    """
+    allowed = set(cores)
+    moved = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    if not os.sched_getaffinity(int(tid)) <= allowed:
+                        os.sched_setaffinity(int(tid), allowed)
+                        moved += 1
+    return moved
+
+
+def alive(pids: Iterable[int]) -> set[int]:
+    """The processes of ``pids`` that still run (zombies count as gone)."""
+    running: set[int] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                state = handle.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            running.add(pid)
+    return running
+
+
+def kill_and_reap(pids: Iterable[int], *, grace_s: float = 10.0) -> set[int]:
+    """Wait up to ``grace_s`` for ``pids`` to exit, then SIGKILL what is left.
+
+    Returns the pids that had to be killed.
+    """
+    pending = set(pids)
+    deadline = time.monotonic() + grace_s
+    while (pending := alive(pending)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in pending:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    _reap(pids, until=time.monotonic() + 2.0)
+    return pending
+
+
+def _reap(pids: Iterable[int], *, until: float) -> None:
+    """Collect the exit status of those of ``pids`` that are our children (no zombies left)."""
+    waiting = set(pids)
+    while waiting and time.monotonic() < until:
+        for pid in list(waiting):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not our child, or already collected
+                waiting.discard(pid)
+                continue
+            if done:
+                waiting.discard(pid)
+        if waiting:
+            time.sleep(0.05)
+
+
+def listening_ports() -> set[int]:
+    """TCP ports in LISTEN state on this host (from /proc/net/tcp and tcp6)."""
+    ports: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as handle:
+            for line in handle.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports

@@ -1,0 +1,378 @@
+"""One in-process vLLM ``AsyncLLM`` engine, as the embedded pair and the colocated engine use it.
+
+It owns what one engine needs from its host: its cores, its NIXL side-channel port, its
+process tree (so close can prove nothing is left), and two read-outs vLLM has but does not
+return per request: the local/external prefix-cache split (``EngineCoreOutput.prefill_stats``,
+read in the output processor) and the NIXL transfer statistics (a stat logger).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import atexit
+import time
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .._errors import EngineDeadError, EngineError, EngineStartError
+from ._base import Sampling, TokenDelta
+from ._system import cpu_list, descendants, is_helper, kill_and_reap, repin_threads
+
+if TYPE_CHECKING:
+    from vllm import RequestOutput, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = ["TransferLedger", "VLLMEngine", "VLLMSettings"]
+
+logger = logging.getLogger("agentkv")
+
+# Engines are configured through process-wide environment variables that their child
+# processes inherit at spawn time, so engines in one process start one at a time.
+_START_LOCK = threading.Lock()
+
+# Engines still running at interpreter exit are stopped then, while the interpreter is whole
+# (left to vLLM's __del__, shutdown fails and workers are force-killed).
+_RUNNING: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_engines() -> None:
+    for engine in list(_RUNNING):
+        engine.shutdown()
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMSettings:
+    """Engine arguments shared by the engines agentkv embeds."""
+
+    model_path: Path
+    max_model_len: int = 4096
+    kv_cache_gib: float = 1.0
+    """``VLLM_CPU_KVCACHE_SPACE`` per engine, in GiB."""
+    enforce_eager: bool = True
+    """Skip torch.compile: start-up ~20 s instead of ~75 s on CPU."""
+    dtype: str = "auto"
+    """``"auto"``: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else float32.
+
+    On a CPU without native bf16 (e.g. AVX2-only EPYC) vLLM emulates it: prefill ran ~10x slower."""
+    max_num_seqs: int = 64
+
+
+@dataclass
+class TransferLedger:
+    """NIXL statistics of one request, when it was alone in flight on its engine."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    expired: int = 0
+    failed: int = 0
+    shared: bool = False
+    """Another request was in flight at the same time: bytes and seconds are not this one's alone."""
+
+
+@dataclass
+class _Readouts:
+    prefill_stats: dict[str, Any] = field(default_factory=dict[str, Any])
+    in_flight: dict[str, TransferLedger] = field(default_factory=dict[str, TransferLedger])
+
+
+class VLLMEngine:
+    """One ``AsyncLLM`` with its own cores, port and process tree."""
+
+    def __init__(self, *, name: str, cores: Sequence[int], settings: VLLMSettings,
+                 prefix_caching: bool = True, kv_transfer: dict[str, Any] | None = None,
+                 side_channel_port: int | None = None) -> None:
+        self.name = name
+        self.cores = list(cores)
+        self.settings = settings
+        self.prefix_caching = prefix_caching
+        self.kv_transfer = kv_transfer
+        self.side_channel_port = side_channel_port
+        self.pids: set[int] = set()
+        self._llm: AsyncLLM | None = None
+        self._readouts = _Readouts()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the engine (blocking, ~20 s on CPU): call it from a worker thread."""
+        with _START_LOCK:
+            before = descendants(os.getpid())
+            env = {
+                "VLLM_CPU_OMP_THREADS_BIND": cpu_list(self.cores),
+                "VLLM_CPU_KVCACHE_SPACE": _gib(self.settings.kv_cache_gib),
+            }
+            if self.side_channel_port is not None:
+                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+                env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+            try:
+                with _environ(env):
+                    self._llm = self._build()
+            except Exception as exc:
+                raise EngineStartError(f"the {self.name} engine did not start: {exc}") from exc
+            finally:
+                self.pids = {pid for pid in descendants(os.getpid()) - before if not is_helper(pid)}
+        _RUNNING.add(self)
+        self._hook_prefill_stats()
+        self.repin()
+        logger.info("agentkv: %s engine up on cores %s (pids %s)", self.name, cpu_list(self.cores), sorted(self.pids))
+
+    def _build(self) -> AsyncLLM:
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kv_config = KVTransferConfig(**self.kv_transfer) if self.kv_transfer is not None else None
+        args = AsyncEngineArgs(
+            model=str(self.settings.model_path),
+            dtype=resolve_dtype(self.settings.dtype),  # pyright: ignore[reportArgumentType]
+            max_model_len=self.settings.max_model_len,
+            enable_prefix_caching=self.prefix_caching,
+            enforce_eager=self.settings.enforce_eager,
+            max_num_seqs=self.settings.max_num_seqs,
+            kv_transfer_config=kv_config,
+            disable_log_stats=False,  # request metrics (RequestStateStats) need stats on
+        )
+        return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
+
+    def repin(self) -> None:
+        """Keep every thread of this engine's processes on its own cores (see `repin_threads`)."""
+        self.pids |= {child for pid in self.pids for child in descendants(pid)}
+        moved = repin_threads(self.pids, self.cores)
+        if moved:
+            logger.debug("agentkv: re-pinned %d threads of the %s engine to cores %s", moved, self.name, self.cores)
+
+    def shutdown(self) -> set[int]:
+        """Stop the engine and wait for its processes; returns pids that had to be killed."""
+        llm, self._llm = self._llm, None
+        _RUNNING.discard(self)
+        if llm is not None:
+            try:
+                llm.shutdown()
+            except Exception:  # a dead engine may fail to shut down cleanly; its processes are reaped below
+                logger.debug("agentkv: %s engine shutdown raised", self.name, exc_info=True)
+            del llm
+            gc.collect()  # run AsyncLLM.__del__ now, while the interpreter is whole
+        return kill_and_reap(self.pids)
+
+    @property
+    def llm(self) -> AsyncLLM:
+        """The running engine."""
+        if self._llm is None:
+            raise EngineError(f"the {self.name} engine is not running")
+        return self._llm
+
+    @property
+    def errored(self) -> bool:
+        """Whether vLLM reports the engine dead."""
+        return self._llm is not None and self._llm.errored
+
+    # ----------------------------------------------------------------- requests
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream ``RequestOutput``s for one request, with errors translated to agentkv's."""
+        from vllm.inputs import TokensPrompt
+
+        llm = self.llm
+        self._readouts.in_flight[request_id] = TransferLedger()
+        try:
+            async for output in llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id):
+                yield output
+        except Exception as exc:
+            if isinstance(exc, EngineError):
+                raise
+            if llm.errored:
+                raise EngineDeadError(f"the {self.name} engine died: {exc}") from exc
+            raise EngineError(f"the {self.name} engine failed a request: {exc}") from exc
+
+    def finish(self, request_id: str) -> tuple[Any, TransferLedger]:
+        """Take a finished request's prefill stats (or None) and its transfer ledger."""
+        ledger = self._readouts.in_flight.pop(request_id, TransferLedger(shared=True))
+        return self._readouts.prefill_stats.pop(request_id, None), ledger
+
+    def forget(self, request_id: str) -> None:
+        """Drop the read-outs of a request that will not finish (aborted)."""
+        self._readouts.in_flight.pop(request_id, None)
+        self._readouts.prefill_stats.pop(request_id, None)
+
+    # ----------------------------------------------------------------- read-outs
+
+    def _hook_prefill_stats(self) -> None:
+        """Keep ``EngineCoreOutput.prefill_stats`` per request id (vLLM 0.32 drops the split)."""
+        processor = self.llm.output_processor
+        original = processor.process_outputs
+        readouts = self._readouts
+
+        def process_outputs(engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
+            for output in engine_core_outputs:
+                if output.prefill_stats is not None:
+                    # the engine core knows the request as "<our id>-<8 hex>" (InputProcessor.assign_request_id)
+                    readouts.prefill_stats[output.request_id.rsplit("-", 1)[0]] = output.prefill_stats
+            return original(engine_core_outputs, *args, **kwargs)
+
+        processor.process_outputs = process_outputs  # type: ignore[method-assign]
+
+    def _stat_logger_factory(self) -> Callable[..., Any]:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        readouts = self._readouts
+
+        class TransferStatLogger(StatLoggerBase):
+            """Hands NIXL transfer stats to the request in flight (when there is exactly one)."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0, *args: Any, **kwargs: Any) -> None:
+                data = getattr(scheduler_stats, "kv_connector_stats", None) if scheduler_stats else None
+                if data:
+                    _attribute(readouts, data)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return TransferStatLogger
+
+
+def _attribute(readouts: _Readouts, data: dict[str, Any]) -> None:
+    moved = int(sum(data.get("bytes_transferred", ())))
+    seconds = float(sum(data.get("transfer_duration", ())))
+    expired = len(data.get("num_kv_expired_reqs", ()))
+    failed = len(data.get("num_failed_transfers", ()))
+    ledgers = list(readouts.in_flight.values())
+    for ledger in ledgers:
+        ledger.expired += expired
+        ledger.failed += failed
+        if len(ledgers) == 1:
+            ledger.bytes += moved
+            ledger.seconds += seconds
+        elif moved:
+            ledger.shared = True
+
+
+def vllm_sampling(sampling: Sampling, *, kv_transfer_params: dict[str, Any] | None, stream: bool) -> SamplingParams:
+    """vLLM ``SamplingParams`` for a step (``max_tokens`` as given; P passes 1)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+    structured = StructuredOutputsParams(json=sampling.json_schema) if sampling.json_schema is not None else None
+    return SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=structured,
+        extra_args=extra,
+    )
+
+
+def engine_seconds(output: RequestOutput) -> tuple[float | None, float, float | None]:
+    """(prefill_s, wait_s, decode_s) from a finished request's ``RequestStateStats``."""
+    metrics = output.metrics
+    if metrics is None or not metrics.scheduled_ts:
+        return None, 0.0, None
+    prefill = metrics.first_token_ts - metrics.scheduled_ts if metrics.first_token_ts else None
+    wait = max(0.0, metrics.scheduled_ts - metrics.queued_ts)
+    decode = metrics.last_token_ts - metrics.first_token_ts if metrics.first_token_ts else None
+    return prefill, wait, decode
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``"auto"`` -> bfloat16 if the CPU has native bf16 instructions, else float32."""
+    if dtype != "auto":
+        return dtype
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = next((line for line in handle if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+
+
+def _gib(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Any:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+class DecodeStream:
+    """Iterate a decoding request as `TokenDelta`s; afterwards `result()` holds the rest.
+
+    Shared by the pair (D's half of a step) and the colocated engine (the whole step).
+    """
+
+    def __init__(self, engine: VLLMEngine, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 request_id: str, *, idle_timeout_s: float) -> None:
+        self._engine = engine
+        self._prompt = prompt_token_ids
+        self._params = params
+        self._request_id = request_id
+        self._idle_timeout_s = idle_timeout_s
+        self.token_ids: list[int] = []
+        self._text: list[str] = []
+        self.first_token_at: float | None = None
+        self._final: RequestOutput | None = None
+        self._result: tuple[Any, Any, TransferLedger] | None = None
+
+    @property
+    def text(self) -> str:
+        """The output text so far."""
+        return "".join(self._text)
+
+    async def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        outputs = self._engine.generate(self._prompt, self._params, self._request_id)
+        try:
+            while True:
+                with anyio.fail_after(self._idle_timeout_s):
+                    try:
+                        output = await anext(outputs)
+                    except StopAsyncIteration:
+                        break
+                completion = output.outputs[0]
+                if completion.token_ids and self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                self.token_ids.extend(completion.token_ids)
+                self._text.append(completion.text)
+                self._final = output
+                if completion.token_ids or completion.text:
+                    yield TokenDelta(token_ids=list(completion.token_ids), text=completion.text)
+        except TimeoutError as exc:
+            raise EngineError(f"the {self._engine.name} engine made no progress for {self._idle_timeout_s} s") from exc
+        finally:
+            await outputs.aclose()
+            if self._final is None or not self._final.finished:
+                self._engine.forget(self._request_id)
+        stats, ledger = self._engine.finish(self._request_id)
+        self._result = (self._final, stats, ledger)
+
+    def result(self) -> tuple[Any, Any, TransferLedger]:
+        """(final ``RequestOutput``, ``PrefillStats`` or None, transfer ledger)."""
+        if self._result is None or self._result[0] is None:
+            raise EngineError(f"the {self._engine.name} engine returned no output")
+        return self._result
+

@@ -1,0 +1,85 @@
+"""The agentkv error tree.
+
+Every error agentkv raises on purpose derives from `AgentKVError`::
+
+    AgentKVError
+    ├── UserError                  a mistake in the calling code (bad argument, bad tool definition)
+    │   └── InvalidMessageError    a message that cannot be sent (empty, not a string)
+    ├── SessionClosedError         the session or engine was used after close (or before open)
+    ├── ModelPreparationError      the bundled or given model could not be prepared or loaded
+    ├── TemplateError              the chat template cannot give token-exact deltas
+    ├── ContextLengthError         the prompt does not fit the model's context length
+    └── EngineError                the inference backend failed
+        ├── EngineStartError       an engine did not come up
+        └── EngineDeadError        an engine died; the engine must be replaced
+
+Errors from vLLM, NIXL or the network are translated at the engine boundary
+(``raise EngineError(...) from exc``), so callers never need to import vLLM to catch them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentKVError",
+    "ContextLengthError",
+    "EngineDeadError",
+    "EngineError",
+    "EngineStartError",
+    "InvalidMessageError",
+    "ModelPreparationError",
+    "SessionClosedError",
+    "TemplateError",
+    "UserError",
+]
+
+
+class AgentKVError(Exception):
+    """Base class of every error agentkv raises on purpose."""
+
+
+class UserError(AgentKVError):
+    """A usage mistake by the application developer: fix the calling code."""
+
+
+class InvalidMessageError(UserError):
+    """A message that cannot be sent: empty, not a string, or of an unknown role."""
+
+
+class SessionClosedError(AgentKVError):
+    """A session or engine was used after it was closed, or before it was opened."""
+
+
+class ModelPreparationError(AgentKVError):
+    """The model could not be prepared (converted, cached) or loaded."""
+
+
+class TemplateError(AgentKVError):
+    """The model's chat template cannot produce token-exact deltas for this conversation."""
+
+
+class ContextLengthError(AgentKVError):
+    """The prompt, with room for the answer, does not fit the model's context length.
+
+    Nothing is sent to the engine and nothing is added to the conversation.
+    """
+
+    def __init__(self, message: str, *, prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class EngineError(AgentKVError):
+    """The inference backend failed to serve a step."""
+
+
+class EngineStartError(EngineError):
+    """An engine did not start; its processes were stopped."""
+
+
+class EngineDeadError(EngineError):
+    """An engine process died. The engine is closed; start a new one to go on.
+
+    The conversation that was being served is intact: a new session or a session given a
+    new engine can continue it (its KV is recomputed).
+    """

@@ -1,0 +1,54 @@
+"""The pin: D's handle on a conversation's KV, and the rule for pushing it back (DESIGN.md section 6).
+
+vLLM never checks that a new prompt continues the tokens D holds; if it does not, P pulls
+KV for the wrong tokens and its output (and prefix cache) are silently wrong. So a handle
+is forwarded only when the new prompt extends the pinned tokens exactly, and the pin is
+not expired or about to be.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._engines import KVHandle
+from ._stats import MissReason
+
+__all__ = ["Pin", "choose_handle", "miss_after_step"]
+
+
+@dataclass(frozen=True)
+class Pin:
+    """D's handle and the tokens its blocks hold KV for (the prompt plus the output)."""
+
+    handle: KVHandle
+    tokens: tuple[int, ...]
+
+
+def choose_handle(pin: Pin | None, prompt: Sequence[int], *, push_back: bool, expiry_margin_s: float,
+                  now: float | None = None) -> tuple[KVHandle | None, MissReason | None]:
+    """The handle to push back with ``prompt``, or None and the reason why not."""
+    if not push_back:
+        return None, "push_back_off"
+    if pin is None:
+        return None, "no_handle"
+    moment = time.perf_counter() if now is None else now
+    if moment + expiry_margin_s >= pin.handle.remote_blocks_expiry_time:
+        return None, "expired"
+    held = pin.handle.remote_num_tokens
+    if held > len(pin.tokens) or len(prompt) <= held or list(prompt[:held]) != list(pin.tokens[:held]):
+        return None, "prefix_mismatch"
+    return pin.handle, None
+
+
+def miss_after_step(handle: KVHandle | None, reason: MissReason | None, *, prompt_tokens: int, local_hit_tokens: int,
+                    pulled_tokens: int, declined: bool) -> MissReason | None:
+    """The step's miss reason once the engine has answered."""
+    if handle is None:
+        return reason
+    if declined:
+        return "declined"
+    if pulled_tokens == 0 and local_hit_tokens < min(handle.remote_num_tokens, prompt_tokens):
+        return "below_threshold"
+    return None

@@ -1,0 +1,386 @@
+"""`Session`: a conversation pinned to its KV on an engine, run turn by turn."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio.to_thread
+
+from ._conversation import ChatRenderer, Conversation, Message
+from ._engines import Colocated, EmbeddedPair, Engine, EngineState, Sampling, StepDone, StepRequest, TokenDelta
+from ._errors import ContextLengthError, EngineDeadError, InvalidMessageError, SessionClosedError, UserError
+from ._home import LoopHome
+from ._pinning import Pin, choose_handle, miss_after_step
+from ._results import Event, Step, StepEnd, TextDelta, TurnEnd, TurnResult
+from ._stats import SessionStats, StepStats, TurnStats
+
+__all__ = ["Mode", "Session"]
+
+logger = logging.getLogger("agentkv")
+
+Mode = Literal["bidirectional", "disaggregated", "colocated"]
+_MODES: tuple[Mode, ...] = ("bidirectional", "disaggregated", "colocated")
+
+
+class _State(enum.Enum):
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Session:
+    """A multi-turn conversation on an engine, with its KV pinned between steps.
+
+    Use it as a context manager: ``async with Session() as s`` on your event loop, or
+    ``with Session() as s`` from synchronous code and notebooks (the engine then runs on an
+    event loop of its own, and both ``s.run_sync(...)`` and ``await s.run(...)`` work).
+
+    Args:
+        engine: an open engine to run on, shared with other sessions and closed by its owner.
+            Default: the session starts its own engine for ``mode`` and closes it on exit.
+        model: the model of the session's own engine: a bundled name or an HF folder.
+        mode: ``"bidirectional"`` (default: D's KV pushed back every step), ``"disaggregated"``
+            (standard P/D, no push-back) or ``"colocated"`` (one engine, prefix caching).
+            With ``engine=`` the default is what that engine supports.
+        system: the system message.
+        max_tokens: the most tokens one model call may generate.
+        temperature: sampling temperature (0: greedy).
+        seed: sampling seed.
+        expiry_margin_s: a pin that expires within this many seconds is not pushed back.
+        engine_options: keyword arguments for the session's own engine (e.g. ``max_model_len``).
+    """
+
+    def __init__(self, *, engine: Engine | None = None, model: str | None = None, mode: Mode | None = None,
+                 system: str | None = None, max_tokens: int = 256, temperature: float = 0.0,
+                 seed: int | None = None, expiry_margin_s: float = 10.0,
+                 engine_options: Mapping[str, Any] | None = None) -> None:
+        if mode is not None and mode not in _MODES:
+            raise UserError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
+        if engine is not None and (model is not None or engine_options):
+            raise UserError("model= and engine_options= configure the session's own engine; not with engine=")
+        if max_tokens < 1:
+            raise UserError("max_tokens must be at least 1")
+        if system is not None and not isinstance(system, str):
+            raise InvalidMessageError(f"system must be a string, not {type(system).__name__}")
+        self._engine = engine
+        self._owns_engine = engine is None
+        self._model = model
+        self._requested_mode = mode
+        self._engine_options = dict(engine_options or {})
+        self._system = Message(role="system", content=system) if system is not None else None
+        self._sampling = Sampling(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        self._expiry_margin_s = expiry_margin_s
+        self._state = _State.UNOPENED
+        self._home: LoopHome | None = None
+        self._conversation: Conversation | None = None
+        self._pin: Pin | None = None
+        self._turns: list[TurnStats] = []
+        self._busy = False
+        self.mode: Mode = mode or "bidirectional"
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def open(self) -> None:
+        """Start the session (and its own engine). Prefer ``async with``."""
+        if self._state is not _State.UNOPENED:
+            raise SessionClosedError(f"the session is {self._state.value}; create a new one")
+        try:
+            engine = self._engine if self._engine is not None else self._make_engine()
+            self._engine = engine
+            if self._owns_engine:
+                engine.home = self._home
+                await engine.open()
+            elif engine.state is not EngineState.OPEN:
+                raise UserError("open the engine before giving it to a session (`with EmbeddedPair() as pair:`)")
+            self._home = engine.home
+            self.mode = self._resolve_mode(engine)
+            tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, str(engine.info.model_path))
+            renderer = ChatRenderer(tokenizer, system=self._system)
+            self._conversation = Conversation(renderer, system=self._system)
+        except BaseException:
+            self._state = _State.CLOSED
+            if self._owns_engine and self._engine is not None:
+                await self._engine.aclose()
+            raise
+        self._state = _State.OPEN
+
+    async def aclose(self) -> None:
+        """Close the session, and its engine if it started one. Safe to call twice."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        if self._owns_engine and self._engine is not None:
+            await self._engine.aclose()
+
+    async def __aenter__(self) -> Session:
+        await self.open()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> Session:
+        if self._engine is not None:
+            if self._engine.home is None or not self._engine.home.owns_thread:
+                raise UserError("this engine was opened with `async with`: use `async with Session(...)` too")
+            self._engine.home.call(self.open)
+            return self
+        self._home = LoopHome.start_thread()
+        try:
+            self._home.call(self.open)
+        except BaseException:
+            self._home.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Blocking `aclose`."""
+        if self._state is _State.CLOSED:
+            return
+        home = self._require_home()
+        home.call(self.aclose)
+        if self._owns_engine:
+            home.stop()
+
+    def _make_engine(self) -> Engine:
+        mode = self._requested_mode or "bidirectional"
+        options = dict(self._engine_options)
+        if mode == "colocated":
+            return Colocated(self._model, **options)
+        options.setdefault("bidirectional", mode == "bidirectional")
+        return EmbeddedPair(self._model, **options)
+
+    def _resolve_mode(self, engine: Engine) -> Mode:
+        info = engine.info
+        natural: Mode = "colocated" if info.kind == "colocated" else (
+            "bidirectional" if info.push_back else "disaggregated")
+        wanted = self._requested_mode or natural
+        if wanted == "bidirectional" and not info.push_back:
+            raise UserError(f"mode='bidirectional' needs an engine with push-back; this one is {natural}")
+        if (wanted == "colocated") != (info.kind == "colocated") and info.kind != "scripted":
+            raise UserError(f"mode={wanted!r} does not fit a {info.kind} engine")
+        return wanted
+
+    # ----------------------------------------------------------------- reading
+
+    @property
+    def engine(self) -> Engine:
+        """The engine this session runs on."""
+        if self._engine is None:
+            raise SessionClosedError("the session is not open")
+        return self._engine
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation so far (readable after close too)."""
+        return self._readable_conversation().messages
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The conversation as the model sees it (a copy; readable after close too)."""
+        return list(self._readable_conversation().tokens)
+
+    @property
+    def stats(self) -> SessionStats:
+        """Statistics of every turn so far."""
+        return SessionStats(mode=self.mode, turns=list(self._turns))
+
+    # ----------------------------------------------------------------- running
+
+    async def run(self, message: str, *, on_event: Callable[[Event], None] | None = None) -> TurnResult:
+        """Send a user message; return the answer and every step's stats.
+
+        If anything fails (bad input, an engine error, cancellation) the conversation is
+        left as it was before the call.
+        """
+        home = self._require_home()
+        if not home.is_current():
+            return await home.call_async(self._run, message, on_event)
+        return await self._run(message, on_event)
+
+    async def _run(self, message: str, on_event: Callable[[Event], None] | None) -> TurnResult:
+        result: TurnResult | None = None
+        async for event in self._turn(message):
+            if on_event is not None:
+                on_event(event)
+            if isinstance(event, TurnEnd):
+                result = event.result
+        assert result is not None
+        return result
+
+    def run_sync(self, message: str, *, on_event: Callable[[Event], None] | None = None) -> TurnResult:
+        """Blocking `run`, for a session opened with ``with``. Ctrl-C cancels the turn cleanly."""
+        return self._require_home().call(self._run, message, on_event)
+
+    async def stream(self, message: str) -> AsyncIterator[Event]:
+        """`run`, as events: text deltas and step ends as they happen, then the turn end."""
+        if not self._require_home().is_current():
+            raise UserError("stream() runs on the session's own event loop; use run(on_event=...) here")
+        async for event in self._turn(message):
+            yield event
+
+    async def _turn(self, message: str) -> AsyncIterator[Event]:
+        conversation = self._require_conversation()
+        _check_message(message)
+        if self._busy:
+            raise UserError("a turn is already running in this session; sessions take one turn at a time")
+        self._busy = True
+        checkpoint = conversation.checkpoint()
+        started = time.perf_counter()
+        turn = len(self._turns) + 1
+        try:
+            await self._ensure_engine()
+            conversation.add_messages([Message(role="user", content=message)])
+            step: Step | None = None
+            async for event in self._model_step(turn, 1):
+                if isinstance(event, StepEnd):
+                    step = event.step
+                yield event
+            assert step is not None
+            stats = TurnStats(turn=turn, steps=[step.stats], wall_s=time.perf_counter() - started)
+            result = TurnResult(text=step.text, steps=[step], stats=stats)
+            self._turns.append(stats)
+        except BaseException:
+            conversation.restore(checkpoint)
+            raise
+        finally:
+            self._busy = False
+        yield TurnEnd(result=result)
+
+    async def _model_step(self, turn: int, number: int) -> AsyncIterator[TextDelta | StepEnd]:
+        conversation = self._require_conversation()
+        engine = self.engine
+        prompt = list(conversation.tokens)
+        max_model_len = engine.info.max_model_len
+        if len(prompt) >= max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt)} tokens; the model's context is {max_model_len}",
+                prompt_tokens=len(prompt), max_model_len=max_model_len)
+        sampling = Sampling(max_tokens=min(self._sampling.max_tokens, max_model_len - len(prompt)),
+                            temperature=self._sampling.temperature, seed=self._sampling.seed,
+                            top_p=self._sampling.top_p, json_schema=self._sampling.json_schema)
+        handle, reason = choose_handle(self._pin, prompt, push_back=self.mode == "bidirectional",
+                                       expiry_margin_s=self._expiry_margin_s)
+        self._pin = None  # a handle is single-use, and an unforwarded pin is no longer ours to use
+        request = StepRequest(request_id=f"agentkv-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling,
+                              handle=handle)
+        done: StepDone | None = None
+        async for event in engine.step(request):
+            if isinstance(event, TokenDelta):
+                yield TextDelta(turn=turn, step=number, text=event.text, token_ids=list(event.token_ids))
+            else:
+                done = event
+        assert done is not None
+        conversation.add_output(done.token_ids, done.text)
+        if done.handle is not None:
+            self._pin = Pin(done.handle, (*prompt, *done.token_ids))
+        timings = done.timings
+        stats = StepStats(
+            turn=turn, step=number, ttft_s=timings.ttft_s, prefill_s=timings.prefill_s, kv_wait_s=timings.kv_wait_s,
+            decode_s=timings.decode_s, prompt_tokens=len(prompt), local_hit_tokens=timings.local_hit_tokens,
+            pulled_tokens=timings.pulled_tokens, computed_tokens=timings.computed_tokens,
+            output_tokens=len(done.token_ids), handoff_tokens=timings.handoff_tokens, kv_bytes=timings.kv_bytes,
+            kv_transfer_s=timings.kv_transfer_s, handle_forwarded=handle is not None,
+            miss_reason=miss_after_step(handle, reason, prompt_tokens=len(prompt),
+                                        local_hit_tokens=timings.local_hit_tokens,
+                                        pulled_tokens=timings.pulled_tokens, declined=timings.pullback_declined),
+        )
+        yield StepEnd(step=Step(text=done.text, token_ids=list(done.token_ids), finish_reason=done.finish_reason,
+                                stats=stats))
+
+    async def _ensure_engine(self) -> None:
+        """Replace the session's own engine if it died; a shared engine is the caller's to replace."""
+        engine = self.engine
+        if not engine.is_dead:
+            return
+        if not self._owns_engine:
+            engine.check_open()
+        logger.warning("agentkv: the session's engine died; starting a new one (the conversation is kept)")
+        self._pin = None
+        replacement = self._make_engine()
+        replacement.home = self._home
+        try:
+            await replacement.open()
+        except BaseException:
+            await replacement.aclose()
+            raise
+        self._engine = replacement
+
+    # ----------------------------------------------------------------- editing
+
+    def rewind(self, turns: int = 1) -> None:
+        """Drop the last ``turns`` turns from the conversation (and their stats)."""
+        self._require_idle().rewind(turns)
+        del self._turns[len(self._turns) - turns:]
+
+    def replace_message(self, index: int, content: str) -> None:
+        """Replace the content of message ``index`` of `messages`; later messages are kept.
+
+        The tokens after the edit are re-rendered, so the next step's prompt no longer
+        extends D's pin: the handle is not pushed back (``miss_reason="prefix_mismatch"``).
+        """
+        _check_message(content)
+        self._require_idle().replace(index, content)
+
+    def fork(self) -> Session:
+        """A new open session on the same engine with a copy of this conversation.
+
+        The fork has no pin (handles are single-use); its first step reuses the engine's
+        prefix cache. Closing the fork leaves the engine running.
+        """
+        conversation = self._require_idle()
+        twin = Session(engine=self.engine, mode=self.mode, max_tokens=self._sampling.max_tokens,
+                       temperature=self._sampling.temperature, seed=self._sampling.seed,
+                       expiry_margin_s=self._expiry_margin_s)
+        twin._system = conversation.system
+        twin._home = self._home
+        twin._conversation = conversation.copy()
+        twin._state = _State.OPEN
+        return twin
+
+    # ----------------------------------------------------------------- guards
+
+    def _require_conversation(self) -> Conversation:
+        if self._state is not _State.OPEN or self._conversation is None:
+            raise SessionClosedError(f"the session is {self._state.value}; open it with `with` or `async with`")
+        return self._conversation
+
+    def _readable_conversation(self) -> Conversation:
+        if self._conversation is None:
+            raise SessionClosedError("the session was never opened: it has no conversation")
+        return self._conversation
+
+    def _require_idle(self) -> Conversation:
+        conversation = self._require_conversation()
+        if self._busy:
+            raise UserError("the conversation cannot change while a turn runs")
+        return conversation
+
+    def _require_home(self) -> LoopHome:
+        self._require_conversation()
+        assert self._home is not None
+        return self._home
+
+
+def _check_message(message: object) -> None:
+    if not isinstance(message, str):
+        raise InvalidMessageError(f"a message must be a string, not {type(message).__name__}")
+    if not message.strip():
+        raise InvalidMessageError("a message must not be empty")
+
+
+def _load_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)

@@ -1,0 +1,194 @@
+"""Per-step, per-turn and per-session statistics (pydantic models; this module imports no other layer).
+
+Where each number comes from is documented on its field. Invariant on every step:
+``local_hit_tokens + pulled_tokens + computed_tokens == prompt_tokens``.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import statistics
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, computed_field, model_validator
+
+__all__ = ["MissReason", "SessionStats", "StepStats", "TurnStats"]
+
+MissReason = Literal["no_handle", "push_back_off", "expired", "prefix_mismatch", "declined", "below_threshold"]
+"""Why a step reused no KV from D:
+
+* ``no_handle``: there was no pin to push back (first step, after a rewind or fork, or D returned none);
+* ``push_back_off``: the session's mode does not push handles back (disaggregated, colocated);
+* ``expired``: the pin was expired or too close to expiry to be read safely;
+* ``prefix_mismatch``: the new prompt does not extend the pinned tokens exactly (edited history);
+* ``declined``: the handle was forwarded but P could not read D's blocks; P recomputed;
+* ``below_threshold``: what was left to pull after P's own cache hit was under the engine's threshold.
+"""
+
+
+class StepStats(BaseModel):
+    """One model call."""
+
+    model_config = ConfigDict(frozen=True)
+
+    turn: int
+    """Turn number in the session, from 1."""
+    step: int
+    """Step number in the turn, from 1."""
+    ttft_s: float
+    """Client clock (``time.perf_counter``): step submitted to P -> first output token from D."""
+    prefill_s: float | None = None
+    """Prefilling engine's ``first_token_ts - scheduled_ts`` (vLLM ``RequestStateStats``): compute only."""
+    kv_wait_s: float = 0.0
+    """``scheduled_ts - queued_ts`` summed over the step's requests: waiting for KV (and any queue)."""
+    decode_s: float | None = None
+    """Decoding engine's ``last_token_ts - first_token_ts``."""
+    prompt_tokens: int
+    """Tokens in the prompt of this model call (the whole conversation so far)."""
+    local_hit_tokens: int
+    """KV found in the prefilling engine's own prefix cache (vLLM ``PrefillStats``)."""
+    pulled_tokens: int
+    """KV pulled back from D over NIXL (vLLM ``PrefillStats.num_external_cached_tokens`` on P)."""
+    computed_tokens: int
+    """KV computed by the prefilling engine."""
+    output_tokens: int
+    """Tokens generated."""
+    handoff_tokens: int = 0
+    """KV D pulled from P before decoding (vLLM ``PrefillStats`` on D); 0 for colocated engines."""
+    kv_bytes: int | None = None
+    """NIXL bytes moved for this step, both directions (stat loggers on P and D); None if shared."""
+    kv_transfer_s: float | None = None
+    """NIXL transfer time for this step (same source and attribution as `kv_bytes`)."""
+    handle_forwarded: bool = False
+    """Whether D's handle was pushed back to P for this step."""
+    miss_reason: MissReason | None = None
+    """Why no KV was pulled back from D, when none was (see `MissReason`)."""
+    tool_s: float = 0.0
+    """Wall time of the tools this step called (client clock)."""
+
+    @model_validator(mode="after")
+    def _tokens_add_up(self) -> StepStats:
+        total = self.local_hit_tokens + self.pulled_tokens + self.computed_tokens
+        if total != self.prompt_tokens:
+            raise ValueError(f"local {self.local_hit_tokens} + pulled {self.pulled_tokens} + computed "
+                             f"{self.computed_tokens} != prompt {self.prompt_tokens}")
+        return self
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reuse_ratio(self) -> float:
+        """Share of the prompt whose KV was not computed: (local + pulled) / prompt."""
+        return (self.local_hit_tokens + self.pulled_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class TurnStats(BaseModel):
+    """One turn: a user message until the final answer."""
+
+    model_config = ConfigDict(frozen=True)
+
+    turn: int
+    steps: list[StepStats]
+    wall_s: float
+    """Client clock: the whole turn, tools included."""
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def ttft_s(self) -> float:
+        """TTFT of the turn's first step: what a user waits for before anything appears."""
+        return self.steps[0].ttft_s if self.steps else 0.0
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def pulled_tokens(self) -> int:
+        """Tokens pulled back from D over the turn's steps."""
+        return sum(step.pulled_tokens for step in self.steps)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens computed over the turn's steps."""
+        return sum(step.computed_tokens for step in self.steps)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reuse_ratio(self) -> float:
+        """Share of all prompt tokens of the turn whose KV was reused."""
+        prompt = sum(step.prompt_tokens for step in self.steps)
+        return 1 - self.computed_tokens / prompt if prompt else 0.0
+
+
+class SessionStats(BaseModel):
+    """Every turn of a session, with aggregates."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: str
+    turns: list[TurnStats]
+
+    @property
+    def steps(self) -> list[StepStats]:
+        """Every step of every turn, in order."""
+        return [step for turn in self.turns for step in turn.steps]
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def mean_ttft_s(self) -> float | None:
+        """Mean TTFT over all steps."""
+        return statistics.fmean(s.ttft_s for s in self.steps) if self.steps else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def mean_ttft_after_first_turn_s(self) -> float | None:
+        """Mean TTFT over the steps of turns 2+: where reuse can happen."""
+        later = [s.ttft_s for turn in self.turns[1:] for s in turn.steps]
+        return statistics.fmean(later) if later else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reuse_ratio(self) -> float:
+        """Share of all prompt tokens whose KV was reused."""
+        prompt = sum(s.prompt_tokens for s in self.steps)
+        return 1 - sum(s.computed_tokens for s in self.steps) / prompt if prompt else 0.0
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One flat dict per step (for CSV, pandas, plotting)."""
+        return [{"mode": self.mode, **step.model_dump()} for step in self.steps]
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """Every turn and step, with aggregates, as JSON."""
+        return self.model_dump_json(indent=indent)
+
+    def to_csv(self) -> str:
+        """One CSV row per step."""
+        rows = self.rows()
+        buffer = io.StringIO()
+        if rows:
+            writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        return buffer.getvalue()
+
+    def table(self) -> str:
+        """A plain-text table, one line per step."""
+        header = ("turn", "step", "prompt", "local", "pulled", "computed", "out", "ttft_s", "miss")
+        lines = [header]
+        for s in self.steps:
+            lines.append((str(s.turn), str(s.step), str(s.prompt_tokens), str(s.local_hit_tokens),
+                          str(s.pulled_tokens), str(s.computed_tokens), str(s.output_tokens), f"{s.ttft_s:.3f}",
+                          s.miss_reason or "-"))
+        widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+        return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
+                         for row in lines)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{name}</th>" for name in ("turn", "step", "prompt", "local", "pulled", "computed",
+                                                          "out", "TTFT (s)", "reuse", "miss"))
+        body = "".join(
+            f"<tr><td>{s.turn}</td><td>{s.step}</td><td>{s.prompt_tokens}</td><td>{s.local_hit_tokens}</td>"
+            f"<td>{s.pulled_tokens}</td><td>{s.computed_tokens}</td><td>{s.output_tokens}</td>"
+            f"<td>{s.ttft_s:.3f}</td><td>{s.reuse_ratio:.0%}</td><td>{html.escape(s.miss_reason or '')}</td></tr>"
+            for s in self.steps
+        )
+        return f"<table><caption>agentkv session ({html.escape(self.mode)})</caption><tr>{head}</tr>{body}</table>"

@@ -1,0 +1,38 @@
+"""Shared fixtures: one real P/D pair for the whole test session, the bundled model's tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentkv import EmbeddedPair, prepare_model
+
+# D pins blocks for 30 s in tests (480 s by default), so expiry paths run in seconds.
+PIN_TTL_S = 30.0
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"  # vLLM's AsyncLLM runs on asyncio
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return prepare_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+@pytest.fixture(scope="session")
+def pair() -> Iterator[EmbeddedPair]:
+    """The real pair: P on one half of the cores, D on the other, NIXL, push-back on."""
+    with EmbeddedPair(max_model_len=2048, pin_ttl_s=PIN_TTL_S) as engine:
+        yield engine
