@@ -9,9 +9,20 @@ from typing import Any
 import pytest
 
 from agentkv import EmbeddedPair, prepare_model
+from agentkv.testing import block_real_engines
 
 # D pins blocks for 30 s in tests (480 s by default), so expiry paths run in seconds.
 PIN_TTL_S = 30.0
+
+
+@pytest.fixture(autouse=True)
+def _no_real_engines_in_unit_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests not marked `pair` must not start a real engine (they test logic, on doubles)."""
+    if request.node.get_closest_marker("pair") is not None:
+        yield
+        return
+    with block_real_engines():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -26,10 +26,15 @@ def test_appended_turn_equals_a_full_render(tokenizer: Any) -> None:
     conversation.add_messages([Message(role="user", content="Capital of France?")])
     conversation.add_output(_answer(tokenizer, "Paris."), "Paris.")
     conversation.add_messages([Message(role="user", content="And Italy?")])
-    expected = _full(tokenizer, [{"role": "system", "content": "You are terse."},
-                                 {"role": "user", "content": "Capital of France?"},
-                                 {"role": "assistant", "content": "Paris."},
-                                 {"role": "user", "content": "And Italy?"}])
+    expected = _full(
+        tokenizer,
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And Italy?"},
+        ],
+    )
     assert conversation.tokens == expected
 
 
@@ -39,8 +44,14 @@ def test_default_system_prompt_of_the_template_is_kept(tokenizer: Any) -> None:
     conversation.add_messages([Message(role="user", content="hi")])
     conversation.add_output(_answer(tokenizer, "hello"), "hello")
     conversation.add_messages([Message(role="user", content="bye")])
-    expected = _full(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                                 {"role": "user", "content": "bye"}])
+    expected = _full(
+        tokenizer,
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "bye"},
+        ],
+    )
     assert conversation.tokens == expected
 
 
@@ -91,12 +102,16 @@ def test_replace_rerenders_what_follows(tokenizer: Any) -> None:
     conversation.add_output(answer, "Paris.")
     conversation.add_messages([Message(role="user", content="And Italy?")])
     conversation.replace(1, "Capital of Spain?")
-    assert [m.content for m in conversation.messages] == ["You are terse.", "Capital of Spain?", "Paris.",
-                                                          "And Italy?"]
-    expected = _full(tokenizer, [{"role": "system", "content": "You are terse."},
-                                 {"role": "user", "content": "Capital of Spain?"},
-                                 {"role": "assistant", "content": "Paris."},
-                                 {"role": "user", "content": "And Italy?"}])
+    assert [m.content for m in conversation.messages] == ["You are terse.", "Capital of Spain?", "Paris.", "And Italy?"]
+    expected = _full(
+        tokenizer,
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Capital of Spain?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And Italy?"},
+        ],
+    )
     assert conversation.tokens == expected
     conversation.replace(0, "Be verbose.")
     assert conversation.tokens[:8] != expected[:8]
@@ -115,8 +130,9 @@ class _EditingTemplate:
 
     all_special_ids: list[int] = []
 
-    def apply_chat_template(self, messages: list[dict[str, str]], *, tokenize: bool,
-                            add_generation_prompt: bool) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
+    ) -> str:
         last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
         parts = []
         for index, message in enumerate(messages):

@@ -15,10 +15,19 @@ NOW = 1000.0
 
 def _raw_handle(**changes: Any) -> dict[str, Any]:
     raw: dict[str, Any] = {
-        "do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[1, 2]],
-        "remote_engine_id": "agentkv-decode-1", "remote_request_id": "r-d-0a1b2c3d", "remote_host": "127.0.0.1",
-        "remote_port": 5701, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 5,
-        "remote_blocks_expiry_time": NOW + 100, "transfer_mode": "pull",
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_block_ids": [[1, 2]],
+        "remote_engine_id": "agentkv-decode-1",
+        "remote_request_id": "r-d-0a1b2c3d",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5701,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": 5,
+        "remote_blocks_expiry_time": NOW + 100,
+        "transfer_mode": "pull",
     }
     raw.update(changes)
     return raw
@@ -55,34 +64,47 @@ def test_a_token_past_the_pinned_range_may_differ() -> None:
 
 
 def test_expired_or_nearly_expired_pins_are_dropped() -> None:
-    assert choose_handle(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=True, expiry_margin_s=10,
-                         now=NOW + 95) == (None, "expired")
-    assert choose_handle(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=True, expiry_margin_s=10,
-                         now=NOW + 200) == (None, "expired")
+    assert choose_handle(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=True, expiry_margin_s=10, now=NOW + 95) == (
+        None,
+        "expired",
+    )
+    assert choose_handle(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=True, expiry_margin_s=10, now=NOW + 200) == (
+        None,
+        "expired",
+    )
 
 
 def test_no_pin_and_push_back_off() -> None:
     assert choose_handle(None, [1, 2], push_back=True, expiry_margin_s=10, now=NOW) == (None, "no_handle")
-    assert choose_handle(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=False, expiry_margin_s=10,
-                         now=NOW) == (None, "push_back_off")
+    assert choose_handle(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=False, expiry_margin_s=10, now=NOW) == (
+        None,
+        "push_back_off",
+    )
 
 
 def test_miss_reason_after_the_engine_answered() -> None:
     handle = _pin().handle
-    assert miss_after_step(handle, None, prompt_tokens=8, local_hit_tokens=0, pulled_tokens=5,
-                           declined=False) is None
-    assert miss_after_step(handle, None, prompt_tokens=8, local_hit_tokens=0, pulled_tokens=0,
-                           declined=True) == "declined"
-    assert miss_after_step(handle, None, prompt_tokens=8, local_hit_tokens=0, pulled_tokens=0,
-                           declined=False) == "below_threshold"
-    assert miss_after_step(handle, None, prompt_tokens=8, local_hit_tokens=5, pulled_tokens=0,
-                           declined=False) is None  # P had it all: nothing to pull
-    assert miss_after_step(None, "expired", prompt_tokens=8, local_hit_tokens=0, pulled_tokens=0,
-                           declined=False) == "expired"
+    assert miss_after_step(handle, None, prompt_tokens=8, local_hit_tokens=0, pulled_tokens=5, declined=False) is None
+    assert (
+        miss_after_step(handle, None, prompt_tokens=8, local_hit_tokens=0, pulled_tokens=0, declined=True) == "declined"
+    )
+    assert (
+        miss_after_step(handle, None, prompt_tokens=8, local_hit_tokens=0, pulled_tokens=0, declined=False)
+        == "below_threshold"
+    )
+    assert (
+        miss_after_step(handle, None, prompt_tokens=8, local_hit_tokens=5, pulled_tokens=0, declined=False) is None
+    )  # P had it all: nothing to pull
+    assert (
+        miss_after_step(None, "expired", prompt_tokens=8, local_hit_tokens=0, pulled_tokens=0, declined=False)
+        == "expired"
+    )
 
 
-@pytest.mark.parametrize("missing", ["remote_request_id", "remote_block_ids", "remote_port",
-                                     "remote_blocks_expiry_time", "remote_num_tokens"])
+@pytest.mark.parametrize(
+    "missing",
+    ["remote_request_id", "remote_block_ids", "remote_port", "remote_blocks_expiry_time", "remote_num_tokens"],
+)
 def test_a_malformed_handle_never_passes(missing: str) -> None:
     raw = _raw_handle()
     del raw[missing]

@@ -21,8 +21,17 @@ def test_public_names_report_the_public_module() -> None:
 
 
 def test_errors_form_one_tree() -> None:
-    for name in ("UserError", "InvalidMessageError", "SessionClosedError", "ContextLengthError", "EngineError",
-                 "EngineDeadError", "EngineStartError", "TemplateError", "ModelPreparationError"):
+    for name in (
+        "UserError",
+        "InvalidMessageError",
+        "SessionClosedError",
+        "ContextLengthError",
+        "EngineError",
+        "EngineDeadError",
+        "EngineStartError",
+        "TemplateError",
+        "ModelPreparationError",
+    ):
         assert issubclass(getattr(agentkv, name), agentkv.AgentKVError)
 
 

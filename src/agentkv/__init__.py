@@ -1,10 +1,10 @@
 """agentkv: multi-turn agent sessions pinned to their KV on a disaggregated vLLM pair.
 
-    from agentkv import Session
+from agentkv import Session
 
-    with Session(system="You are terse.") as s:
-        r = s.run_sync("What is the capital of France?")
-        print(r.text, r.steps[-1].stats.ttft_s, r.steps[-1].stats.pulled_tokens)
+with Session(system="You are terse.") as s:
+    r = s.run_sync("What is the capital of France?")
+    print(r.text, r.steps[-1].stats.ttft_s, r.steps[-1].stats.pulled_tokens)
 """
 
 from ._conversation import Message
@@ -35,9 +35,10 @@ from ._errors import (
     UserError,
 )
 from ._model import DEFAULT_MODEL, prepare_model
-from ._results import Event, Step, StepEnd, TextDelta, TurnEnd, TurnResult
+from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
 from ._session import Mode, Session
 from ._stats import MissReason, SessionStats, StepStats, TurnStats
+from ._tools import Tool, ToolCall, ToolChoice, ToolResult, tool
 
 __version__ = "0.1.0"
 
@@ -74,12 +75,19 @@ __all__ = [
     "TemplateError",
     "TextDelta",
     "TokenDelta",
+    "Tool",
+    "ToolCall",
+    "ToolCallEvent",
+    "ToolChoice",
+    "ToolResult",
+    "ToolResultEvent",
     "TurnEnd",
     "TurnResult",
     "TurnStats",
     "UserError",
     "__version__",
     "prepare_model",
+    "tool",
 ]
 
 for _name in __all__:

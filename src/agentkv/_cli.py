@@ -79,14 +79,18 @@ def _demo(args: argparse.Namespace) -> int:
             result = session.run_sync(message)
             stats = result.steps[-1].stats
             print(f"[turn {number}] model: {result.text.strip()}")
-            print(f"           ttft {stats.ttft_s:.3f} s | prompt {stats.prompt_tokens} = local {stats.local_hit_tokens}"
-                  f" + pulled {stats.pulled_tokens} + computed {stats.computed_tokens}"
-                  f" | {stats.miss_reason or 'reused'}")
+            print(
+                f"           ttft {stats.ttft_s:.3f} s | prompt {stats.prompt_tokens} = local {stats.local_hit_tokens}"
+                f" + pulled {stats.pulled_tokens} + computed {stats.computed_tokens}"
+                f" | {stats.miss_reason or 'reused'}"
+            )
         summary = session.stats
         print(f"\nmode: {summary.mode}\n{summary.table()}")
         if summary.mean_ttft_after_first_turn_s is not None:
-            print(f"mean TTFT, turns 2+: {summary.mean_ttft_after_first_turn_s:.3f} s; "
-                  f"reuse over the session: {summary.reuse_ratio:.0%}")
+            print(
+                f"mean TTFT, turns 2+: {summary.mean_ttft_after_first_turn_s:.3f} s; "
+                f"reuse over the session: {summary.reuse_ratio:.0%}"
+            )
         if args.json:
             with open(args.json, "w") as handle:
                 handle.write(summary.to_json())

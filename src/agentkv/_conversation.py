@@ -50,14 +50,19 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any, *, system: Message | None) -> None:
         self._tokenizer = tokenizer
         head = [system] if system is not None else []
-        self._after_assistant = [*head, Message(role="user", content=_USER_PLACEHOLDER),
-                                 Message(role="assistant", content=_ASSISTANT_PLACEHOLDER)]
+        self._after_assistant = [
+            *head,
+            Message(role="user", content=_USER_PLACEHOLDER),
+            Message(role="assistant", content=_ASSISTANT_PLACEHOLDER),
+        ]
         prompt = self._render(self._after_assistant[:-1], generation_prompt=True)
         self._base = self._render(self._after_assistant, generation_prompt=False)
         if not self._base.startswith(prompt + _ASSISTANT_PLACEHOLDER):
-            raise TemplateError("the chat template does not render an assistant message as the generation "
-                                "prompt followed by its content; token-exact deltas are impossible with it")
-        self.assistant_suffix = self._base[len(prompt) + len(_ASSISTANT_PLACEHOLDER):]
+            raise TemplateError(
+                "the chat template does not render an assistant message as the generation "
+                "prompt followed by its content; token-exact deltas are impossible with it"
+            )
+        self.assistant_suffix = self._base[len(prompt) + len(_ASSISTANT_PLACEHOLDER) :]
         """What the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
         self._special_ids = set(getattr(tokenizer, "all_special_ids", ()))
 
@@ -66,8 +71,9 @@ class ChatRenderer:
         return ChatRenderer(self._tokenizer, system=system)
 
     def _render(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
-        text = self._tokenizer.apply_chat_template([m.template_dict() for m in messages], tokenize=False,
-                                                   add_generation_prompt=generation_prompt)
+        text = self._tokenizer.apply_chat_template(
+            [m.template_dict() for m in messages], tokenize=False, add_generation_prompt=generation_prompt
+        )
         return str(text)
 
     def encode(self, text: str) -> list[int]:
@@ -87,16 +93,18 @@ class ChatRenderer:
         messages, and the next generation prompt."""
         full = self._render([*self._after_assistant, *messages], generation_prompt=True)
         if not full.startswith(self._base):
-            raise TemplateError("the chat template renders an assistant message differently once more messages "
-                                "follow; token-exact deltas are impossible with it")
-        return self.encode(self._closing_tail(generated) + full[len(self._base):])
+            raise TemplateError(
+                "the chat template renders an assistant message differently once more messages "
+                "follow; token-exact deltas are impossible with it"
+            )
+        return self.encode(self._closing_tail(generated) + full[len(self._base) :])
 
     def _closing_tail(self, generated: Sequence[int]) -> str:
         """The part of the template's assistant suffix the model did not generate itself."""
         if generated and generated[-1] in self._special_ids:
             stop_text = str(self._tokenizer.decode([generated[-1]], skip_special_tokens=False))
             if self.assistant_suffix.startswith(stop_text):
-                return self.assistant_suffix[len(stop_text):]
+                return self.assistant_suffix[len(stop_text) :]
         return self.assistant_suffix
 
 
@@ -163,8 +171,7 @@ class Conversation:
         """Append an assistant output exactly as generated."""
         if not self._segments or self._segments[-1].generated is not None:
             raise UserError("an assistant output must follow appended messages")
-        self._segments.append(_Segment(len(self.tokens), (Message(role="assistant", content=text),),
-                                       tuple(token_ids)))
+        self._segments.append(_Segment(len(self.tokens), (Message(role="assistant", content=text),), tuple(token_ids)))
         self.tokens.extend(token_ids)
 
     # ----------------------------------------------------------------- going back
@@ -175,8 +182,8 @@ class Conversation:
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Drop everything appended since ``checkpoint``."""
-        del self.tokens[checkpoint.tokens:]
-        del self._segments[checkpoint.segments:]
+        del self.tokens[checkpoint.tokens :]
+        del self._segments[checkpoint.segments :]
 
     def turn_starts(self) -> list[int]:
         """Indexes of the segments where a turn (a user message) begins."""

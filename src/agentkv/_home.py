@@ -16,7 +16,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import anyio.from_thread
+import anyio
 from anyio.from_thread import BlockingPortal
 
 from ._errors import UserError
@@ -31,11 +31,15 @@ _CANCEL_GRACE_S = 60.0
 class LoopHome:
     """An asyncio loop, and the portal thread that runs it when it is agentkv's own."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, portal: BlockingPortal | None = None,
-                 portal_cm: contextlib.AbstractContextManager[BlockingPortal] | None = None) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        portal: BlockingPortal | None = None,
+        thread: threading.Thread | None = None,
+    ) -> None:
         self.loop = loop
         self._portal = portal
-        self._portal_cm = portal_cm
+        self._thread = thread
 
     @classmethod
     def current(cls) -> LoopHome:
@@ -44,16 +48,30 @@ class LoopHome:
 
     @classmethod
     def start_thread(cls) -> LoopHome:
-        """A new loop in a daemon portal thread."""
-        portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
-        portal = portal_cm.__enter__()
-        loop = portal.call(_running_loop)
-        return cls(loop, portal, portal_cm)
+        """A new loop in a daemon thread, reached through a blocking portal.
+
+        A daemon thread, unlike anyio's ``start_blocking_portal``: Python joins non-daemon
+        threads before ``atexit`` handlers run, so a loop nobody stopped would hang the
+        interpreter's exit instead of letting agentkv's exit handler stop the engines.
+        """
+        ready = threading.Event()
+        found: dict[str, Any] = {}
+
+        async def serve() -> None:
+            async with BlockingPortal() as portal:
+                found["portal"], found["loop"] = portal, asyncio.get_running_loop()
+                ready.set()
+                await portal.sleep_until_stopped()
+
+        thread = threading.Thread(target=anyio.run, args=(serve,), name="agentkv-loop", daemon=True)
+        thread.start()
+        ready.wait()
+        return cls(found["loop"], found["portal"], thread)
 
     @property
     def owns_thread(self) -> bool:
-        """Whether this home runs its own portal thread."""
-        return self._portal is not None
+        """Whether this home runs its own loop thread."""
+        return self._thread is not None
 
     def is_current(self) -> bool:
         """Whether the caller runs on this loop."""
@@ -71,13 +89,22 @@ class LoopHome:
             )
         if self.is_current():
             raise UserError("a blocking agentkv call was made from inside agentkv's own event loop")
-        future: concurrent.futures.Future[T] = self._portal.start_task_soon(fn, *args)
+        finished = threading.Event()
+
+        async def call_and_signal() -> T:
+            try:
+                return await fn(*args)
+            finally:
+                finished.set()
+
+        future: concurrent.futures.Future[T] = self._portal.start_task_soon(call_and_signal)
         try:
-            return future.result()
+            while True:  # short waits, so an interrupt is seen however it is delivered
+                with contextlib.suppress(concurrent.futures.TimeoutError):
+                    return future.result(timeout=0.25)
         except KeyboardInterrupt:
             future.cancel()
-            with contextlib.suppress(BaseException):
-                future.result(timeout=_CANCEL_GRACE_S)
+            finished.wait(timeout=_CANCEL_GRACE_S)  # the task has unwound (turn rolled back)
             raise
 
     async def call_async(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -95,11 +122,8 @@ class LoopHome:
             raise
 
     def stop(self) -> None:
-        """Stop the portal thread (no-op for a borrowed loop)."""
-        if self._portal_cm is not None:
-            cm, self._portal_cm, self._portal = self._portal_cm, None, None
-            cm.__exit__(None, None, None)
-
-
-async def _running_loop() -> asyncio.AbstractEventLoop:
-    return asyncio.get_running_loop()
+        """Stop the loop thread (no-op for a borrowed loop)."""
+        if self._portal is not None and self._thread is not None:
+            portal, thread, self._portal, self._thread = self._portal, self._thread, None, None
+            portal.call(portal.stop)
+            thread.join(timeout=_CANCEL_GRACE_S)

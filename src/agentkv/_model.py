@@ -70,7 +70,9 @@ def cache_dir() -> Path:
     return Path(home) / "models"
 
 
-def prepare_model(model: str | os.PathLike[str] | None = None, *, progress: Callable[[str], None] | None = None) -> Path:
+def prepare_model(
+    model: str | os.PathLike[str] | None = None, *, progress: Callable[[str], None] | None = None
+) -> Path:
     """Return an HF model folder vLLM can load, preparing the bundled model if needed.
 
     Args:

@@ -26,8 +26,9 @@ class Pin:
     tokens: tuple[int, ...]
 
 
-def choose_handle(pin: Pin | None, prompt: Sequence[int], *, push_back: bool, expiry_margin_s: float,
-                  now: float | None = None) -> tuple[KVHandle | None, MissReason | None]:
+def choose_handle(
+    pin: Pin | None, prompt: Sequence[int], *, push_back: bool, expiry_margin_s: float, now: float | None = None
+) -> tuple[KVHandle | None, MissReason | None]:
     """The handle to push back with ``prompt``, or None and the reason why not."""
     if not push_back:
         return None, "push_back_off"
@@ -42,8 +43,15 @@ def choose_handle(pin: Pin | None, prompt: Sequence[int], *, push_back: bool, ex
     return pin.handle, None
 
 
-def miss_after_step(handle: KVHandle | None, reason: MissReason | None, *, prompt_tokens: int, local_hit_tokens: int,
-                    pulled_tokens: int, declined: bool) -> MissReason | None:
+def miss_after_step(
+    handle: KVHandle | None,
+    reason: MissReason | None,
+    *,
+    prompt_tokens: int,
+    local_hit_tokens: int,
+    pulled_tokens: int,
+    declined: bool,
+) -> MissReason | None:
     """The step's miss reason once the engine has answered."""
     if handle is None:
         return reason

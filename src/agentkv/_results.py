@@ -7,8 +7,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ._stats import StepStats, TurnStats
+from ._tools import ToolCall, ToolResult
 
-__all__ = ["Event", "Step", "StepEnd", "TextDelta", "TurnEnd", "TurnResult"]
+__all__ = ["Event", "Step", "StepEnd", "TextDelta", "ToolCallEvent", "ToolResultEvent", "TurnEnd", "TurnResult"]
 
 
 class Step(BaseModel):
@@ -23,6 +24,10 @@ class Step(BaseModel):
     finish_reason: str
     """``stop`` (end of answer) or ``length`` (``max_tokens`` reached)."""
     stats: StepStats
+    tool_calls: list[ToolCall] = Field(default_factory=list[ToolCall])
+    """Tools the model called in this step."""
+    tool_results: list[ToolResult] = Field(default_factory=list[ToolResult])
+    """What they returned (or why they failed), in call order."""
 
 
 class TurnResult(BaseModel):
@@ -34,6 +39,8 @@ class TurnResult(BaseModel):
     """The final answer."""
     steps: list[Step]
     stats: TurnStats
+    stop_reason: Literal["answer", "max_steps"] = "answer"
+    """``max_steps``: the step bound was reached and the last step was made to answer."""
 
 
 class TextDelta(BaseModel):
@@ -53,6 +60,24 @@ class StepEnd(BaseModel):
     step: Step
 
 
+class ToolCallEvent(BaseModel):
+    """The model asked for a tool call (sent before the tool runs)."""
+
+    kind: Literal["tool_call"] = "tool_call"
+    turn: int
+    step: int
+    call: ToolCall
+
+
+class ToolResultEvent(BaseModel):
+    """A tool call finished (or failed)."""
+
+    kind: Literal["tool_result"] = "tool_result"
+    turn: int
+    step: int
+    result: ToolResult
+
+
 class TurnEnd(BaseModel):
     """The turn finished; `result` is what `Session.run` returns."""
 
@@ -60,5 +85,6 @@ class TurnEnd(BaseModel):
     result: TurnResult
 
 
-Event = Annotated[TextDelta | StepEnd | TurnEnd, Field(discriminator="kind")]
-"""What `Session.stream` yields, in order: deltas and step ends, then one turn end."""
+Event = Annotated[TextDelta | ToolCallEvent | ToolResultEvent | StepEnd | TurnEnd, Field(discriminator="kind")]
+"""What `Session.stream` yields, in order: per step its text deltas, tool calls, tool results
+and step end; then one turn end."""

@@ -6,7 +6,7 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
@@ -14,11 +14,22 @@ import anyio.to_thread
 
 from ._conversation import ChatRenderer, Conversation, Message
 from ._engines import Colocated, EmbeddedPair, Engine, EngineState, Sampling, StepDone, StepRequest, TokenDelta
-from ._errors import ContextLengthError, EngineDeadError, InvalidMessageError, SessionClosedError, UserError
+from ._errors import ContextLengthError, InvalidMessageError, SessionClosedError, UserError
 from ._home import LoopHome
 from ._pinning import Pin, choose_handle, miss_after_step
-from ._results import Event, Step, StepEnd, TextDelta, TurnEnd, TurnResult
+from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
 from ._stats import SessionStats, StepStats, TurnStats
+from ._tools import (
+    Tool,
+    ToolChoice,
+    ToolResult,
+    check_tools,
+    instructions,
+    output_schema,
+    parse_output,
+    result_message,
+    run_tool_calls,
+)
 
 __all__ = ["Mode", "Session"]
 
@@ -49,6 +60,10 @@ class Session:
             (standard P/D, no push-back) or ``"colocated"`` (one engine, prefix caching).
             With ``engine=`` the default is what that engine supports.
         system: the system message.
+        tools: functions the model may call (`@tool`-decorated or plain typed functions).
+        tool_choice: ``"auto"``, ``"required"`` (the first step of each turn must call a tool),
+            ``"none"`` or a tool's name (the first step must call it).
+        max_steps: the most model calls per turn; the last one is made to answer.
         max_tokens: the most tokens one model call may generate.
         temperature: sampling temperature (0: greedy).
         seed: sampling seed.
@@ -56,10 +71,22 @@ class Session:
         engine_options: keyword arguments for the session's own engine (e.g. ``max_model_len``).
     """
 
-    def __init__(self, *, engine: Engine | None = None, model: str | None = None, mode: Mode | None = None,
-                 system: str | None = None, max_tokens: int = 256, temperature: float = 0.0,
-                 seed: int | None = None, expiry_margin_s: float = 10.0,
-                 engine_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        engine: Engine | None = None,
+        model: str | None = None,
+        mode: Mode | None = None,
+        system: str | None = None,
+        tools: Sequence[Tool | Callable[..., Any]] = (),
+        tool_choice: ToolChoice = "auto",
+        max_steps: int = 8,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        expiry_margin_s: float = 10.0,
+        engine_options: Mapping[str, Any] | None = None,
+    ) -> None:
         if mode is not None and mode not in _MODES:
             raise UserError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
         if engine is not None and (model is not None or engine_options):
@@ -68,6 +95,14 @@ class Session:
             raise UserError("max_tokens must be at least 1")
         if system is not None and not isinstance(system, str):
             raise InvalidMessageError(f"system must be a string, not {type(system).__name__}")
+        if max_steps < 1:
+            raise UserError("max_steps must be at least 1")
+        self._tools = check_tools(tools)
+        _check_choice(tool_choice, self._tools)
+        self._tool_choice = tool_choice
+        self._max_steps = max_steps
+        if self._tools:
+            system = (system or "") + instructions(self._tools)
         self._engine = engine
         self._owns_engine = engine is None
         self._model = model
@@ -122,8 +157,9 @@ class Session:
         await self.open()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose()
 
     def __enter__(self) -> Session:
@@ -140,8 +176,9 @@ class Session:
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -163,8 +200,9 @@ class Session:
 
     def _resolve_mode(self, engine: Engine) -> Mode:
         info = engine.info
-        natural: Mode = "colocated" if info.kind == "colocated" else (
-            "bidirectional" if info.push_back else "disaggregated")
+        natural: Mode = (
+            "colocated" if info.kind == "colocated" else ("bidirectional" if info.push_back else "disaggregated")
+        )
         wanted = self._requested_mode or natural
         if wanted == "bidirectional" and not info.push_back:
             raise UserError(f"mode='bidirectional' needs an engine with push-back; this one is {natural}")
@@ -242,23 +280,76 @@ class Session:
         try:
             await self._ensure_engine()
             conversation.add_messages([Message(role="user", content=message)])
-            step: Step | None = None
-            async for event in self._model_step(turn, 1):
-                if isinstance(event, StepEnd):
-                    step = event.step
-                yield event
-            assert step is not None
-            stats = TurnStats(turn=turn, steps=[step.stats], wall_s=time.perf_counter() - started)
-            result = TurnResult(text=step.text, steps=[step], stats=stats)
+            steps: list[Step] = []
+            choice = self._tool_choice
+            answer: str | None = None
+            for number in range(1, self._max_steps + 1):
+                forced_answer = number == self._max_steps
+                schema = output_schema(self._tools, "none" if forced_answer else choice) if self._tools else None
+                step: Step | None = None
+                async for event in self._model_step(turn, number, schema):
+                    if isinstance(event, Step):
+                        step = event
+                    else:
+                        yield event
+                assert step is not None
+                if not self._tools:
+                    steps.append(step)
+                    answer = step.text
+                    break
+                calls, answer, error = parse_output(step.text, call_prefix=f"t{turn}s{number}")
+                if answer is not None:
+                    steps.append(step)
+                    yield StepEnd(step=step)
+                    break
+                for call in calls:
+                    yield ToolCallEvent(turn=turn, step=number, call=call)
+                tools_started = time.perf_counter()
+                results = (
+                    await run_tool_calls(calls, self._tools)
+                    if error is None
+                    else [
+                        ToolResult(
+                            call_id=f"t{turn}s{number}",
+                            name="agentkv",
+                            content=f"error: {error}",
+                            error="malformed_output",
+                        )
+                    ]
+                )
+                for result in results:
+                    yield ToolResultEvent(turn=turn, step=number, result=result)
+                step = step.model_copy(
+                    update={
+                        "tool_calls": calls,
+                        "tool_results": results,
+                        "stats": step.stats.model_copy(update={"tool_s": time.perf_counter() - tools_started}),
+                    }
+                )
+                steps.append(step)
+                yield StepEnd(step=step)
+                conversation.add_messages(
+                    [Message(role="tool", name=r.name, content=result_message(r)) for r in results]
+                )
+                choice = "auto" if choice != "none" else choice  # a forced call is forced once per turn
+            if not self._tools:
+                yield StepEnd(step=steps[-1])
+            assert answer is not None
+            stats = TurnStats(turn=turn, steps=[s.stats for s in steps], wall_s=time.perf_counter() - started)
+            bounded = bool(self._tools) and self._max_steps > 1 and len(steps) == self._max_steps
+            stop_reason: Literal["answer", "max_steps"] = "max_steps" if bounded else "answer"
+            turn_result = TurnResult(text=answer, steps=steps, stats=stats, stop_reason=stop_reason)
             self._turns.append(stats)
         except BaseException:
             conversation.restore(checkpoint)
             raise
         finally:
             self._busy = False
-        yield TurnEnd(result=result)
+        yield TurnEnd(result=turn_result)
 
-    async def _model_step(self, turn: int, number: int) -> AsyncIterator[TextDelta | StepEnd]:
+    async def _model_step(
+        self, turn: int, number: int, json_schema: dict[str, Any] | None
+    ) -> AsyncIterator[TextDelta | Step]:
         conversation = self._require_conversation()
         engine = self.engine
         prompt = list(conversation.tokens)
@@ -266,15 +357,23 @@ class Session:
         if len(prompt) >= max_model_len:
             raise ContextLengthError(
                 f"the prompt has {len(prompt)} tokens; the model's context is {max_model_len}",
-                prompt_tokens=len(prompt), max_model_len=max_model_len)
-        sampling = Sampling(max_tokens=min(self._sampling.max_tokens, max_model_len - len(prompt)),
-                            temperature=self._sampling.temperature, seed=self._sampling.seed,
-                            top_p=self._sampling.top_p, json_schema=self._sampling.json_schema)
-        handle, reason = choose_handle(self._pin, prompt, push_back=self.mode == "bidirectional",
-                                       expiry_margin_s=self._expiry_margin_s)
+                prompt_tokens=len(prompt),
+                max_model_len=max_model_len,
+            )
+        sampling = Sampling(
+            max_tokens=min(self._sampling.max_tokens, max_model_len - len(prompt)),
+            temperature=self._sampling.temperature,
+            seed=self._sampling.seed,
+            top_p=self._sampling.top_p,
+            json_schema=json_schema,
+        )
+        handle, reason = choose_handle(
+            self._pin, prompt, push_back=self.mode == "bidirectional", expiry_margin_s=self._expiry_margin_s
+        )
         self._pin = None  # a handle is single-use, and an unforwarded pin is no longer ours to use
-        request = StepRequest(request_id=f"agentkv-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling,
-                              handle=handle)
+        request = StepRequest(
+            request_id=f"agentkv-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling, handle=handle
+        )
         done: StepDone | None = None
         async for event in engine.step(request):
             if isinstance(event, TokenDelta):
@@ -287,17 +386,31 @@ class Session:
             self._pin = Pin(done.handle, (*prompt, *done.token_ids))
         timings = done.timings
         stats = StepStats(
-            turn=turn, step=number, ttft_s=timings.ttft_s, prefill_s=timings.prefill_s, kv_wait_s=timings.kv_wait_s,
-            decode_s=timings.decode_s, prompt_tokens=len(prompt), local_hit_tokens=timings.local_hit_tokens,
-            pulled_tokens=timings.pulled_tokens, computed_tokens=timings.computed_tokens,
-            output_tokens=len(done.token_ids), handoff_tokens=timings.handoff_tokens, kv_bytes=timings.kv_bytes,
-            kv_transfer_s=timings.kv_transfer_s, handle_forwarded=handle is not None,
-            miss_reason=miss_after_step(handle, reason, prompt_tokens=len(prompt),
-                                        local_hit_tokens=timings.local_hit_tokens,
-                                        pulled_tokens=timings.pulled_tokens, declined=timings.pullback_declined),
+            turn=turn,
+            step=number,
+            ttft_s=timings.ttft_s,
+            prefill_s=timings.prefill_s,
+            kv_wait_s=timings.kv_wait_s,
+            decode_s=timings.decode_s,
+            prompt_tokens=len(prompt),
+            local_hit_tokens=timings.local_hit_tokens,
+            pulled_tokens=timings.pulled_tokens,
+            computed_tokens=timings.computed_tokens,
+            output_tokens=len(done.token_ids),
+            handoff_tokens=timings.handoff_tokens,
+            kv_bytes=timings.kv_bytes,
+            kv_transfer_s=timings.kv_transfer_s,
+            handle_forwarded=handle is not None,
+            miss_reason=miss_after_step(
+                handle,
+                reason,
+                prompt_tokens=len(prompt),
+                local_hit_tokens=timings.local_hit_tokens,
+                pulled_tokens=timings.pulled_tokens,
+                declined=timings.pullback_declined,
+            ),
         )
-        yield StepEnd(step=Step(text=done.text, token_ids=list(done.token_ids), finish_reason=done.finish_reason,
-                                stats=stats))
+        yield Step(text=done.text, token_ids=list(done.token_ids), finish_reason=done.finish_reason, stats=stats)
 
     async def _ensure_engine(self) -> None:
         """Replace the session's own engine if it died; a shared engine is the caller's to replace."""
@@ -322,7 +435,7 @@ class Session:
     def rewind(self, turns: int = 1) -> None:
         """Drop the last ``turns`` turns from the conversation (and their stats)."""
         self._require_idle().rewind(turns)
-        del self._turns[len(self._turns) - turns:]
+        del self._turns[len(self._turns) - turns :]
 
     def replace_message(self, index: int, content: str) -> None:
         """Replace the content of message ``index`` of `messages`; later messages are kept.
@@ -340,9 +453,17 @@ class Session:
         prefix cache. Closing the fork leaves the engine running.
         """
         conversation = self._require_idle()
-        twin = Session(engine=self.engine, mode=self.mode, max_tokens=self._sampling.max_tokens,
-                       temperature=self._sampling.temperature, seed=self._sampling.seed,
-                       expiry_margin_s=self._expiry_margin_s)
+        twin = Session(
+            engine=self.engine,
+            mode=self.mode,
+            tools=list(self._tools.values()),
+            tool_choice=self._tool_choice,
+            max_steps=self._max_steps,
+            max_tokens=self._sampling.max_tokens,
+            temperature=self._sampling.temperature,
+            seed=self._sampling.seed,
+            expiry_margin_s=self._expiry_margin_s,
+        )
         twin._system = conversation.system
         twin._home = self._home
         twin._conversation = conversation.copy()
@@ -371,6 +492,13 @@ class Session:
         self._require_conversation()
         assert self._home is not None
         return self._home
+
+
+def _check_choice(choice: ToolChoice, tools: dict[str, Tool]) -> None:
+    if choice not in ("auto", "required", "none") and choice not in tools:
+        raise UserError(f"tool_choice {choice!r} is neither auto, required, none nor one of the tools")
+    if choice == "required" and not tools:
+        raise UserError("tool_choice='required' needs tools")
 
 
 def _check_message(message: object) -> None:

@@ -72,8 +72,10 @@ class StepStats(BaseModel):
     def _tokens_add_up(self) -> StepStats:
         total = self.local_hit_tokens + self.pulled_tokens + self.computed_tokens
         if total != self.prompt_tokens:
-            raise ValueError(f"local {self.local_hit_tokens} + pulled {self.pulled_tokens} + computed "
-                             f"{self.computed_tokens} != prompt {self.prompt_tokens}")
+            raise ValueError(
+                f"local {self.local_hit_tokens} + pulled {self.pulled_tokens} + computed "
+                f"{self.computed_tokens} != prompt {self.prompt_tokens}"
+            )
         return self
 
     @computed_field  # type: ignore[prop-decorator]
@@ -175,16 +177,27 @@ class SessionStats(BaseModel):
         header = ("turn", "step", "prompt", "local", "pulled", "computed", "out", "ttft_s", "miss")
         lines = [header]
         for s in self.steps:
-            lines.append((str(s.turn), str(s.step), str(s.prompt_tokens), str(s.local_hit_tokens),
-                          str(s.pulled_tokens), str(s.computed_tokens), str(s.output_tokens), f"{s.ttft_s:.3f}",
-                          s.miss_reason or "-"))
+            lines.append(
+                (
+                    str(s.turn),
+                    str(s.step),
+                    str(s.prompt_tokens),
+                    str(s.local_hit_tokens),
+                    str(s.pulled_tokens),
+                    str(s.computed_tokens),
+                    str(s.output_tokens),
+                    f"{s.ttft_s:.3f}",
+                    s.miss_reason or "-",
+                )
+            )
         widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-        return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
-                         for row in lines)
+        return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in lines)
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{name}</th>" for name in ("turn", "step", "prompt", "local", "pulled", "computed",
-                                                          "out", "TTFT (s)", "reuse", "miss"))
+        head = "".join(
+            f"<th>{name}</th>"
+            for name in ("turn", "step", "prompt", "local", "pulled", "computed", "out", "TTFT (s)", "reuse", "miss")
+        )
         body = "".join(
             f"<tr><td>{s.turn}</td><td>{s.step}</td><td>{s.prompt_tokens}</td><td>{s.local_hit_tokens}</td>"
             f"<td>{s.pulled_tokens}</td><td>{s.computed_tokens}</td><td>{s.output_tokens}</td>"

@@ -13,15 +13,30 @@ computed and returns no handle. Tests that claim the pair works use the real pai
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from ._engines import Engine, EngineInfo, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
+import anyio
+
+from ._engines import Engine, EngineInfo, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta, _vllm
 from ._errors import AgentKVError
 from ._model import DEFAULT_MODEL, cache_dir
 
-__all__ = ["ScriptedEngine", "UnconsumedScriptError"]
+__all__ = ["ScriptedEngine", "UnconsumedScriptError", "block_real_engines"]
+
+
+@contextlib.contextmanager
+def block_real_engines() -> Iterator[None]:
+    """Within this block, starting a real vLLM engine raises `UserError` (use it around unit tests)."""
+    previous = _vllm.ALLOW_REAL_ENGINES
+    _vllm.ALLOW_REAL_ENGINES = False
+    try:
+        yield
+    finally:
+        _vllm.ALLOW_REAL_ENGINES = previous
 
 
 class UnconsumedScriptError(AgentKVError):
@@ -35,36 +50,50 @@ class ScriptedEngine(Engine):
         outputs: texts (or callables taking the request and returning text), one per step.
         model_path: the HF folder whose tokenizer the session uses (default: the bundled model).
         max_model_len: the context length to report.
+        delay_s: how long each step takes before its output (for cancellation and timeout tests).
     """
 
-    def __init__(self, outputs: Sequence[str | Callable[[StepRequest], str]], *, model_path: Path | None = None,
-                 max_model_len: int = 4096) -> None:
+    def __init__(
+        self,
+        outputs: Sequence[str | Callable[[StepRequest], str]],
+        *,
+        model_path: Path | None = None,
+        max_model_len: int = 4096,
+        delay_s: float = 0.0,
+    ) -> None:
         super().__init__()
         self._outputs = list(outputs)
         self._model_path = model_path or cache_dir() / DEFAULT_MODEL
         self._max_model_len = max_model_len
+        self._delay_s = delay_s
         self.requests: list[StepRequest] = []
         """Every step request received, in order."""
-        self._tokenizer: object | None = None
+        self._tokenizer: Any = None
 
     @property
     def info(self) -> EngineInfo:
-        return EngineInfo(kind="scripted", model_path=self._model_path, max_model_len=self._max_model_len,
-                          push_back=False)
+        return EngineInfo(
+            kind="scripted", model_path=self._model_path, max_model_len=self._max_model_len, push_back=False
+        )
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
         if not self._outputs:
             raise UnconsumedScriptError("the script ran out: the code under test asked for one more step")
         started = time.perf_counter()
+        await anyio.sleep(self._delay_s)
         self.requests.append(request)
         output = self._outputs.pop(0)
         text = output(request) if callable(output) else output
         token_ids = self._encode(text)
         yield TokenDelta(token_ids=token_ids, text=text)
-        yield StepDone(token_ids=token_ids, text=text, finish_reason="stop", handle=None,
-                       timings=StepTimings(ttft_s=time.perf_counter() - started,
-                                           computed_tokens=len(request.prompt_token_ids)))
+        yield StepDone(
+            token_ids=token_ids,
+            text=text,
+            finish_reason="stop",
+            handle=None,
+            timings=StepTimings(ttft_s=time.perf_counter() - started, computed_tokens=len(request.prompt_token_ids)),
+        )
 
     def _encode(self, text: str) -> list[int]:
         if self._tokenizer is None:
@@ -72,8 +101,8 @@ class ScriptedEngine(Engine):
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(self._model_path))
         tokenizer = self._tokenizer
-        ids = list(tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
-        return [*ids, int(tokenizer.eos_token_id)]  # type: ignore[attr-defined]
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        return [*ids, int(tokenizer.eos_token_id)]
 
     def assert_complete(self) -> None:
         """Raise `UnconsumedScriptError` if scripted outputs were left unused."""

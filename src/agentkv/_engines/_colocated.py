@@ -35,9 +35,17 @@ class Colocated(Engine):
         progress: called with one line per start-up stage.
     """
 
-    def __init__(self, model: str | os.PathLike[str] | None = None, *, cores: Sequence[int] | None = None,
-                 max_model_len: int = 4096, kv_cache_gib: float = 1.0, warmup: bool = True,
-                 step_timeout_s: float = 300.0, progress: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        cores: Sequence[int] | None = None,
+        max_model_len: int = 4096,
+        kv_cache_gib: float = 1.0,
+        warmup: bool = True,
+        step_timeout_s: float = 300.0,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__()
         self._model = model
         self._cores = list(cores) if cores is not None else None
@@ -63,19 +71,32 @@ class Colocated(Engine):
     async def _start(self) -> None:
         model_path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
         cores = self._cores or available_cores()
-        self._engine = VLLMEngine(name="colocated", cores=cores, settings=VLLMSettings(
-            model_path=model_path, max_model_len=self._max_model_len, kv_cache_gib=self._kv_cache_gib))
+        self._engine = VLLMEngine(
+            name="colocated",
+            cores=cores,
+            settings=VLLMSettings(
+                model_path=model_path, max_model_len=self._max_model_len, kv_cache_gib=self._kv_cache_gib
+            ),
+        )
         self._progress(f"agentkv: starting the colocated engine on cores {cores}")
         started = time.perf_counter()
         await anyio.to_thread.run_sync(self._engine.start)
         self._progress(f"agentkv: colocated engine up in {time.perf_counter() - started:.0f} s")
-        self._info = EngineInfo(kind="colocated", model_path=model_path, max_model_len=self._max_model_len,
-                                push_back=False, extra={"cores": cores})
+        self._info = EngineInfo(
+            kind="colocated",
+            model_path=model_path,
+            max_model_len=self._max_model_len,
+            push_back=False,
+            extra={"cores": cores},
+        )
 
     async def _warm_up(self) -> None:
         if self._warmup:
-            request = StepRequest(request_id=f"agentkv-warmup-{uuid.uuid4().hex}", prompt_token_ids=[1] + [28] * 300,
-                                  sampling=Sampling(max_tokens=4))
+            request = StepRequest(
+                request_id=f"agentkv-warmup-{uuid.uuid4().hex}",
+                prompt_token_ids=[1] + [28] * 300,
+                sampling=Sampling(max_tokens=4),
+            )
             async for _ in self.step(request):
                 pass
 
@@ -93,8 +114,9 @@ class Colocated(Engine):
         assert engine is not None
         started = time.perf_counter()
         params = vllm_sampling(request.sampling, kv_transfer_params=None, stream=True)
-        stream = DecodeStream(engine, request.prompt_token_ids, params, request.request_id,
-                              idle_timeout_s=self._step_timeout_s)
+        stream = DecodeStream(
+            engine, request.prompt_token_ids, params, request.request_id, idle_timeout_s=self._step_timeout_s
+        )
         try:
             async for delta in stream:
                 yield delta
@@ -110,9 +132,19 @@ class Colocated(Engine):
         prompt_tokens = len(request.prompt_token_ids)
         local = stats.num_cached_tokens if stats is not None else min(output.num_cached_tokens or 0, prompt_tokens)
         timings = StepTimings(
-            ttft_s=(stream.first_token_at or time.perf_counter()) - started, prefill_s=prefill_s, kv_wait_s=wait_s,
-            decode_s=decode_s, local_hit_tokens=local, computed_tokens=prompt_tokens - local, kv_bytes=0,
+            ttft_s=(stream.first_token_at or time.perf_counter()) - started,
+            prefill_s=prefill_s,
+            kv_wait_s=wait_s,
+            decode_s=decode_s,
+            local_hit_tokens=local,
+            computed_tokens=prompt_tokens - local,
+            kv_bytes=0,
             kv_transfer_s=0.0,
         )
-        yield StepDone(token_ids=stream.token_ids, text=stream.text, finish_reason=completion.finish_reason,
-                       handle=None, timings=timings)
+        yield StepDone(
+            token_ids=stream.token_ids,
+            text=stream.text,
+            finish_reason=completion.finish_reason,
+            handle=None,
+            timings=timings,
+        )

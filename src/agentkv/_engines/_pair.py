@@ -22,7 +22,7 @@ from .._model import prepare_model
 from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings
 from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params
 from ._system import free_port, split_cores
-from ._vllm import TransferLedger, VLLMEngine, VLLMSettings, DecodeStream, engine_seconds, vllm_sampling
+from ._vllm import DecodeStream, TransferLedger, VLLMEngine, VLLMSettings, engine_seconds, vllm_sampling
 
 __all__ = ["EmbeddedPair"]
 
@@ -48,11 +48,21 @@ class EmbeddedPair(Engine):
         progress: called with one line per start-up stage (default: the ``agentkv`` logger).
     """
 
-    def __init__(self, model: str | os.PathLike[str] | None = None, *, bidirectional: bool = True,
-                 prefill_prefix_cache: bool = True, cores: tuple[Sequence[int], Sequence[int]] | None = None,
-                 max_model_len: int = 4096, kv_cache_gib: float = 1.0, pin_ttl_s: float = 480.0,
-                 recompute_threshold: int = 16, warmup: bool = True, step_timeout_s: float = 300.0,
-                 progress: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        bidirectional: bool = True,
+        prefill_prefix_cache: bool = True,
+        cores: tuple[Sequence[int], Sequence[int]] | None = None,
+        max_model_len: int = 4096,
+        kv_cache_gib: float = 1.0,
+        pin_ttl_s: float = 480.0,
+        recompute_threshold: int = 16,
+        warmup: bool = True,
+        step_timeout_s: float = 300.0,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__()
         if pin_ttl_s <= 10:
             raise UserError("pin_ttl_s must exceed 10 s: P declines reads within 5 s of expiry")
@@ -92,17 +102,32 @@ class EmbeddedPair(Engine):
     async def _start(self) -> None:
         model_path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
         p_cores, d_cores = (list(c) for c in self._cores) if self._cores else split_cores()
-        settings = VLLMSettings(model_path=model_path, max_model_len=self._max_model_len,
-                                kv_cache_gib=self._kv_cache_gib)
+        settings = VLLMSettings(
+            model_path=model_path, max_model_len=self._max_model_len, kv_cache_gib=self._kv_cache_gib
+        )
         tag = uuid.uuid4().hex[:8]
-        extra = {"bidirectional_kv_xfer": self.bidirectional, "kv_recompute_threshold": self._recompute_threshold,
-                 "decoder_kv_blocks_ttl": self.pin_ttl_s}
-        for name, role, cores, prefix in (("prefill", "kv_producer", p_cores, self.prefill_prefix_cache),
-                                          ("decode", "kv_consumer", d_cores, True)):
+        extra = {
+            "bidirectional_kv_xfer": self.bidirectional,
+            "kv_recompute_threshold": self._recompute_threshold,
+            "decoder_kv_blocks_ttl": self.pin_ttl_s,
+        }
+        for name, role, cores, prefix in (
+            ("prefill", "kv_producer", p_cores, self.prefill_prefix_cache),
+            ("decode", "kv_consumer", d_cores, True),
+        ):
             engine = VLLMEngine(
-                name=name, cores=cores, settings=settings, prefix_caching=prefix, side_channel_port=free_port(),
-                kv_transfer={"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
-                             "engine_id": f"agentkv-{name}-{tag}", "kv_connector_extra_config": extra},
+                name=name,
+                cores=cores,
+                settings=settings,
+                prefix_caching=prefix,
+                side_channel_port=free_port(),
+                kv_transfer={
+                    "kv_connector": "NixlConnector",
+                    "kv_role": role,
+                    "kv_buffer_device": "cpu",
+                    "engine_id": f"agentkv-{name}-{tag}",
+                    "kv_connector_extra_config": extra,
+                },
             )
             if name == "prefill":
                 self._p = engine
@@ -112,10 +137,18 @@ class EmbeddedPair(Engine):
             started = time.perf_counter()
             await anyio.to_thread.run_sync(engine.start)
             self._progress(f"agentkv: {name} engine up in {time.perf_counter() - started:.0f} s")
-        self._info = EngineInfo(kind="pair", model_path=model_path, max_model_len=self._max_model_len,
-                                push_back=self.bidirectional,
-                                extra={"prefill_cores": p_cores, "decode_cores": d_cores, "pin_ttl_s": self.pin_ttl_s,
-                                       "prefill_prefix_cache": self.prefill_prefix_cache})
+        self._info = EngineInfo(
+            kind="pair",
+            model_path=model_path,
+            max_model_len=self._max_model_len,
+            push_back=self.bidirectional,
+            extra={
+                "prefill_cores": p_cores,
+                "decode_cores": d_cores,
+                "pin_ttl_s": self.pin_ttl_s,
+                "prefill_prefix_cache": self.prefill_prefix_cache,
+            },
+        )
 
     async def _warm_up(self) -> None:
         if self._warmup:
@@ -128,8 +161,12 @@ class EmbeddedPair(Engine):
         prompt = [1] + [28] * 300  # two CPU blocks of one repeated token: shapes and handshakes only
         handle: KVHandle | None = None
         for index in range(2 if self.bidirectional else 1):
-            request = StepRequest(request_id=f"agentkv-warmup-{uuid.uuid4().hex}", prompt_token_ids=prompt,
-                                  sampling=Sampling(max_tokens=4), handle=handle)
+            request = StepRequest(
+                request_id=f"agentkv-warmup-{uuid.uuid4().hex}",
+                prompt_token_ids=prompt,
+                sampling=Sampling(max_tokens=4),
+                handle=handle,
+            )
             async for event in self.step(request):
                 if isinstance(event, StepDone):
                     handle = event.handle
@@ -168,8 +205,9 @@ class EmbeddedPair(Engine):
             raise EngineError("the prefill engine failed the request")
         handoff = parse_prefill_result(p_out.kv_transfer_params)
         params = vllm_sampling(request.sampling, kv_transfer_params=handoff.model_dump(), stream=True)
-        stream = DecodeStream(d, request.prompt_token_ids, params, f"{request.request_id}-d",
-                               idle_timeout_s=self._step_timeout_s)
+        stream = DecodeStream(
+            d, request.prompt_token_ids, params, f"{request.request_id}-d", idle_timeout_s=self._step_timeout_s
+        )
         async for delta in stream:
             yield delta
         d_out, d_stats, d_ledger = stream.result()
@@ -180,17 +218,25 @@ class EmbeddedPair(Engine):
         _, d_wait, decode_s = engine_seconds(d_out)
         timings = StepTimings(
             ttft_s=stream.first_token_at - started if stream.first_token_at else time.perf_counter() - started,
-            prefill_s=prefill_s, kv_wait_s=p_wait + d_wait, decode_s=decode_s,
+            prefill_s=prefill_s,
+            kv_wait_s=p_wait + d_wait,
+            decode_s=decode_s,
             handoff_tokens=d_stats.num_external_cached_tokens if d_stats is not None else 0,
             pullback_declined=declined or p_ledger.expired > 0,
             **_transfer(p_ledger, d_ledger),
             **_prompt_split(p_stats, len(request.prompt_token_ids), p_out.num_cached_tokens),
         )
-        yield StepDone(token_ids=stream.token_ids, text=stream.text, finish_reason=completion.finish_reason,
-                       handle=parse_handle(d_out.kv_transfer_params) if self.bidirectional else None, timings=timings)
+        yield StepDone(
+            token_ids=stream.token_ids,
+            text=stream.text,
+            finish_reason=completion.finish_reason,
+            handle=parse_handle(d_out.kv_transfer_params) if self.bidirectional else None,
+            timings=timings,
+        )
 
-    async def _prefill(self, p: VLLMEngine, request: StepRequest,
-                       handle: KVHandle | None) -> tuple[Any, Any, TransferLedger]:
+    async def _prefill(
+        self, p: VLLMEngine, request: StepRequest, handle: KVHandle | None
+    ) -> tuple[Any, Any, TransferLedger]:
         """Run P to completion; the output is None when P failed (e.g. declined an expired read)."""
         params = vllm_sampling(Sampling(max_tokens=1), kv_transfer_params=prefill_params(handle), stream=False)
         request_id = f"{request.request_id}-p{'h' if handle else ''}"
@@ -223,12 +269,17 @@ def _prompt_split(stats: Any, prompt_tokens: int, num_cached_tokens: int | None)
     if stats is None:  # vLLM reported no split: count P's cached tokens as local hits
         local = min(num_cached_tokens or 0, prompt_tokens)
         return {"local_hit_tokens": local, "pulled_tokens": 0, "computed_tokens": prompt_tokens - local}
-    return {"local_hit_tokens": stats.num_local_cached_tokens, "pulled_tokens": stats.num_external_cached_tokens,
-            "computed_tokens": prompt_tokens - stats.num_local_cached_tokens - stats.num_external_cached_tokens}
+    return {
+        "local_hit_tokens": stats.num_local_cached_tokens,
+        "pulled_tokens": stats.num_external_cached_tokens,
+        "computed_tokens": prompt_tokens - stats.num_local_cached_tokens - stats.num_external_cached_tokens,
+    }
 
 
 def _transfer(*ledgers: TransferLedger) -> dict[str, Any]:
     if any(ledger.shared for ledger in ledgers):
         return {"kv_bytes": None, "kv_transfer_s": None}
-    return {"kv_bytes": sum(ledger.bytes for ledger in ledgers),
-            "kv_transfer_s": sum(ledger.seconds for ledger in ledgers)}
+    return {
+        "kv_bytes": sum(ledger.bytes for ledger in ledgers),
+        "kv_transfer_s": sum(ledger.seconds for ledger in ledgers),
+    }

@@ -8,22 +8,22 @@ read in the output processor) and the NIXL transfer statistics (a stat logger).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
 import os
-import atexit
-import time
 import threading
+import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._errors import EngineDeadError, EngineError, EngineStartError
+from .._errors import EngineDeadError, EngineError, EngineStartError, UserError
 from ._base import Sampling, TokenDelta
 from ._system import cpu_list, descendants, is_helper, kill_and_reap, repin_threads
 
@@ -38,6 +38,10 @@ logger = logging.getLogger("agentkv")
 # Engines are configured through process-wide environment variables that their child
 # processes inherit at spawn time, so engines in one process start one at a time.
 _START_LOCK = threading.Lock()
+
+# Tests of loop logic flip this off (agentkv.testing.block_real_engines) so that no test
+# starts a real engine by accident.
+ALLOW_REAL_ENGINES = True
 
 # Engines still running at interpreter exit are stopped then, while the interpreter is whole
 # (left to vLLM's __del__, shutdown fails and workers are force-killed).
@@ -88,9 +92,16 @@ class _Readouts:
 class VLLMEngine:
     """One ``AsyncLLM`` with its own cores, port and process tree."""
 
-    def __init__(self, *, name: str, cores: Sequence[int], settings: VLLMSettings,
-                 prefix_caching: bool = True, kv_transfer: dict[str, Any] | None = None,
-                 side_channel_port: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        cores: Sequence[int],
+        settings: VLLMSettings,
+        prefix_caching: bool = True,
+        kv_transfer: dict[str, Any] | None = None,
+        side_channel_port: int | None = None,
+    ) -> None:
         self.name = name
         self.cores = list(cores)
         self.settings = settings
@@ -105,6 +116,11 @@ class VLLMEngine:
 
     def start(self) -> None:
         """Start the engine (blocking, ~20 s on CPU): call it from a worker thread."""
+        if not ALLOW_REAL_ENGINES:
+            raise UserError(
+                "real engines are blocked here (agentkv.testing.block_real_engines); "
+                "use agentkv.testing.ScriptedEngine or mark the test as needing the pair"
+            )
         with _START_LOCK:
             before = descendants(os.getpid())
             env = {
@@ -178,8 +194,9 @@ class VLLMEngine:
 
     # ----------------------------------------------------------------- requests
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream ``RequestOutput``s for one request, with errors translated to agentkv's."""
         from vllm.inputs import TokensPrompt
 
@@ -227,14 +244,21 @@ class VLLMEngine:
 
         readouts = self._readouts
 
-        class TransferStatLogger(StatLoggerBase):
+        class TransferStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is not type-checked here
             """Hands NIXL transfer stats to the request in flight (when there is exactly one)."""
 
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
                 pass
 
-            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                       engine_idx: int = 0, *args: Any, **kwargs: Any) -> None:
+            def record(
+                self,
+                scheduler_stats: Any,
+                iteration_stats: Any,
+                mm_cache_stats: Any = None,
+                engine_idx: int = 0,
+                *args: Any,
+                **kwargs: Any,
+            ) -> None:
                 data = getattr(scheduler_stats, "kv_connector_stats", None) if scheduler_stats else None
                 if data:
                     _attribute(readouts, data)
@@ -326,8 +350,15 @@ class DecodeStream:
     Shared by the pair (D's half of a step) and the colocated engine (the whole step).
     """
 
-    def __init__(self, engine: VLLMEngine, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 request_id: str, *, idle_timeout_s: float) -> None:
+    def __init__(
+        self,
+        engine: VLLMEngine,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        idle_timeout_s: float,
+    ) -> None:
         self._engine = engine
         self._prompt = prompt_token_ids
         self._params = params
@@ -375,4 +406,3 @@ class DecodeStream:
         if self._result is None or self._result[0] is None:
             raise EngineError(f"the {self._engine.name} engine returned no output")
         return self._result
-

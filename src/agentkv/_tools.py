@@ -1,0 +1,295 @@
+"""Tools: `@tool` turns a typed Python function into something the model can call.
+
+The JSON schema of a tool's arguments comes from its signature (pydantic) and its
+docstring (the first paragraph describes the tool; an ``Args:`` section, Google style,
+describes the parameters). Arguments are validated before the call. A mistake in the
+definition (a parameter without a type, ``*args``) raises `UserError` at declaration.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, overload
+
+import anyio
+import anyio.to_thread
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic_core import to_jsonable_python
+
+from ._errors import UserError
+
+__all__ = ["Tool", "ToolCall", "ToolChoice", "ToolResult", "check_tools", "run_tool_calls", "tool"]
+
+ToolChoice = Literal["auto", "required", "none"] | str
+"""``"auto"`` (the model decides), ``"required"`` (the first step must call a tool),
+``"none"`` (no tools this turn) or a tool's name (the first step must call that tool)."""
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+class ToolCall(BaseModel):
+    """A call the model asked for."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+class ToolResult(BaseModel):
+    """What a tool call returned, or why it failed (the model sees either)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    call_id: str
+    name: str
+    content: str
+    """The result as the model sees it: JSON, or the error message."""
+    error: str | None = None
+    """``invalid_arguments``, ``unknown_tool``, ``raised``, ``timeout`` or ``unserializable``."""
+    duration_s: float = 0.0
+
+
+class Tool:
+    """A function the model can call, with its name, description and argument schema."""
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.function = function
+        self.name = name or function.__name__
+        if not _NAME.match(self.name):
+            raise UserError(f"tool name {self.name!r} must be a Python-style identifier")
+        summary, argument_docs = _parse_docstring(inspect.getdoc(function) or "")
+        self.description = description or summary
+        if not self.description:
+            raise UserError(f"tool {self.name!r} needs a description: a docstring or description=")
+        self.timeout_s = timeout_s
+        self.is_async = inspect.iscoroutinefunction(function)
+        self._arguments = _arguments_model(function, self.name, argument_docs)
+        self.parameters: dict[str, Any] = self._arguments.model_json_schema()
+        """JSON schema of the arguments."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Tool({self.name!r})"
+
+    def signature_line(self) -> str:
+        """``name(arg: type, ...): description``, for the model's instructions."""
+        properties = self.parameters.get("properties", {})
+        arguments = ", ".join(f"{key}: {value.get('type', 'any')}" for key, value in properties.items())
+        return f"{self.name}({arguments}): {self.description}"
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Validated keyword arguments; raises pydantic's ValidationError."""
+        return dict(self._arguments.model_validate(arguments))
+
+    async def invoke(self, arguments: dict[str, Any]) -> Any:
+        """Call the tool (a sync one in a worker thread, so the event loop keeps serving)."""
+        if self.is_async:
+            return await self.function(**arguments)
+        return await anyio.to_thread.run_sync(lambda: self.function(**arguments), abandon_on_cancel=True)
+
+
+@overload
+def tool(function: Callable[..., Any], /) -> Tool: ...
+@overload
+def tool(
+    *, name: str | None = None, description: str | None = None, timeout_s: float = 60.0
+) -> Callable[[Callable[..., Any]], Tool]: ...
+def tool(
+    function: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout_s: float = 60.0,
+) -> Tool | Callable[[Callable[..., Any]], Tool]:
+    """Make a function (sync or async) a tool: ``@tool`` or ``@tool(name=..., description=..., timeout_s=...)``."""
+    if function is not None:
+        return Tool(function)
+
+    def decorate(inner: Callable[..., Any]) -> Tool:
+        return Tool(inner, name=name, description=description, timeout_s=timeout_s)
+
+    return decorate
+
+
+def check_tools(tools: Sequence[Tool | Callable[..., Any]]) -> dict[str, Tool]:
+    """Tools by name; plain functions are wrapped; duplicate names raise `UserError`."""
+    by_name: dict[str, Tool] = {}
+    for item in tools:
+        wrapped = item if isinstance(item, Tool) else Tool(item)
+        if wrapped.name in by_name:
+            raise UserError(f"two tools are named {wrapped.name!r}")
+        by_name[wrapped.name] = wrapped
+    return by_name
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """The first paragraph, and ``name: description`` lines of an ``Args:`` section."""
+    summary = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
+    described: dict[str, str] = {}
+    match = re.search(r"^\s*(?:Args|Arguments|Parameters):\s*\n((?:[ \t]+.*\n?)+)", doc, re.MULTILINE)
+    if match:
+        for line in match.group(1).splitlines():
+            found = re.match(r"\s+(\w+)(?:\s*\([^)]*\))?:\s*(.+)", line)
+            if found:
+                described[found.group(1)] = found.group(2).strip()
+    return summary, described
+
+
+def _arguments_model(function: Callable[..., Any], name: str, described: dict[str, str]) -> type[BaseModel]:
+    from pydantic import Field
+
+    try:
+        hints = inspect.get_annotations(function, eval_str=True)
+    except Exception as exc:
+        raise UserError(f"tool {name!r}: its type hints cannot be resolved: {exc}") from exc
+    fields: dict[str, Any] = {}
+    for parameter in inspect.signature(function).parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise UserError(f"tool {name!r}: *args and **kwargs cannot be described to a model")
+        if parameter.name not in hints:
+            raise UserError(f"tool {name!r}: parameter {parameter.name!r} needs a type hint")
+        default = ... if parameter.default is parameter.empty else parameter.default
+        fields[parameter.name] = (hints[parameter.name], Field(default, description=described.get(parameter.name)))
+    return create_model(f"{name}_arguments", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+# ----------------------------------------------------------------- the call protocol
+
+
+def instructions(tools: dict[str, Tool]) -> str:
+    """The text that tells the model its tools and how to call them (appended to the system message)."""
+    lines = "\n".join(f"- {t.signature_line()}" for t in tools.values())
+    return (
+        "\n\nYou can call tools:\n" + lines + '\nTo call tools reply with JSON {"tool_calls": [{"name": ..., '
+        '"arguments": {...}}]}. Tool results come back as tool messages. To answer the user reply with JSON '
+        '{"answer": "..."}.'
+    )
+
+
+def output_schema(tools: dict[str, Tool], choice: ToolChoice) -> dict[str, Any]:
+    """The JSON schema the model's output is forced to (vLLM structured outputs) for this step."""
+    answer = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    if choice == "none" or not tools:
+        return answer
+    chosen = [tools[choice]] if choice in tools else list(tools.values())
+    call_variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in chosen
+    ]
+    calls = {
+        "type": "object",
+        "properties": {
+            "tool_calls": {"type": "array", "minItems": 1, "maxItems": 8, "items": {"anyOf": call_variants}}
+        },
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+    }
+    if choice == "auto":
+        return {"anyOf": [calls, answer]}
+    return calls
+
+
+def parse_output(text: str, *, call_prefix: str) -> tuple[list[ToolCall], str | None, str | None]:
+    """(tool calls, answer, error) from the model's JSON output."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return [], None, f"the output is not valid JSON ({exc.msg} at character {exc.pos})"
+    if isinstance(data, dict) and isinstance(data.get("answer"), str):
+        return [], data["answer"], None
+    raw_calls = data.get("tool_calls") if isinstance(data, dict) else None
+    if not isinstance(raw_calls, list) or not raw_calls:
+        return [], None, 'the output has neither "answer" nor a list of "tool_calls"'
+    calls: list[ToolCall] = []
+    for index, raw in enumerate(raw_calls):
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+            return [], None, f"tool call {index} has no name"
+        arguments = raw.get("arguments", {})
+        calls.append(
+            ToolCall(
+                id=f"{call_prefix}-{index}",
+                name=raw["name"],
+                arguments=arguments if isinstance(arguments, dict) else {"value": arguments},
+            )
+        )
+    return calls, None, None
+
+
+async def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool]) -> list[ToolResult]:
+    """Run the calls concurrently, each under its tool's timeout; failures become results."""
+    results: list[ToolResult | None] = [None] * len(calls)
+
+    async def run_one(index: int, call: ToolCall) -> None:
+        results[index] = await _run_one(call, tools)
+
+    async with anyio.create_task_group() as group:
+        for index, call in enumerate(calls):
+            group.start_soon(run_one, index, call)
+    return [result for result in results if result is not None]
+
+
+async def _run_one(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
+    started = time.perf_counter()
+
+    def result(content: str, error: str | None = None) -> ToolResult:
+        return ToolResult(
+            call_id=call.id, name=call.name, content=content, error=error, duration_s=time.perf_counter() - started
+        )
+
+    found = tools.get(call.name)
+    if found is None:
+        return result(f"error: unknown tool {call.name!r}; the tools are {', '.join(tools)}", "unknown_tool")
+    try:
+        arguments = found.validate(call.arguments)
+    except ValidationError as exc:
+        details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return result(f"error: invalid arguments for {call.name}: {details}", "invalid_arguments")
+    try:
+        with anyio.fail_after(found.timeout_s):
+            value = await found.invoke(arguments)
+    except TimeoutError:
+        return result(f"error: {call.name} timed out after {found.timeout_s} s", "timeout")
+    except Exception as exc:  # a failing tool is the model's problem to handle, not the turn's
+        return result(f"error: {call.name} raised {type(exc).__name__}: {exc}", "raised")
+    try:
+        content = value if isinstance(value, str) else json.dumps(to_jsonable_python(value))
+    except Exception as exc:
+        return result(
+            f"error: {call.name} returned a {type(value).__name__}, which cannot be serialized: {exc}", "unserializable"
+        )
+    return result(content)
+
+
+def result_message(result: ToolResult) -> str:
+    """The tool message content the model reads."""
+    return (
+        json.dumps({"name": result.name, "result": result.content})
+        if result.error is None
+        else json.dumps({"name": result.name, "error": result.content})
+    )

@@ -1,0 +1,90 @@
+"""No leaks: closing, dying, interrupting and exiting leave no engine process or port behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from agentkv import EmbeddedPair, EngineDeadError, Session
+from agentkv._engines._system import alive, listening_ports
+from agentkv.testing import ScriptedEngine
+
+SYSTEM = "You are terse."
+
+
+def _engine_core_pid(pids: set[int]) -> int:
+    """The engine-core process among an engine's processes: the one that is our direct child."""
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as handle:
+            if int(handle.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                return pid
+    raise AssertionError(f"no engine core among {pids}")
+
+
+@pytest.mark.pair
+def test_a_dead_engine_is_replaced_and_nothing_leaks(pair: EmbeddedPair) -> None:
+    with Session(system=SYSTEM, max_tokens=8, engine_options={"max_model_len": 1024}) as own:
+        first = own.engine
+        assert isinstance(first, EmbeddedPair)
+        answer = own.run_sync("What is 2 + 2?")
+        with Session(engine=pair, system=SYSTEM, max_tokens=8) as shared:  # a second pair, side by side
+            assert shared.run_sync("What is 2 + 2?").text == answer.text
+        assert not set(first.ports) & set(pair.ports) and not first.pids & pair.pids
+        first_pids, ports = first.pids, list(first.ports)
+
+        os.kill(_engine_core_pid(first._d.pids if first._d else set()), signal.SIGKILL)  # D's engine core dies
+        before = own.messages
+        with pytest.raises(EngineDeadError):
+            own.run_sync("And 3 + 3?")
+        assert own.messages == before
+        assert alive(first_pids) == set()  # the dead pair's other processes were stopped too
+
+        again = own.run_sync("And 3 + 3?")  # the session starts a new pair; the conversation goes on
+        assert again.text and own.engine is not first
+        assert [m.role for m in own.messages][-4:] == ["user", "assistant", "user", "assistant"]
+        second = own.engine
+        assert isinstance(second, EmbeddedPair)
+        second_pids, ports = second.pids, ports + list(second.ports)
+    assert alive(second_pids) == set()
+    assert not set(ports) & listening_ports()
+    assert pair.state.value == "open"  # the shared pair was never touched
+
+
+@pytest.mark.pair
+def test_interpreter_exit_without_close_stops_the_engine(tmp_path: object) -> None:
+    script = textwrap.dedent("""
+        from agentkv import Colocated
+        engine = Colocated(max_model_len=512, warmup=False)
+        engine.__enter__()  # opened, never closed
+        print(" ".join(map(str, sorted(engine.pids))), flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids = {int(pid) for pid in done.stdout.split()}
+    assert pids
+    deadline = time.monotonic() + 10
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive(pids) == set()
+
+
+def test_ctrl_c_during_a_turn_cancels_it_and_keeps_the_conversation() -> None:
+    with ScriptedEngine(["first", "never seen", "second"], delay_s=0.3) as engine, Session(engine=engine) as session:
+        session.run_sync("one")
+        before = session.token_ids
+        engine._delay_s = 30  # the next step hangs until interrupted
+        threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()  # Ctrl-C
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            session.run_sync("two")
+        assert time.monotonic() - started < 10
+        assert session.token_ids == before
+        engine._delay_s = 0
+        assert session.run_sync("two").text == "never seen"  # the interrupted step consumed nothing

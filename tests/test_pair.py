@@ -1,0 +1,168 @@
+"""The real pair: two vLLM engines joined by NIXL, on the bundled model (DESIGN.md sections 5-6)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import anyio
+import pytest
+
+from agentkv import ContextLengthError, EmbeddedPair, InvalidMessageError, Session, StepStats, TurnResult
+
+pytestmark = pytest.mark.pair
+
+SYSTEM = "You are a terse assistant for a Python project. " + " ".join(
+    f"Fact {i}: module m{i} exports function f{i}." for i in range(30)
+)  # ~300 tokens: more than two CPU blocks, so P's own cache and the pull both show
+QUESTIONS = ("Which module exports f3?", "And f7?", "Name one more module.")
+MAX_TOKENS = 12
+
+
+def _run(session: Session, questions: Sequence[str] = QUESTIONS) -> list[TurnResult]:
+    return [session.run_sync(question) for question in questions]
+
+
+def _assert_invariant(step: StepStats) -> None:
+    assert step.local_hit_tokens + step.pulled_tokens + step.computed_tokens == step.prompt_tokens
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> str:
+    index = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return f"first difference at output token {index}: {list(a[index : index + 5])} vs {list(b[index : index + 5])}"
+
+
+def test_push_back_pulls_from_d_from_turn_two(pair: EmbeddedPair) -> None:
+    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) as session:
+        results = _run(session)
+    steps = [result.steps[0].stats for result in results]
+    for step in steps:
+        _assert_invariant(step)
+    assert steps[0].pulled_tokens == 0 and steps[0].miss_reason == "no_handle"
+    for step in steps[1:]:
+        assert step.handle_forwarded and step.miss_reason is None
+        assert step.pulled_tokens > 0, step
+        assert step.computed_tokens < step.prompt_tokens - step.pulled_tokens
+        assert step.kv_bytes is not None and step.kv_bytes > 0
+
+
+def test_disaggregated_mode_never_pulls(pair: EmbeddedPair) -> None:
+    with Session(engine=pair, mode="disaggregated", system=SYSTEM, max_tokens=MAX_TOKENS) as session:
+        results = _run(session)
+    for result in results:
+        step = result.steps[0].stats
+        _assert_invariant(step)
+        assert step.pulled_tokens == 0 and not step.handle_forwarded
+        assert step.miss_reason == "push_back_off"
+
+
+def test_greedy_output_is_the_same_with_and_without_push_back(pair: EmbeddedPair) -> None:
+    """DESIGN.md section 6: pulling D's KV back must not change greedy output.
+
+    KV that D computed while decoding and KV that P computes in a prefill could in principle
+    differ in the last bits (different kernels); with the same CPU kernels on both engines
+    (float32 here) they do not, and this test requires equality token for token.
+    """
+    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) as pushed:
+        with_push_back = _run(pushed)
+    with Session(engine=pair, mode="disaggregated", system=SYSTEM, max_tokens=MAX_TOKENS) as plain:
+        without = _run(plain)
+    assert [r.steps[0].stats.pulled_tokens > 0 for r in with_push_back] == [False, True, True]
+    for turn, (a, b) in enumerate(zip(with_push_back, without, strict=True), start=1):
+        ids_a, ids_b = a.steps[0].token_ids, b.steps[0].token_ids
+        assert ids_a == ids_b, f"turn {turn}: {_first_difference(ids_a, ids_b)}"
+
+
+def test_edited_history_never_forwards_the_handle(pair: EmbeddedPair) -> None:
+    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) as session:
+        _run(session, QUESTIONS[:2])
+        session.replace_message(1, "Which module exports f5?")
+        reference = session.fork()  # same tokens, no pin: what a fresh session would compute
+        edited = session.run_sync(QUESTIONS[2])
+        fresh = reference.run_sync(QUESTIONS[2])
+        reference.close()
+    step = edited.steps[0].stats
+    assert not step.handle_forwarded and step.miss_reason == "prefix_mismatch" and step.pulled_tokens == 0
+    assert fresh.steps[0].stats.miss_reason == "no_handle"
+    assert edited.steps[0].token_ids == fresh.steps[0].token_ids, _first_difference(
+        edited.steps[0].token_ids, fresh.steps[0].token_ids
+    )
+
+
+def test_rewound_history_never_forwards_the_handle(pair: EmbeddedPair) -> None:
+    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) as session:
+        _run(session, QUESTIONS[:2])
+        session.rewind()
+        again = session.run_sync("And f9?")
+        after = session.run_sync("And f2?")
+    assert again.steps[0].stats.miss_reason == "prefix_mismatch"
+    assert after.steps[0].stats.pulled_tokens > 0  # the new branch is pinned again
+
+
+def test_an_expiring_pin_is_not_pushed_back(pair: EmbeddedPair) -> None:
+    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, expiry_margin_s=10) as session:
+        session.run_sync(QUESTIONS[0])
+        time.sleep(pair.pin_ttl_s - 10 + 1)  # inside the margin before D's pin expires
+        late = session.run_sync(QUESTIONS[1])
+        on_time = session.run_sync(QUESTIONS[2])
+    step = late.steps[0].stats
+    _assert_invariant(step)
+    assert step.miss_reason == "expired" and not step.handle_forwarded and step.pulled_tokens == 0
+    assert on_time.steps[0].stats.pulled_tokens > 0
+
+
+def test_a_read_p_declines_is_recomputed(pair: EmbeddedPair) -> None:
+    """Forwarded too late on purpose (margin 0): P declines reads within 5 s of expiry."""
+    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, expiry_margin_s=0) as session:
+        first = session.run_sync(QUESTIONS[0])
+        time.sleep(pair.pin_ttl_s - 3)
+        late = session.run_sync(QUESTIONS[1])
+    step = late.steps[0].stats
+    _assert_invariant(step)
+    assert step.handle_forwarded and step.miss_reason == "declined" and step.pulled_tokens == 0
+    assert late.text and first.text
+
+
+def test_bad_input_leaves_the_session_usable(pair: EmbeddedPair) -> None:
+    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) as session:
+        session.run_sync(QUESTIONS[0])
+        before = session.token_ids
+        with pytest.raises(InvalidMessageError):
+            session.run_sync("")
+        with pytest.raises(ContextLengthError):
+            session.run_sync("word " * 3000)
+        assert session.token_ids == before
+        after = session.run_sync(QUESTIONS[1])
+    assert after.steps[0].stats.pulled_tokens > 0  # the pin survived the refused inputs
+
+
+@pytest.mark.anyio
+async def test_concurrent_sessions_share_the_pair(pair: EmbeddedPair) -> None:
+    """Two conversations at once on one pair (a copilot backend), from an async caller."""
+    sessions = [Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) for _ in range(2)]
+    for session in sessions:
+        await anyio.to_thread.run_sync(session.__enter__)
+    results: dict[int, list[TurnResult]] = {0: [], 1: []}
+
+    async def converse(index: int) -> None:
+        for question in QUESTIONS[:2]:
+            results[index].append(await sessions[index].run(question))
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(converse, 0)
+            group.start_soon(converse, 1)
+    finally:
+        for session in sessions:
+            await anyio.to_thread.run_sync(session.close)
+    for turns in results.values():
+        assert turns[1].steps[0].stats.pulled_tokens > 0
+        _assert_invariant(turns[1].steps[0].stats)
+    assert results[0][0].text == results[1][0].text  # greedy, same prompt
+
+
+def test_streamed_text_matches_the_answer(pair: EmbeddedPair) -> None:
+    deltas: list[str] = []
+    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) as session:
+        result = session.run_sync(QUESTIONS[0], on_event=lambda e: deltas.append(getattr(e, "text", "")))
+    assert "".join(deltas) == result.text and result.text

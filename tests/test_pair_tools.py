@@ -1,0 +1,57 @@
+"""The tool loop on the real pair: the KV of every step is pushed back, not only every turn."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from agentkv import EmbeddedPair, Session, tool
+
+pytestmark = pytest.mark.pair
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def _assert_pulled_from_step_two(steps: list) -> None:  # type: ignore[type-arg]
+    assert len(steps) >= 2
+    for step in steps:
+        stats = step.stats
+        assert stats.local_hit_tokens + stats.pulled_tokens + stats.computed_tokens == stats.prompt_tokens
+    for step in steps[1:]:
+        assert step.stats.handle_forwarded and step.stats.pulled_tokens > 0, step.stats
+
+
+def test_every_step_of_a_tool_turn_pulls_back_the_step_before(pair: EmbeddedPair) -> None:
+    with Session(engine=pair, tools=[add], tool_choice="required", max_steps=3, max_tokens=48) as session:
+        result = session.run_sync("What is 1234 + 4321?")
+        after = session.run_sync("Thanks. And 1 + 1?")  # the next turn continues the pinned tokens
+    first = result.steps[0]
+    assert first.tool_calls and first.tool_calls[0].name == "add"
+    assert isinstance(first.tool_calls[0].arguments.get("a"), int)  # schema-forced: a valid call
+    _assert_pulled_from_step_two(result.steps)
+    assert result.text
+    assert after.steps[0].stats.pulled_tokens > 0
+
+
+def _example() -> ModuleType:
+    path = Path(__file__).parent.parent / "examples" / "tools_agent.py"
+    spec = importlib.util.spec_from_file_location("tools_agent", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_tools_example_runs_end_to_end(pair: EmbeddedPair, capsys: pytest.CaptureFixture[str]) -> None:
+    result = _example().main(engine=pair)
+    first = result.steps[0]
+    assert first.tool_calls[0].name == "read_file" and "Dana" in first.tool_results[0].content
+    _assert_pulled_from_step_two(result.steps)
+    assert "answer:" in capsys.readouterr().out
