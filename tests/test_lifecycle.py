@@ -58,18 +58,24 @@ def test_a_dead_engine_is_replaced_and_nothing_leaks(pair: EmbeddedPair) -> None
 
 
 @pytest.mark.pair
-def test_interpreter_exit_without_close_stops_the_engine(tmp_path: object) -> None:
-    script = textwrap.dedent("""
+@pytest.mark.parametrize("ending", ["exit", "sigkill"])
+def test_a_process_that_ends_without_closing_leaves_no_engine(ending: str) -> None:
+    """A normal exit stops the engine (exit handler); SIGKILL of the parent too (the watchdog)."""
+    script = textwrap.dedent(f"""
+        import os, signal
         from agentkv import Colocated
         engine = Colocated(max_model_len=512, warmup=False)
         engine.__enter__()  # opened, never closed
-        print(" ".join(map(str, sorted(engine.pids))), flush=True)
+        print("PIDS", *sorted(engine.pids), flush=True)
+        if {ending!r} == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    pids = {int(pid) for pid in done.stdout.split()}
+    assert done.returncode == (0 if ending == "exit" else -signal.SIGKILL), done.stderr[-3000:]
+    marked = [line for line in done.stdout.splitlines() if line.startswith("PIDS ")]
+    pids = {int(pid) for pid in marked[0].split()[1:]}
     assert pids
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert alive(pids) == set()

@@ -107,6 +107,14 @@ class LoopHome:
             finished.wait(timeout=_CANCEL_GRACE_S)  # the task has unwound (turn rolled back)
             raise
 
+    def call_or_stop(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """`call`, and stop this home's thread if the call fails (an open that did not happen)."""
+        try:
+            return self.call(fn, *args)
+        except BaseException:
+            self.stop()
+            raise
+
     async def call_async(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Await ``fn(*args)`` on this loop from a task on another loop."""
         if self.is_current():

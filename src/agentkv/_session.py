@@ -169,11 +169,7 @@ class Session:
             self._engine.home.call(self.open)
             return self
         self._home = LoopHome.start_thread()
-        try:
-            self._home.call(self.open)
-        except BaseException:
-            self._home.stop()
-            raise
+        self._home.call_or_stop(self.open)
         return self
 
     def __exit__(

@@ -203,11 +203,7 @@ class Engine(ABC):
         if self._state is not EngineState.UNOPENED:
             raise SessionClosedError(f"{type(self).__name__} is {self._state.value}; use a new engine")
         self.home = LoopHome.start_thread()
-        try:
-            self.home.call(self.open)
-        except BaseException:
-            self.home.stop()
-            raise
+        self.home.call_or_stop(self.open)
         return self
 
     def __exit__(

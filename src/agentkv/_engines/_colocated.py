@@ -78,10 +78,7 @@ class Colocated(Engine):
                 model_path=model_path, max_model_len=self._max_model_len, kv_cache_gib=self._kv_cache_gib
             ),
         )
-        self._progress(f"agentkv: starting the colocated engine on cores {cores}")
-        started = time.perf_counter()
-        await anyio.to_thread.run_sync(self._engine.start)
-        self._progress(f"agentkv: colocated engine up in {time.perf_counter() - started:.0f} s")
+        await self._engine.start_async(self._progress)
         self._info = EngineInfo(
             kind="colocated",
             model_path=model_path,
@@ -102,9 +99,7 @@ class Colocated(Engine):
 
     async def _stop(self) -> None:
         if self._engine is not None:
-            killed = await anyio.to_thread.run_sync(self._engine.shutdown)
-            if killed:
-                logger.warning("agentkv: colocated engine processes %s had to be killed", sorted(killed))
+            await self._engine.shutdown_async()
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -42,6 +42,7 @@ class EmbeddedPair(Engine):
         kv_cache_gib: KV cache per engine (``VLLM_CPU_KVCACHE_SPACE``).
         pin_ttl_s: how long D pins a step's blocks (``decoder_kv_blocks_ttl``).
         recompute_threshold: P recomputes instead of pulling fewer tokens than this.
+        connector_options: more ``kv_connector_extra_config`` for vLLM's NIXL connector (they win).
         warmup: run two short steps at start so first-call costs (kernels, NIXL handshakes)
             do not land on the user's first turn.
         step_timeout_s: a step that makes no progress for this long fails with `EngineError`.
@@ -59,6 +60,7 @@ class EmbeddedPair(Engine):
         kv_cache_gib: float = 1.0,
         pin_ttl_s: float = 480.0,
         recompute_threshold: int = 16,
+        connector_options: Mapping[str, Any] | None = None,
         warmup: bool = True,
         step_timeout_s: float = 300.0,
         progress: Callable[[str], None] | None = None,
@@ -74,6 +76,7 @@ class EmbeddedPair(Engine):
         self._kv_cache_gib = kv_cache_gib
         self.pin_ttl_s = pin_ttl_s
         self._recompute_threshold = recompute_threshold
+        self._connector_options = dict(connector_options or {})
         self._warmup = warmup
         self._step_timeout_s = step_timeout_s
         self._progress = progress or (lambda line: logger.info("%s", line))
@@ -110,6 +113,7 @@ class EmbeddedPair(Engine):
             "bidirectional_kv_xfer": self.bidirectional,
             "kv_recompute_threshold": self._recompute_threshold,
             "decoder_kv_blocks_ttl": self.pin_ttl_s,
+            **self._connector_options,
         }
         for name, role, cores, prefix in (
             ("prefill", "kv_producer", p_cores, self.prefill_prefix_cache),
@@ -133,10 +137,7 @@ class EmbeddedPair(Engine):
                 self._p = engine
             else:
                 self._d = engine
-            self._progress(f"agentkv: starting the {name} engine on cores {cores}")
-            started = time.perf_counter()
-            await anyio.to_thread.run_sync(engine.start)
-            self._progress(f"agentkv: {name} engine up in {time.perf_counter() - started:.0f} s")
+            await engine.start_async(self._progress)
         self._info = EngineInfo(
             kind="pair",
             model_path=model_path,
@@ -175,9 +176,7 @@ class EmbeddedPair(Engine):
     async def _stop(self) -> None:
         engines = [e for e in (self._d, self._p) if e is not None]
         for engine in engines:
-            killed = await anyio.to_thread.run_sync(engine.shutdown)
-            if killed:
-                logger.warning("agentkv: %s engine processes %s had to be killed", engine.name, sorted(killed))
+            await engine.shutdown_async()
 
     # ----------------------------------------------------------------- one step
 

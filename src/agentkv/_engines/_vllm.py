@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.to_thread
 
 from .._errors import EngineDeadError, EngineError, EngineStartError, UserError
 from ._base import Sampling, TokenDelta
 from ._system import cpu_list, descendants, is_helper, kill_and_reap, repin_threads
+from ._watchdog import forget_pids, watch_pids
 
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
@@ -138,6 +140,7 @@ class VLLMEngine:
             finally:
                 self.pids = {pid for pid in descendants(os.getpid()) - before if not is_helper(pid)}
         _RUNNING.add(self)
+        watch_pids(self.pids)
         self._hook_prefill_stats()
         self.repin()
         logger.info("agentkv: %s engine up on cores %s (pids %s)", self.name, cpu_list(self.cores), sorted(self.pids))
@@ -160,9 +163,25 @@ class VLLMEngine:
         )
         return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
 
+    async def start_async(self, progress: Callable[[str], None]) -> None:
+        """`start` in a worker thread, with a progress line before and after."""
+        progress(f"agentkv: starting the {self.name} engine on cores {cpu_list(self.cores)}")
+        started = time.perf_counter()
+        await anyio.to_thread.run_sync(self.start)
+        progress(f"agentkv: {self.name} engine up in {time.perf_counter() - started:.0f} s")
+
+    async def shutdown_async(self) -> None:
+        """`shutdown` in a worker thread; a process that had to be killed is logged."""
+        killed = await anyio.to_thread.run_sync(self.shutdown)
+        if killed:
+            logger.warning("agentkv: %s engine processes %s had to be killed", self.name, sorted(killed))
+
     def repin(self) -> None:
         """Keep every thread of this engine's processes on its own cores (see `repin_threads`)."""
-        self.pids |= {child for pid in self.pids for child in descendants(pid)}
+        found = {child for pid in self.pids for child in descendants(pid)} - self.pids
+        if found:
+            self.pids |= found
+            watch_pids(found)
         moved = repin_threads(self.pids, self.cores)
         if moved:
             logger.debug("agentkv: re-pinned %d threads of the %s engine to cores %s", moved, self.name, self.cores)
@@ -178,7 +197,9 @@ class VLLMEngine:
                 logger.debug("agentkv: %s engine shutdown raised", self.name, exc_info=True)
             del llm
             gc.collect()  # run AsyncLLM.__del__ now, while the interpreter is whole
-        return kill_and_reap(self.pids)
+        killed = kill_and_reap(self.pids)
+        forget_pids(self.pids)
+        return killed
 
     @property
     def llm(self) -> AsyncLLM:

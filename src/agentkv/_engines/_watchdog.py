@@ -1,0 +1,73 @@
+"""A watchdog process that stops engine processes if this process dies without closing them.
+
+``atexit`` covers a normal exit and Ctrl-C, but not SIGTERM or SIGKILL of the Python process
+that embeds the engines; vLLM's engine cores then keep running as orphans. The watchdog is
+a small process that holds the read end of a pipe from this process: it learns the engine
+pids as they start and stop, and when the pipe closes (this process is gone, however it
+ended) it terminates every pid still registered.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable
+
+__all__ = ["forget_pids", "watch_pids"]
+
+logger = logging.getLogger("agentkv")
+
+_WATCHDOG = r"""
+import os, signal, sys, time
+pids = set()
+for line in sys.stdin:
+    sign, pid = line[0], int(line[1:])
+    (pids.add if sign == "+" else pids.discard)(pid)
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    time.sleep(3)
+"""
+
+_lock = threading.Lock()
+_process: subprocess.Popen[str] | None = None
+
+
+def _send(lines: Iterable[str]) -> None:
+    global _process
+    with _lock:
+        if _process is None or _process.poll() is not None:
+            _process = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG], stdin=subprocess.PIPE, text=True, start_new_session=True
+            )  # not in our process group: Ctrl-C spares it
+        assert _process.stdin is not None
+        try:
+            _process.stdin.writelines(lines)
+            _process.stdin.flush()
+        except OSError:  # the watchdog is gone; the next call starts another
+            logger.warning("agentkv: the engine watchdog died")
+
+
+def watch_pids(pids: Iterable[int]) -> None:
+    """Have these processes stopped if this process dies without stopping them."""
+    _send(f"+{pid}\n" for pid in pids)
+
+
+def forget_pids(pids: Iterable[int]) -> None:
+    """These processes were stopped properly; stop watching them."""
+    if _process is not None:
+        _send(f"-{pid}\n" for pid in pids)
+
+
+@atexit.register
+def _close() -> None:  # a normal exit: engines were stopped already; let the watchdog go
+    if _process is not None and _process.stdin is not None:
+        with contextlib.suppress(OSError):
+            _process.stdin.close()
