@@ -36,7 +36,7 @@ def _raw_handle(**changes: Any) -> dict[str, Any]:
 def _pin(**changes: Any) -> Pin:
     handle = parse_handle(_raw_handle(**changes))
     assert handle is not None
-    return Pin(handle, (1, 2, 3, 4, 5, 6))  # prompt + output; D computed the first 5
+    return Pin(handle, [1, 2, 3, 4, 5, 6])  # prompt + output; D computed the first 5
 
 
 def test_forwards_when_the_prompt_extends_the_pinned_tokens() -> None:

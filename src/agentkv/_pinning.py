@@ -9,7 +9,6 @@ not expired or about to be.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._engines import KVHandle
@@ -23,11 +22,11 @@ class Pin:
     """D's handle and the tokens its blocks hold KV for (the prompt plus the output)."""
 
     handle: KVHandle
-    tokens: tuple[int, ...]
+    tokens: list[int]
 
 
 def choose_handle(
-    pin: Pin | None, prompt: Sequence[int], *, push_back: bool, expiry_margin_s: float, now: float | None = None
+    pin: Pin | None, prompt: list[int], *, push_back: bool, expiry_margin_s: float, now: float | None = None
 ) -> tuple[KVHandle | None, MissReason | None]:
     """The handle to push back with ``prompt``, or None and the reason why not."""
     if not push_back:
@@ -38,7 +37,7 @@ def choose_handle(
     if moment + expiry_margin_s >= pin.handle.remote_blocks_expiry_time:
         return None, "expired"
     held = pin.handle.remote_num_tokens
-    if held > len(pin.tokens) or len(prompt) <= held or list(prompt[:held]) != list(pin.tokens[:held]):
+    if held > len(pin.tokens) or len(prompt) <= held or prompt[:held] != pin.tokens[:held]:
         return None, "prefix_mismatch"
     return pin.handle, None
 

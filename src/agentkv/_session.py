@@ -379,7 +379,7 @@ class Session:
         assert done is not None
         conversation.add_output(done.token_ids, done.text)
         if done.handle is not None:
-            self._pin = Pin(done.handle, (*prompt, *done.token_ids))
+            self._pin = Pin(done.handle, prompt + list(done.token_ids))
         timings = done.timings
         stats = StepStats(
             turn=turn,

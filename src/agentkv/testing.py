@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 
 from ._engines import Engine, EngineInfo, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta, _vllm
 from ._errors import AgentKVError
-from ._model import DEFAULT_MODEL, cache_dir
+from ._model import DEFAULT_MODEL, cache_dir, prepare_model
 
 __all__ = ["ScriptedEngine", "UnconsumedScriptError", "block_real_engines"]
 
@@ -63,7 +64,7 @@ class ScriptedEngine(Engine):
     ) -> None:
         super().__init__()
         self._outputs = list(outputs)
-        self._model_path = model_path or cache_dir() / DEFAULT_MODEL
+        self._model_path = model_path
         self._max_model_len = max_model_len
         self._delay_s = delay_s
         self.requests: list[StepRequest] = []
@@ -73,8 +74,15 @@ class ScriptedEngine(Engine):
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(
-            kind="scripted", model_path=self._model_path, max_model_len=self._max_model_len, push_back=False
+            kind="scripted",
+            model_path=self._model_path or cache_dir() / DEFAULT_MODEL,
+            max_model_len=self._max_model_len,
+            push_back=False,
         )
+
+    async def _start(self) -> None:
+        if self._model_path is None:  # the bundled model's tokenizer; prepared once per machine
+            self._model_path = await anyio.to_thread.run_sync(prepare_model)
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
@@ -99,7 +107,7 @@ class ScriptedEngine(Engine):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self._model_path))
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.info.model_path))
         tokenizer = self._tokenizer
         ids = list(tokenizer.encode(text, add_special_tokens=False))
         return [*ids, int(tokenizer.eos_token_id)]
