@@ -38,7 +38,7 @@ from ._model import DEFAULT_MODEL, prepare_model
 from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
 from ._session import Mode, Session
 from ._stats import MissReason, SessionStats, StepStats, TurnStats
-from ._tools import Tool, ToolCall, ToolChoice, ToolResult, tool
+from ._tools import Tool, ToolCall, ToolChoice, ToolFormat, ToolResult, tool
 
 __version__ = "0.1.0"
 
@@ -79,6 +79,7 @@ __all__ = [
     "ToolCall",
     "ToolCallEvent",
     "ToolChoice",
+    "ToolFormat",
     "ToolResult",
     "ToolResultEvent",
     "TurnEnd",

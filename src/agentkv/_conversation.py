@@ -47,8 +47,10 @@ class Message(BaseModel):
 class ChatRenderer:
     """Token deltas from a Hugging Face tokenizer's chat template."""
 
-    def __init__(self, tokenizer: Any, *, system: Message | None) -> None:
+    def __init__(self, tokenizer: Any, *, system: Message | None, tools: list[dict[str, Any]] | None = None) -> None:
         self._tokenizer = tokenizer
+        self._tools = tools
+        """Tool schemas the template renders itself (models with native tool support), or None."""
         head = [system] if system is not None else []
         self._after_assistant = [
             *head,
@@ -68,11 +70,12 @@ class ChatRenderer:
 
     def with_system(self, system: Message | None) -> ChatRenderer:
         """A renderer for the same tokenizer with another system message."""
-        return ChatRenderer(self._tokenizer, system=system)
+        return ChatRenderer(self._tokenizer, system=system, tools=self._tools)
 
     def _render(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
+        extra = {"tools": self._tools} if self._tools is not None else {}
         text = self._tokenizer.apply_chat_template(
-            [m.template_dict() for m in messages], tokenize=False, add_generation_prompt=generation_prompt
+            [m.template_dict() for m in messages], tokenize=False, add_generation_prompt=generation_prompt, **extra
         )
         return str(text)
 

@@ -21,14 +21,18 @@ from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResult
 from ._stats import SessionStats, StepStats, TurnStats
 from ._tools import (
     Tool,
+    ToolCall,
     ToolChoice,
+    ToolFormat,
     ToolResult,
     check_tools,
     instructions,
     output_schema,
+    parse_native_output,
     parse_output,
     result_message,
     run_tool_calls,
+    template_tools,
 )
 
 __all__ = ["Mode", "Session"]
@@ -63,6 +67,8 @@ class Session:
         tools: functions the model may call (`@tool`-decorated or plain typed functions).
         tool_choice: ``"auto"``, ``"required"`` (the first step of each turn must call a tool),
             ``"none"`` or a tool's name (the first step must call it).
+        tool_format: ``"schema"`` (default; calls forced to JSON, works with any model) or
+            ``"native"`` (the model's chat template renders the tools; Hermes-style calls parsed).
         max_steps: the most model calls per turn; the last one is made to answer.
         max_tokens: the most tokens one model call may generate.
         temperature: sampling temperature (0: greedy).
@@ -80,6 +86,7 @@ class Session:
         system: str | None = None,
         tools: Sequence[Tool | Callable[..., Any]] = (),
         tool_choice: ToolChoice = "auto",
+        tool_format: ToolFormat = "schema",
         max_steps: int = 8,
         max_tokens: int = 256,
         temperature: float = 0.0,
@@ -101,7 +108,15 @@ class Session:
         _check_choice(tool_choice, self._tools)
         self._tool_choice = tool_choice
         self._max_steps = max_steps
-        if self._tools:
+        if tool_format not in ("schema", "native"):
+            raise UserError(f"tool_format must be 'schema' or 'native', not {tool_format!r}")
+        if tool_format == "native" and tool_choice != "auto":
+            raise UserError(
+                "with tool_format='native' the model decides (tool_choice='auto'); "
+                "forced calls need tool_format='schema'"
+            )
+        self._tool_format = tool_format
+        if self._tools and tool_format == "schema":
             system = (system or "") + instructions(self._tools)
         self._engine = engine
         self._owns_engine = engine is None
@@ -136,7 +151,8 @@ class Session:
             self._home = engine.home
             self.mode = self._resolve_mode(engine)
             tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, str(engine.info.model_path))
-            renderer = ChatRenderer(tokenizer, system=self._system)
+            native_tools = template_tools(self._tools) if self._tools and self._tool_format == "native" else None
+            renderer = ChatRenderer(tokenizer, system=self._system, tools=native_tools)
             self._conversation = Conversation(renderer, system=self._system)
         except BaseException:
             self._state = _State.CLOSED
@@ -281,7 +297,9 @@ class Session:
             answer: str | None = None
             for number in range(1, self._max_steps + 1):
                 forced_answer = number == self._max_steps
-                schema = output_schema(self._tools, "none" if forced_answer else choice) if self._tools else None
+                schema = None
+                if self._tools and self._tool_format == "schema":
+                    schema = output_schema(self._tools, "none" if forced_answer else choice)
                 step: Step | None = None
                 async for event in self._model_step(turn, number, schema):
                     if isinstance(event, Step):
@@ -293,7 +311,7 @@ class Session:
                     steps.append(step)
                     answer = step.text
                     break
-                calls, answer, error = parse_output(step.text, call_prefix=f"t{turn}s{number}")
+                calls, answer, error = self._parse_calls(step.text, f"t{turn}s{number}", last=forced_answer)
                 if answer is not None:
                     steps.append(step)
                     yield StepEnd(step=step)
@@ -325,7 +343,7 @@ class Session:
                 steps.append(step)
                 yield StepEnd(step=step)
                 conversation.add_messages(
-                    [Message(role="tool", name=r.name, content=result_message(r)) for r in results]
+                    [Message(role="tool", name=r.name, content=self._tool_message(r)) for r in results]
                 )
                 choice = "auto" if choice != "none" else choice  # a forced call is forced once per turn
             if not self._tools:
@@ -342,6 +360,19 @@ class Session:
         finally:
             self._busy = False
         yield TurnEnd(result=turn_result)
+
+    def _parse_calls(self, text: str, call_prefix: str, *, last: bool) -> tuple[list[ToolCall], str | None, str | None]:
+        """(tool calls, answer, error) from a step's output, in the session's tool format."""
+        if self._tool_format == "schema":
+            return parse_output(text, call_prefix=call_prefix)
+        calls, answer, error = parse_native_output(text, call_prefix=call_prefix)
+        if last and answer is None:  # the step bound: a native model cannot be forced; its calls are not run
+            return [], "", None
+        return calls, answer, error
+
+    def _tool_message(self, result: ToolResult) -> str:
+        """A tool result as the model reads it: raw content for native templates, JSON for schema mode."""
+        return result.content if self._tool_format == "native" else result_message(result)
 
     async def _model_step(
         self, turn: int, number: int, json_schema: dict[str, Any] | None

@@ -22,11 +22,18 @@ from pydantic_core import to_jsonable_python
 
 from ._errors import UserError
 
-__all__ = ["Tool", "ToolCall", "ToolChoice", "ToolResult", "check_tools", "run_tool_calls", "tool"]
+__all__ = ["Tool", "ToolCall", "ToolChoice", "ToolFormat", "ToolResult", "check_tools", "run_tool_calls", "tool"]
 
 ToolChoice = Literal["auto", "required", "none"] | str
 """``"auto"`` (the model decides), ``"required"`` (the first step must call a tool),
 ``"none"`` (no tools this turn) or a tool's name (the first step must call that tool)."""
+
+ToolFormat = Literal["schema", "native"]
+"""How tool calls are made: ``"schema"`` (default: the output is forced to JSON by vLLM
+structured outputs, so any model makes calls that parse) or ``"native"`` (the model's own
+chat-template tool support; calls are parsed from Hermes-style ``<tool_call>`` blocks)."""
+
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -182,6 +189,14 @@ def instructions(tools: dict[str, Tool]) -> str:
     )
 
 
+def template_tools(tools: dict[str, Tool]) -> list[dict[str, Any]]:
+    """The tools as chat templates take them (``apply_chat_template(..., tools=...)``)."""
+    return [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in tools.values()
+    ]
+
+
 def output_schema(tools: dict[str, Tool], choice: ToolChoice) -> dict[str, Any]:
     """The JSON schema the model's output is forced to (vLLM structured outputs) for this step."""
     answer = {
@@ -238,6 +253,34 @@ def parse_output(text: str, *, call_prefix: str) -> tuple[list[ToolCall], str | 
                 arguments=arguments if isinstance(arguments, dict) else {"value": arguments},
             )
         )
+    return calls, None, None
+
+
+def parse_native_output(text: str, *, call_prefix: str) -> tuple[list[ToolCall], str | None, str | None]:
+    """(tool calls, answer, error) from Hermes-style output: ``<tool_call>{"name":..., "arguments":...}</tool_call>``.
+
+    Output without tool-call blocks is the answer.
+    """
+    blocks = _TOOL_CALL_BLOCK.findall(text)
+    if not blocks:
+        if "<tool_call>" in text:
+            return [], None, "a <tool_call> block is not closed"
+        return [], text.strip(), None
+    calls: list[ToolCall] = []
+    for index, block in enumerate(blocks):
+        try:
+            raw = json.loads(block)
+        except json.JSONDecodeError as exc:
+            return [], None, f"tool call {index} is not valid JSON ({exc.msg})"
+        arguments = raw.get("arguments", {}) if isinstance(raw, dict) else None
+        if isinstance(arguments, str):  # some models send the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return [], None, f"tool call {index} has arguments that are not JSON"
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not isinstance(arguments, dict):
+            return [], None, f"tool call {index} needs a name and an arguments object"
+        calls.append(ToolCall(id=f"{call_prefix}-{index}", name=raw["name"], arguments=arguments))
     return calls, None, None
 
 
