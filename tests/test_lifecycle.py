@@ -29,14 +29,12 @@ def _engine_core_pid(pids: set[int]) -> int:
 
 
 @pytest.mark.pair
-def test_a_dead_engine_is_replaced_and_nothing_leaks(pair: EmbeddedPair) -> None:
-    with Session(system=SYSTEM, max_tokens=8, engine_options={"max_model_len": 1024}) as own:
+def test_a_dead_engine_is_replaced_and_nothing_leaks() -> None:
+    """One pair at a time: each idle pair keeps two cores busy (NIXL's progress threads poll)."""
+    with Session(system=SYSTEM, max_tokens=8, engine_options={"max_model_len": 1024, "pin_ttl_s": 30}) as own:
         first = own.engine
         assert isinstance(first, EmbeddedPair)
-        answer = own.run_sync("What is 2 + 2?")
-        with Session(engine=pair, system=SYSTEM, max_tokens=8) as shared:  # a second pair, side by side
-            assert shared.run_sync("What is 2 + 2?").text == answer.text
-        assert not set(first.ports) & set(pair.ports) and not first.pids & pair.pids
+        own.run_sync("What is 2 + 2?")
         first_pids, ports = first.pids, list(first.ports)
 
         os.kill(_engine_core_pid(first._d.pids if first._d else set()), signal.SIGKILL)  # D's engine core dies
@@ -51,10 +49,10 @@ def test_a_dead_engine_is_replaced_and_nothing_leaks(pair: EmbeddedPair) -> None
         assert [m.role for m in own.messages][-4:] == ["user", "assistant", "user", "assistant"]
         second = own.engine
         assert isinstance(second, EmbeddedPair)
+        assert not set(second.ports) & set(ports)
         second_pids, ports = second.pids, ports + list(second.ports)
     assert alive(second_pids) == set()
     assert not set(ports) & listening_ports()
-    assert pair.state.value == "open"  # the shared pair was never touched
 
 
 @pytest.mark.pair

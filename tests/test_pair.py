@@ -166,23 +166,3 @@ def test_streamed_text_matches_the_answer(pair: EmbeddedPair) -> None:
     with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) as session:
         result = session.run_sync(QUESTIONS[0], on_event=lambda e: deltas.append(getattr(e, "text", "")))
     assert "".join(deltas) == result.text and result.text
-
-
-def test_a_colocated_engine_gives_the_same_greedy_answers(pair: EmbeddedPair) -> None:
-    """The third mode, on its own engine: one vLLM engine with prefix caching on all cores."""
-    from agentkv import Colocated
-
-    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) as pushed:
-        on_pair = _run(pushed, QUESTIONS[:2])
-    with Colocated(max_model_len=2048) as colocated:
-        with Session(engine=colocated, system=SYSTEM, max_tokens=MAX_TOKENS) as session:
-            assert session.mode == "colocated"
-            alone = _run(session, QUESTIONS[:2])
-    for turn, (a, b) in enumerate(zip(on_pair, alone, strict=True), start=1):
-        stats = b.steps[0].stats
-        _assert_invariant(stats)
-        assert stats.pulled_tokens == 0 and stats.miss_reason == "push_back_off"
-        assert a.steps[0].token_ids == b.steps[0].token_ids, f"turn {turn}: " + _first_difference(
-            a.steps[0].token_ids, b.steps[0].token_ids
-        )
-    assert alone[1].steps[0].stats.local_hit_tokens > 0  # its prefix cache served turn 2

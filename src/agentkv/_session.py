@@ -363,11 +363,10 @@ class Session:
 
     def _parse_calls(self, text: str, call_prefix: str, *, last: bool) -> tuple[list[ToolCall], str | None, str | None]:
         """(tool calls, answer, error) from a step's output, in the session's tool format."""
-        if self._tool_format == "schema":
-            return parse_output(text, call_prefix=call_prefix)
-        calls, answer, error = parse_native_output(text, call_prefix=call_prefix)
-        if last and answer is None:  # the step bound: a native model cannot be forced; its calls are not run
-            return [], "", None
+        parse = parse_output if self._tool_format == "schema" else parse_native_output
+        calls, answer, error = parse(text, call_prefix=call_prefix)
+        if last and answer is None:  # the step bound: whatever the last step said is the answer; no calls run
+            return [], text.strip(), None
         return calls, answer, error
 
     def _tool_message(self, result: ToolResult) -> str:
