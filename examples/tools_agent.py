@@ -42,7 +42,7 @@ def main(engine: Engine | None = None) -> TurnResult:
         tools=[list_files, read_file],
         tool_choice="read_file",
         max_steps=4,
-        max_tokens=64,
+        max_tokens=128,
     ) as session:
         result = session.run_sync("Who is the release owner, according to notes.txt?")
     for step in result.steps:

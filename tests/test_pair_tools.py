@@ -51,7 +51,8 @@ def _example() -> ModuleType:
 
 def test_the_tools_example_runs_end_to_end(pair: EmbeddedPair, capsys: pytest.CaptureFixture[str]) -> None:
     result = _example().main(engine=pair)
-    first = result.steps[0]
-    assert first.tool_calls[0].name == "read_file" and "Dana" in first.tool_results[0].content
+    called = [step for step in result.steps if step.tool_calls]
+    assert called and called[0].tool_calls[0].name == "read_file"  # forced: a call that parses, maybe after retries
+    assert any("Dana" in r.content for step in called for r in step.tool_results)
     _assert_pulled_from_step_two(result.steps)
     assert "answer:" in capsys.readouterr().out
