@@ -18,6 +18,7 @@ Run: .venv/bin/python examples/compare_modes.py [--turns 6]
 import argparse
 import json
 import statistics
+from typing import Any
 
 from agentkv import EmbeddedPair, Session
 
@@ -60,13 +61,21 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
-    options = {"max_tokens": 48, "system": SYSTEM}
+
+    # Each mode's conversation differs from its first token: sessions on one pair must not hit
+    # P's prefix cache for tokens another session computed (identical conversations would).
+    def options(tag: str) -> dict[str, Any]:
+        return {"max_tokens": 48, "system": f"[{tag}] {SYSTEM}"}
+
     rows: dict[str, list[dict[str, float]]] = {}
     with EmbeddedPair(max_model_len=8192) as pair:
-        with Session(engine=pair, **options) as pushed, Session(engine=pair, mode="disaggregated", **options) as plain:
+        with (
+            Session(engine=pair, **options("a")) as pushed,
+            Session(engine=pair, mode="disaggregated", **options("b")) as plain,
+        ):
             rows.update(converse({"bidirectional": pushed, "disaggregated (P cache on)": plain}, args.turns))
     with EmbeddedPair(max_model_len=8192, bidirectional=False, prefill_prefix_cache=False) as baseline:
-        with Session(engine=baseline, **options) as session:
+        with Session(engine=baseline, **options("c")) as session:
             rows.update(converse({"disaggregated (P cache off)": session}, args.turns))
     reference = statistics.fmean(r["ttft_s"] for r in rows["bidirectional"][1:])
     print("\nmean TTFT of turns 2+:")
