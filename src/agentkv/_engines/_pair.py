@@ -265,7 +265,8 @@ class EmbeddedPair(Engine):
 
 def _prompt_split(stats: Any, prompt_tokens: int, num_cached_tokens: int | None) -> dict[str, int]:
     """Where the prompt's KV came from, from P's ``PrefillStats`` (exact)."""
-    if stats is None:  # vLLM reported no split: count P's cached tokens as local hits
+    if stats is None:  # vLLM reported no split (not seen in 0.32): say so, rather than guess quietly
+        logger.warning("agentkv: vLLM gave no prefill split for a step; its cached tokens are reported as local")
         local = min(num_cached_tokens or 0, prompt_tokens)
         return {"local_hit_tokens": local, "pulled_tokens": 0, "computed_tokens": prompt_tokens - local}
     return {

@@ -80,7 +80,6 @@ class TransferLedger:
     bytes: int = 0
     seconds: float = 0.0
     expired: int = 0
-    failed: int = 0
     shared: bool = False
     """Another request was in flight at the same time: bytes and seconds are not this one's alone."""
 
@@ -294,11 +293,9 @@ def _attribute(readouts: _Readouts, data: dict[str, Any]) -> None:
     moved = int(sum(data.get("bytes_transferred", ())))
     seconds = float(sum(data.get("transfer_duration", ())))
     expired = len(data.get("num_kv_expired_reqs", ()))
-    failed = len(data.get("num_failed_transfers", ()))
     ledgers = list(readouts.in_flight.values())
     for ledger in ledgers:
         ledger.expired += expired
-        ledger.failed += failed
         if len(ledgers) == 1:
             ledger.bytes += moved
             ledger.seconds += seconds
