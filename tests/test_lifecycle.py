@@ -30,7 +30,7 @@ def _engine_core_pid(pids: set[int]) -> int:
 
 @pytest.mark.pair
 def test_a_dead_engine_is_replaced_and_nothing_leaks() -> None:
-    """One pair at a time: each idle pair keeps two cores busy (NIXL's progress threads poll)."""
+    """The session starts its own pair, loses D, and starts another for the next turn."""
     with Session(system=SYSTEM, max_tokens=8, engine_options={"max_model_len": 1024, "pin_ttl_s": 30}) as own:
         first = own.engine
         assert isinstance(first, EmbeddedPair)

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import anyio
 import pytest
 
-from agentkv import ContextLengthError, EmbeddedPair, InvalidMessageError, Session, StepStats, TurnResult
+from agentkv import Colocated, ContextLengthError, EmbeddedPair, InvalidMessageError, Session, StepStats, TurnResult
+from agentkv._engines._system import alive, cpu_seconds, listening_ports
 
 pytestmark = pytest.mark.pair
 
@@ -166,3 +167,66 @@ def test_streamed_text_matches_the_answer(pair: EmbeddedPair) -> None:
     with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) as session:
         result = session.run_sync(QUESTIONS[0], on_event=lambda e: deltas.append(getattr(e, "text", "")))
     assert "".join(deltas) == result.text and result.text
+
+
+def test_greedy_answers_agree_across_modes(pair: EmbeddedPair) -> None:
+    """The same conversation, greedy, on the pair with and without push-back and on one engine.
+
+    The colocated engine runs the same float32 CPU kernels, and its prefix cache reuses KV
+    like P does, so the answers are required to be equal token for token.
+    """
+    answers: dict[str, list[list[int]]] = {}
+    for mode in ("bidirectional", "disaggregated"):
+        with Session(engine=pair, mode=mode, system=SYSTEM, max_tokens=MAX_TOKENS) as session:
+            answers[mode] = [result.steps[0].token_ids for result in _run(session)]
+    with (
+        Colocated(max_model_len=2048) as engine,
+        Session(engine=engine, system=SYSTEM, max_tokens=MAX_TOKENS) as session,
+    ):
+        results = _run(session)
+        answers["colocated"] = [result.steps[0].token_ids for result in results]
+        assert results[1].steps[0].stats.local_hit_tokens > 0  # its prefix cache served turn 2
+    for mode in ("disaggregated", "colocated"):
+        for turn, (a, b) in enumerate(zip(answers["bidirectional"], answers[mode], strict=True), start=1):
+            assert a == b, f"{mode}, turn {turn}: {_first_difference(a, b)}"
+
+
+def test_two_pairs_run_side_by_side(pair: EmbeddedPair) -> None:
+    """A second pair gets its own ports and processes, and closing it leaves the first one working."""
+    with EmbeddedPair(max_model_len=1024, pin_ttl_s=pair.pin_ttl_s) as second:
+        assert not set(second.ports) & set(pair.ports) and not second.pids & pair.pids
+        second_pids, second_ports = second.pids, list(second.ports)
+        with Session(engine=second, system=SYSTEM, max_tokens=4) as session:
+            assert session.run_sync(QUESTIONS[0]).text
+            assert session.run_sync(QUESTIONS[1]).steps[0].stats.pulled_tokens > 0
+    assert alive(second_pids) == set()
+    assert not set(second_ports) & listening_ports()
+    with Session(engine=pair, system=SYSTEM, max_tokens=4) as session:
+        assert session.run_sync(QUESTIONS[0]).text
+
+
+def test_an_idle_pair_leaves_the_cores_free(pair: EmbeddedPair) -> None:
+    """With KV parked on D (a pinned conversation), the pair's processes sleep until work comes.
+
+    vLLM's and NIXL's busy loops kept ~1.8 cores busy here before agentkv made them wait
+    (agentkv/_engines/_idle.py); the bound leaves a wide margin for a noisy machine.
+    """
+    with Session(engine=pair, system=SYSTEM, max_tokens=4) as session:
+        session.run_sync(QUESTIONS[0])  # D now pins this conversation's blocks
+        time.sleep(1)
+        before, started = cpu_seconds(pair.pids), time.monotonic()
+        time.sleep(4)
+        cores_busy = (cpu_seconds(pair.pids) - before) / (time.monotonic() - started)
+        assert cores_busy < 0.5, f"the idle pair kept {cores_busy:.2f} cores busy"
+        assert session.run_sync(QUESTIONS[1]).steps[0].stats.pulled_tokens > 0  # the pin was still there
+
+
+def test_a_cache_salt_keeps_sessions_apart(pair: EmbeddedPair) -> None:
+    def first_turn(salt: str) -> StepStats:
+        with Session(engine=pair, system=SYSTEM, max_tokens=2, cache_salt=salt) as session:
+            return session.run_sync(QUESTIONS[2]).steps[0].stats
+
+    salt = f"tenant-{time.monotonic_ns()}"
+    assert first_turn(salt).local_hit_tokens == 0
+    assert first_turn(salt).local_hit_tokens > 0  # the same tenant finds its blocks
+    assert first_turn(salt + "-other").local_hit_tokens == 0  # another tenant does not

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from agentkv import SessionStats, StepStats, TurnStats
+from agentkv import SessionStats, StepStats, TurnStats, plot_stats
 
 
 def _step(turn: int, **changes: Any) -> StepStats:
@@ -45,3 +46,17 @@ def test_aggregates_and_exports() -> None:
     assert stats.to_csv().splitlines()[0].startswith("mode,turn,step,ttft_s")
     assert "no_handle" in stats.table()
     assert "<table>" in stats._repr_html_()
+
+
+def test_one_call_plots_ttft_and_reuse_per_turn(tmp_path: Path) -> None:
+    turns = [TurnStats(turn=t, steps=[_step(t)], wall_s=1.0) for t in (1, 2, 3)]
+    bidirectional = SessionStats(mode="bidirectional", turns=turns)
+    figure = bidirectional.plot(path=tmp_path / "session.png")
+    ttft_axes, reuse_axes = figure.axes
+    assert list(ttft_axes.lines[0].get_ydata()) == [0.5, 0.25, 0.5 / 3]
+    assert list(reuse_axes.lines[0].get_ydata()) == [90.0, 90.0, 90.0]
+    assert (tmp_path / "session.png").read_bytes().startswith(b"\x89PNG")
+    both = plot_stats(bidirectional, SessionStats(mode="colocated", turns=turns[:2]))
+    assert [line.get_label() for line in both.axes[0].lines] == ["bidirectional", "colocated"]
+    with pytest.raises(ValueError, match="one label per session"):
+        plot_stats(bidirectional, labels=["a", "b"])

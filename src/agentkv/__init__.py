@@ -35,6 +35,7 @@ from ._errors import (
     UserError,
 )
 from ._model import DEFAULT_MODEL, prepare_model
+from ._plots import plot_stats
 from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
 from ._session import Mode, Session
 from ._stats import MissReason, SessionStats, StepStats, TurnStats
@@ -87,6 +88,7 @@ __all__ = [
     "TurnStats",
     "UserError",
     "__version__",
+    "plot_stats",
     "prepare_model",
     "tool",
 ]

@@ -1,4 +1,4 @@
-"""The ``agentkv`` command: ``demo``, ``chat`` and ``models``."""
+"""The ``agentkv`` command: ``demo``, ``chat``, ``bench`` and ``models``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from ._errors import AgentKVError
@@ -14,6 +15,8 @@ from ._model import list_models, prepare_model
 from ._session import Session
 
 __all__ = ["main"]
+
+_BENCH_MODES = ("bidirectional", "disaggregated", "disaggregated-nocache", "colocated", "raw")
 
 _DEMO_SYSTEM = (
     "You are a coding agent working in the repository of a small Python web service. "
@@ -49,6 +52,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     chat.add_argument("--system", default="You are a helpful assistant.")
     chat.add_argument("--max-tokens", type=int, default=128)
 
+    bench = commands.add_parser("bench", help="one multi-turn workload under each mode, side by side, in one run")
+    bench.add_argument("--workload", default="agentic", help="agentic, coding or chat (default: agentic)")
+    bench.add_argument("--replay", metavar="FILE", help="replay the user messages of an OpenAI messages JSON file")
+    bench.add_argument("--modes", default=",".join(_BENCH_MODES), help="comma-separated (default: all)")
+    bench.add_argument("--turns", type=int, default=4)
+    bench.add_argument("--sessions", type=int, default=1, help="concurrent sessions per mode")
+    bench.add_argument("--scale", type=float, default=1.0, help="multiply the workload's sizes")
+    bench.add_argument("--max-tokens", type=int, default=None, help="answer length (default: the workload's)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--max-model-len", type=int, default=4096)
+    bench.add_argument("--json", default="agentkv-bench.json", help="write the report here ('' for none)")
+    bench.add_argument("--plot", default="agentkv-bench.png", help="draw the plot here ('' for none)")
+
     models = commands.add_parser("models", help="list the bundled models, or prepare one")
     models.add_argument("action", nargs="?", choices=("list", "prepare"), default="list")
     models.add_argument("name", nargs="?", default=None)
@@ -63,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(args)
         if args.command == "chat":
             return _chat(args)
+        if args.command == "bench":
+            return _bench(args)
         return _models(args)
     except AgentKVError as exc:
         print(f"agentkv: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -94,6 +112,69 @@ def _demo(args: argparse.Namespace) -> int:
         if args.json:
             with open(args.json, "w") as handle:
                 handle.write(summary.to_json())
+    return 0
+
+
+class _ProgressBar:
+    """One line on stderr, redrawn in place on a terminal, one line per update elsewhere (CI logs)."""
+
+    def __init__(self) -> None:
+        self._tty = sys.stderr.isatty()
+        self._started = time.monotonic()
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        width = 24
+        filled = round(width * done / total) if total else width
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps  {time.monotonic() - self._started:5.0f} s  {label}"
+        if self._tty:
+            print(f"\r{line:<100}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ._bench import load_replay, make_workload, run_bench_sync, table, write_outputs
+
+    try:
+        if args.replay:
+            workload = load_replay(args.replay, max_tokens=args.max_tokens or 64, turns=args.turns)
+        else:
+            workload = make_workload(args.workload, turns=args.turns, scale=args.scale, seed=args.seed)
+            if args.max_tokens:
+                workload = dataclasses.replace(workload, max_tokens=args.max_tokens)
+        modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+        report = run_bench_sync(
+            workload,
+            modes=modes,
+            sessions=args.sessions,
+            max_model_len=args.max_model_len,
+            progress=_ProgressBar(),
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except ValueError as exc:
+        print(f"agentkv bench: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"\nworkload: {workload.name} ({workload.description}); {report.turns} turns, {report.sessions} session(s) per mode"
+    )
+    print("figures over turns 2+; TTFT on the client clock (call -> first token); seconds\n")
+    print(table(report.summaries))
+    if report.floor is not None:
+        print(
+            f"\nfloor: {report.floor.a_s:.3f} s + {report.floor.b_s_per_token * 1000:.2f} ms/token (+ the step's transfer)"
+        )
+    if report.answers_agree:
+        agree = ", ".join(f"{mode} {'yes' if same else 'NO'}" for mode, same in report.answers_agree.items())
+        print(f"greedy answers equal to bidirectional's: {agree}")
+    try:
+        written = write_outputs(report, json_path=args.json or None, plot_path=args.plot or None)
+    except ImportError:
+        written = write_outputs(report, json_path=args.json or None, plot_path=None)
+        print("agentkv bench: no plot: matplotlib is missing (pip install 'agentkv[plot]')", file=sys.stderr)
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 

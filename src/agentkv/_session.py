@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import time
 import uuid
@@ -74,6 +75,10 @@ class Session:
         temperature: sampling temperature (0: greedy).
         seed: sampling seed.
         expiry_margin_s: a pin that expires within this many seconds is not pushed back.
+        cache_salt: keep this session's cached KV apart: blocks cached under one salt never
+            serve a request with another (vLLM ``cache_salt``), on P, D or a colocated engine.
+            For tenants that must not share KV, and for measurements that must not help
+            each other. Default: none (sessions with equal prefixes share blocks).
         engine_options: keyword arguments for the session's own engine (e.g. ``max_model_len``).
     """
 
@@ -92,6 +97,7 @@ class Session:
         temperature: float = 0.0,
         seed: int | None = None,
         expiry_margin_s: float = 10.0,
+        cache_salt: str | None = None,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         if mode is not None and mode not in _MODES:
@@ -126,6 +132,7 @@ class Session:
         self._system = Message(role="system", content=system) if system is not None else None
         self._sampling = Sampling(max_tokens=max_tokens, temperature=temperature, seed=seed)
         self._expiry_margin_s = expiry_margin_s
+        self._cache_salt = cache_salt
         self._state = _State.UNOPENED
         self._home: LoopHome | None = None
         self._conversation: Conversation | None = None
@@ -150,7 +157,7 @@ class Session:
                 raise UserError("open the engine before giving it to a session (`with EmbeddedPair() as pair:`)")
             self._home = engine.home
             self.mode = self._resolve_mode(engine)
-            tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, str(engine.info.model_path))
+            tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
             native_tools = template_tools(self._tools) if self._tools and self._tool_format == "native" else None
             renderer = ChatRenderer(tokenizer, system=self._system, tools=native_tools)
             self._conversation = Conversation(renderer, system=self._system)
@@ -192,6 +199,10 @@ class Session:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    def start(self) -> Session:
+        """`with`, for where a block cannot span the session (notebook cells): close with `close()`."""
+        return self.__enter__()
 
     def close(self) -> None:
         """Blocking `aclose`."""
@@ -398,7 +409,11 @@ class Session:
         )
         self._pin = None  # a handle is single-use, and an unforwarded pin is no longer ours to use
         request = StepRequest(
-            request_id=f"agentkv-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling, handle=handle
+            request_id=f"agentkv-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            handle=handle,
+            cache_salt=self._cache_salt,
         )
         done: StepDone | None = None
         async for event in engine.step(request):
@@ -488,6 +503,7 @@ class Session:
             max_tokens=self._sampling.max_tokens,
             temperature=self._sampling.temperature,
             seed=self._sampling.seed,
+            cache_salt=self._cache_salt,
             expiry_margin_s=self._expiry_margin_s,
         )
         twin._system = conversation.system
@@ -534,7 +550,9 @@ def _check_message(message: object) -> None:
         raise InvalidMessageError("a message must not be empty")
 
 
-def _load_tokenizer(model_path: str) -> Any:
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(model_path: str) -> Any:
+    """The model's Hugging Face tokenizer, loaded once per process (sessions only read it)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)

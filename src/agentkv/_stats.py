@@ -10,6 +10,7 @@ import csv
 import html
 import io
 import statistics
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field, model_validator
@@ -192,6 +193,15 @@ class SessionStats(BaseModel):
             )
         widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
         return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in lines)
+
+    def plot(self, *, path: str | Path | None = None) -> Any:
+        """TTFT and reuse per turn as a matplotlib ``Figure`` (shown by a notebook; PNG if ``path``).
+
+        To compare sessions (say, one per mode) in one figure: ``agentkv.plot_stats(a.stats, b.stats)``.
+        """
+        from ._plots import plot_stats
+
+        return plot_stats(self, path=path)
 
     def _repr_html_(self) -> str:
         head = "".join(

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from .._errors import EngineDeadError, SessionClosedError
 from .._home import LoopHome
@@ -54,6 +54,8 @@ class StepRequest:
     prompt_token_ids: Sequence[int]
     sampling: Sampling
     handle: KVHandle | None = None
+    cache_salt: str | None = None
+    """Prefix-cache namespace: blocks cached under one salt never serve another (vLLM ``cache_salt``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +212,11 @@ class Engine(ABC):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    def start(self) -> Self:
+        """`with`, for where a block cannot span the engine's life (notebook cells): close with `close()`."""
+        self.__enter__()
+        return self
 
     def close(self) -> None:
         """Blocking `aclose` for an engine opened with ``with``."""

@@ -110,7 +110,12 @@ class Colocated(Engine):
         started = time.perf_counter()
         params = vllm_sampling(request.sampling, kv_transfer_params=None, stream=True)
         stream = DecodeStream(
-            engine, request.prompt_token_ids, params, request.request_id, idle_timeout_s=self._step_timeout_s
+            engine,
+            request.prompt_token_ids,
+            params,
+            request.request_id,
+            idle_timeout_s=self._step_timeout_s,
+            cache_salt=request.cache_salt,
         )
         try:
             async for delta in stream:

@@ -21,6 +21,7 @@ from .._errors import EngineDeadError, EngineError, UserError
 from .._model import prepare_model
 from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings
 from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params
+from ._idle import idle_env
 from ._system import free_port, split_cores
 from ._vllm import DecodeStream, TransferLedger, VLLMEngine, VLLMSettings, engine_seconds, vllm_sampling
 
@@ -43,6 +44,10 @@ class EmbeddedPair(Engine):
         pin_ttl_s: how long D pins a step's blocks (``decoder_kv_blocks_ttl``).
         recompute_threshold: P recomputes instead of pulling fewer tokens than this.
         connector_options: more ``kv_connector_extra_config`` for vLLM's NIXL connector (they win).
+        idle_poll_ms: how often an engine with nothing to run checks its parked KV (reads
+            finished, pins expired) and NIXL's progress thread polls when no event wakes it.
+            New requests wake the engine at once. ``None`` keeps vLLM's and NIXL's busy loops:
+            about a core per engine while KV is parked.
         warmup: run two short steps at start so first-call costs (kernels, NIXL handshakes)
             do not land on the user's first turn.
         step_timeout_s: a step that makes no progress for this long fails with `EngineError`.
@@ -61,6 +66,7 @@ class EmbeddedPair(Engine):
         pin_ttl_s: float = 480.0,
         recompute_threshold: int = 16,
         connector_options: Mapping[str, Any] | None = None,
+        idle_poll_ms: int | None = 50,
         warmup: bool = True,
         step_timeout_s: float = 300.0,
         progress: Callable[[str], None] | None = None,
@@ -77,6 +83,9 @@ class EmbeddedPair(Engine):
         self.pin_ttl_s = pin_ttl_s
         self._recompute_threshold = recompute_threshold
         self._connector_options = dict(connector_options or {})
+        if idle_poll_ms is not None and idle_poll_ms < 1:
+            raise UserError("idle_poll_ms must be at least 1 ms (or None for the busy loops)")
+        self._idle_poll_ms = idle_poll_ms
         self._warmup = warmup
         self._step_timeout_s = step_timeout_s
         self._progress = progress or (lambda line: logger.info("%s", line))
@@ -125,6 +134,7 @@ class EmbeddedPair(Engine):
                 settings=settings,
                 prefix_caching=prefix,
                 side_channel_port=free_port(),
+                extra_env=idle_env(self._idle_poll_ms),
                 kv_transfer={
                     "kv_connector": "NixlConnector",
                     "kv_role": role,
@@ -205,7 +215,12 @@ class EmbeddedPair(Engine):
         handoff = parse_prefill_result(p_out.kv_transfer_params)
         params = vllm_sampling(request.sampling, kv_transfer_params=handoff.model_dump(), stream=True)
         stream = DecodeStream(
-            d, request.prompt_token_ids, params, f"{request.request_id}-d", idle_timeout_s=self._step_timeout_s
+            d,
+            request.prompt_token_ids,
+            params,
+            f"{request.request_id}-d",
+            idle_timeout_s=self._step_timeout_s,
+            cache_salt=request.cache_salt,
         )
         async for delta in stream:
             yield delta
@@ -241,7 +256,7 @@ class EmbeddedPair(Engine):
         request_id = f"{request.request_id}-p{'h' if handle else ''}"
         final: Any = None
         with anyio.fail_after(self._step_timeout_s):
-            async for output in p.generate(request.prompt_token_ids, params, request_id):
+            async for output in p.generate(request.prompt_token_ids, params, request_id, cache_salt=request.cache_salt):
                 final = output
         stats, ledger = p.finish(request_id)
         if final is None or final.outputs[0].finish_reason == "error" or final.kv_transfer_params is None:

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,6 +102,7 @@ class VLLMEngine:
         prefix_caching: bool = True,
         kv_transfer: dict[str, Any] | None = None,
         side_channel_port: int | None = None,
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
         self.cores = list(cores)
@@ -109,6 +110,7 @@ class VLLMEngine:
         self.prefix_caching = prefix_caching
         self.kv_transfer = kv_transfer
         self.side_channel_port = side_channel_port
+        self.extra_env = dict(extra_env or {})
         self.pids: set[int] = set()
         self._llm: AsyncLLM | None = None
         self._readouts = _Readouts()
@@ -127,6 +129,7 @@ class VLLMEngine:
             env = {
                 "VLLM_CPU_OMP_THREADS_BIND": cpu_list(self.cores),
                 "VLLM_CPU_KVCACHE_SPACE": _gib(self.settings.kv_cache_gib),
+                **self.extra_env,
             }
             if self.side_channel_port is not None:
                 env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
@@ -215,7 +218,7 @@ class VLLMEngine:
     # ----------------------------------------------------------------- requests
 
     async def generate(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str, *, cache_salt: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream ``RequestOutput``s for one request, with errors translated to agentkv's."""
         from vllm.inputs import TokensPrompt
@@ -223,7 +226,10 @@ class VLLMEngine:
         llm = self.llm
         self._readouts.in_flight[request_id] = TransferLedger()
         try:
-            async for output in llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id):
+            prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+            if cache_salt is not None:
+                prompt["cache_salt"] = cache_salt
+            async for output in llm.generate(prompt, params, request_id):
                 yield output
         except Exception as exc:
             if isinstance(exc, EngineError):
@@ -376,8 +382,10 @@ class DecodeStream:
         request_id: str,
         *,
         idle_timeout_s: float,
+        cache_salt: str | None = None,
     ) -> None:
         self._engine = engine
+        self._cache_salt = cache_salt
         self._prompt = prompt_token_ids
         self._params = params
         self._request_id = request_id
@@ -394,7 +402,7 @@ class DecodeStream:
         return "".join(self._text)
 
     async def __aiter__(self) -> AsyncIterator[TokenDelta]:
-        outputs = self._engine.generate(self._prompt, self._params, self._request_id)
+        outputs = self._engine.generate(self._prompt, self._params, self._request_id, cache_salt=self._cache_salt)
         try:
             while True:
                 with anyio.fail_after(self._idle_timeout_s):

@@ -1,0 +1,120 @@
+"""``agentkv bench``: one multi-turn workload under each mode, in one run, side by side."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import anyio
+
+from .._engines import Engine
+from ._records import BenchReport, ModeSummary, StepRecord, summarize
+from ._report import plot, table
+from ._runner import MODES, Progress, run_modes
+from ._workloads import WORKLOADS, Workload, load_replay, make_workload
+
+__all__ = [
+    "MODES",
+    "Progress",
+    "WORKLOADS",
+    "BenchReport",
+    "ModeSummary",
+    "StepRecord",
+    "Workload",
+    "load_replay",
+    "make_workload",
+    "plot",
+    "run_bench",
+    "run_bench_sync",
+    "table",
+    "write_outputs",
+]
+
+logger = logging.getLogger("agentkv")
+
+
+def _machine() -> dict[str, str | int]:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+async def run_bench(
+    workload: Workload,
+    *,
+    modes: Sequence[str] = MODES,
+    sessions: int = 1,
+    max_model_len: int = 4096,
+    engines: Mapping[str, Engine] | None = None,
+    progress: Progress | None = None,
+    log: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Run ``workload`` under ``modes`` (interleaved turn by turn) and return what was measured.
+
+    ``progress`` is called before each round with (what runs, steps done, steps in all);
+    ``log`` with one line per start-up stage (default: the ``agentkv`` logger).
+    ``engines`` maps each mode to an open engine to use (the caller's to close); by default
+    the bench starts what the modes need and closes it at the end.
+    """
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    if sessions < 1:
+        raise ValueError("sessions must be at least 1")
+    records, walls, floor = await run_modes(
+        workload,
+        list(dict.fromkeys(modes)),
+        sessions=sessions,
+        max_model_len=max_model_len,
+        engines=engines,
+        progress=progress or (lambda *_: None),
+        log=log or (lambda line: logger.info("%s", line)),
+    )
+    records.sort(key=lambda r: (list(modes).index(r.mode), r.session, r.turn))
+    return BenchReport(
+        workload=workload.name,
+        workload_description=workload.description,
+        modes=list(dict.fromkeys(modes)),
+        sessions=sessions,
+        turns=len(workload.turns),
+        machine=_machine(),
+        floor=floor,
+        records=records,
+        round_wall_s=walls,
+        summaries=summarize(records, walls, floor),
+        answers_agree=_answers_agree(records),
+    )
+
+
+def _answers_agree(records: Sequence[StepRecord]) -> dict[str, bool]:
+    reference = {(r.session, r.turn): r.output_token_ids for r in records if r.mode == "bidirectional"}
+    if not reference:
+        return {}
+    modes = dict.fromkeys(r.mode for r in records if r.mode != "bidirectional")
+    return {
+        mode: all(r.output_token_ids == reference[(r.session, r.turn)] for r in records if r.mode == mode)
+        for mode in modes
+    }
+
+
+def run_bench_sync(workload: Workload, **options: object) -> BenchReport:
+    """`run_bench` from synchronous code (the CLI)."""
+    return anyio.run(lambda: run_bench(workload, **options))  # type: ignore[arg-type]
+
+
+def write_outputs(report: BenchReport, *, json_path: str | Path | None, plot_path: str | Path | None) -> list[Path]:
+    """Write the JSON report and the PNG plot; return what was written."""
+    written = []
+    if json_path:
+        target = Path(json_path)
+        target.write_text(report.model_dump_json(indent=2))
+        written.append(target)
+    if plot_path:
+        written.append(plot(report, plot_path))  # ImportError without matplotlib (agentkv[plot])
+    return written

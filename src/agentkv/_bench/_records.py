@@ -1,0 +1,140 @@
+"""What the benchmark measures per step, and the summary per mode (pydantic, written as JSON)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["BenchReport", "FloorFit", "ModeSummary", "StepRecord", "summarize"]
+
+
+class StepRecord(BaseModel):
+    """One turn of one session in one mode (each turn is one model call: no tools in the workloads)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: str
+    session: int
+    turn: int
+    ttft_s: float
+    """Client clock: the call (``Session.run``, or ``Engine.step`` for raw) to the first output token."""
+    engine_ttft_s: float
+    """The engine's own TTFT: request submitted to the first token (`StepStats.ttft_s`)."""
+    itl_s: list[float]
+    """Gaps between output tokens as the client received them."""
+    wall_s: float
+    prompt_tokens: int
+    new_tokens: int
+    """Tokens this turn appended to the conversation (the user message and chat template)."""
+    local_hit_tokens: int
+    pulled_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    kv_bytes: int | None
+    kv_transfer_s: float | None
+    miss_reason: str | None
+    output_token_ids: list[int]
+
+
+class FloorFit(BaseModel):
+    """Prefill time of n fresh tokens on one engine, measured at start: ``a_s + b_s_per_token * n``."""
+
+    a_s: float
+    b_s_per_token: float
+    points: list[tuple[int, float]]
+
+    def floor_s(self, new_tokens: int, transfer_s: float | None) -> float:
+        """Least TTFT of a step: compute only its new tokens, plus the KV transfer it needed."""
+        return self.a_s + self.b_s_per_token * new_tokens + (transfer_s or 0.0)
+
+
+class ModeSummary(BaseModel):
+    """One mode over turns 2+ of every session."""
+
+    mode: str
+    steps: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    engine_ttft_mean_s: float
+    itl_p50_s: float | None
+    itl_p90_s: float | None
+    ttft_vs_bidirectional: float | None
+    """Mean TTFT of this mode / mean TTFT of bidirectional (>1: slower than push-back)."""
+    reuse_ratio: float
+    pulled_tokens: int
+    computed_tokens: int
+    kv_bytes: int
+    kv_transfer_s: float
+    output_tokens_per_s: float
+    """Output tokens of all sessions / wall time of the rounds (sessions run concurrently)."""
+    floor_mean_s: float | None
+    ttft_over_floor: float | None
+    overhead_vs_raw_s: float | None
+    """Bidirectional only: its mean TTFT minus raw's (same pair, same push-back, no Session)."""
+
+
+class BenchReport(BaseModel):
+    """Everything one ``agentkv bench`` run measured."""
+
+    workload: str
+    workload_description: str
+    modes: list[str]
+    sessions: int
+    turns: int
+    machine: dict[str, str | int]
+    floor: FloorFit | None
+    records: list[StepRecord]
+    round_wall_s: dict[str, float]
+    summaries: list[ModeSummary]
+    answers_agree: dict[str, bool]
+    """Per mode: its greedy answers equal bidirectional's, token for token, on every turn."""
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def summarize(
+    records: Sequence[StepRecord], round_wall_s: dict[str, float], floor: FloorFit | None
+) -> list[ModeSummary]:
+    """Per-mode figures over turns 2+ (turn 1 has nothing to reuse in any mode)."""
+    modes = list(dict.fromkeys(r.mode for r in records))
+    later = {mode: [r for r in records if r.mode == mode and r.turn > 1] for mode in modes}
+    means = {mode: statistics.fmean(r.ttft_s for r in rows) for mode, rows in later.items() if rows}
+    summaries = []
+    for mode, rows in later.items():
+        if not rows:
+            continue
+        ttfts = [r.ttft_s for r in rows]
+        itls = [gap for r in rows for gap in r.itl_s]
+        floors = [floor.floor_s(r.new_tokens, r.kv_transfer_s) for r in rows] if floor else None
+        every = [r for r in records if r.mode == mode]
+        summaries.append(
+            ModeSummary(
+                mode=mode,
+                steps=len(rows),
+                ttft_mean_s=means[mode],
+                ttft_p50_s=_percentile(ttfts, 50),
+                ttft_p90_s=_percentile(ttfts, 90),
+                engine_ttft_mean_s=statistics.fmean(r.engine_ttft_s for r in rows),
+                itl_p50_s=_percentile(itls, 50) if itls else None,
+                itl_p90_s=_percentile(itls, 90) if itls else None,
+                ttft_vs_bidirectional=means[mode] / means["bidirectional"] if "bidirectional" in means else None,
+                reuse_ratio=sum(r.local_hit_tokens + r.pulled_tokens for r in rows)
+                / sum(r.prompt_tokens for r in rows),
+                pulled_tokens=sum(r.pulled_tokens for r in rows),
+                computed_tokens=sum(r.computed_tokens for r in rows),
+                kv_bytes=sum(r.kv_bytes or 0 for r in rows),
+                kv_transfer_s=sum(r.kv_transfer_s or 0.0 for r in rows),
+                output_tokens_per_s=sum(r.output_tokens for r in every) / round_wall_s[mode],
+                floor_mean_s=statistics.fmean(floors) if floors else None,
+                ttft_over_floor=statistics.fmean(t / f for t, f in zip(ttfts, floors, strict=True)) if floors else None,
+                overhead_vs_raw_s=means[mode] - means["raw"] if "raw" in means and mode == "bidirectional" else None,
+            )
+        )
+    return summaries

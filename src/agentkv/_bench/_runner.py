@@ -1,0 +1,266 @@
+"""Run one workload under several modes in one process, interleaved turn by turn.
+
+Engines: one bidirectional pair serves ``bidirectional``, ``disaggregated`` (P's prefix
+cache on) and ``raw``; ``disaggregated-nocache`` gets a pair whose P has no prefix cache
+and no push-back (the source's baseline); ``colocated`` one engine with prefix caching.
+All stay up for the whole run. In every turn each mode takes its turn in a rotated order,
+so machine noise and warm caches hit every mode alike; a mode's sessions run concurrently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from .._conversation import ChatRenderer, Conversation, Message
+from .._engines import Colocated, EmbeddedPair, Engine
+from .._engines._base import Sampling, StepDone, StepRequest, TokenDelta
+from .._engines._handle import KVHandle
+from .._results import TextDelta
+from .._session import Session, load_tokenizer
+from ._records import FloorFit, StepRecord
+from ._workloads import Workload
+
+__all__ = ["MODES", "Progress", "measure_floor", "run_modes"]
+
+MODES = ("bidirectional", "disaggregated", "disaggregated-nocache", "colocated", "raw")
+
+Progress = Callable[[str, int, int], None]
+"""Called with (what is running, steps done, steps in all)."""
+
+
+@dataclass
+class _Clock:
+    """Client-side arrival times of one step's output tokens."""
+
+    started: float = field(default_factory=time.perf_counter)
+    arrivals: list[tuple[float, int]] = field(default_factory=list[tuple[float, int]])
+
+    def tokens(self, count: int) -> None:
+        self.arrivals.append((time.perf_counter(), count))
+
+    @property
+    def ttft_s(self) -> float:
+        return self.arrivals[0][0] - self.started if self.arrivals else float("nan")
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Per-token gaps: a gap that brought k tokens counts as k gaps of 1/k each."""
+        gaps: list[float] = []
+        for (before, _), (after, count) in zip(self.arrivals, self.arrivals[1:], strict=False):
+            gaps.extend([(after - before) / count] * count)
+        return gaps
+
+
+class _RawConversation:
+    """Push-back driven by hand on the engine contract: no Session, no checks, no stats models."""
+
+    def __init__(self, engine: Engine, renderer: ChatRenderer, system: str, max_tokens: int, cache_salt: str) -> None:
+        self._engine = engine
+        self._cache_salt = cache_salt
+        system_message = Message(role="system", content=system)
+        self._conversation = Conversation(renderer.with_system(system_message), system=system_message)
+        self._max_tokens = max_tokens
+        self._handle: KVHandle | None = None
+
+    async def turn(self, message: str, clock: _Clock) -> tuple[list[int], StepDone]:
+        self._conversation.add_messages([Message(role="user", content=message)])
+        prompt = list(self._conversation.tokens)
+        request = StepRequest(
+            request_id=f"agentkv-raw-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt,
+            sampling=Sampling(max_tokens=self._max_tokens),
+            handle=self._handle,
+            cache_salt=self._cache_salt,
+        )
+        done: StepDone | None = None
+        async for event in self._engine.step(request):
+            if isinstance(event, TokenDelta):
+                clock.tokens(len(event.token_ids))
+            else:
+                done = event
+        assert done is not None
+        self._conversation.add_output(done.token_ids, done.text)
+        self._handle = done.handle
+        return prompt, done
+
+
+@dataclass
+class _Lane:
+    """One mode's sessions, and where each conversation stands."""
+
+    mode: str
+    sessions: list[Session | _RawConversation]
+    previous_end: list[int]
+    """Per session: prompt tokens plus output tokens of its last turn (what the next turn extends)."""
+
+    async def turn(self, index: int, turn: int, message: str) -> StepRecord:
+        clock = _Clock()
+        conversation = self.sessions[index]
+        if isinstance(conversation, _RawConversation):
+            prompt, done = await conversation.turn(message, clock)
+            timings, output, prompt_tokens = done.timings, list(done.token_ids), len(prompt)
+            pulled, local, computed = timings.pulled_tokens, timings.local_hit_tokens, timings.computed_tokens
+            engine_ttft, kv_bytes, kv_s, miss = timings.ttft_s, timings.kv_bytes, timings.kv_transfer_s, None
+        else:
+
+            def on_event(event: object) -> None:
+                if isinstance(event, TextDelta):
+                    clock.tokens(len(event.token_ids))
+
+            result = await conversation.run(message, on_event=on_event)
+            step = result.steps[0]
+            stats, output, prompt_tokens = step.stats, list(step.token_ids), step.stats.prompt_tokens
+            pulled, local, computed = stats.pulled_tokens, stats.local_hit_tokens, stats.computed_tokens
+            engine_ttft, kv_bytes, kv_s, miss = stats.ttft_s, stats.kv_bytes, stats.kv_transfer_s, stats.miss_reason
+        wall = time.perf_counter() - clock.started
+        new_tokens = prompt_tokens - self.previous_end[index]
+        self.previous_end[index] = prompt_tokens + len(output)
+        return StepRecord(
+            mode=self.mode,
+            session=index,
+            turn=turn,
+            ttft_s=clock.ttft_s,
+            engine_ttft_s=engine_ttft,
+            itl_s=clock.itl_s,
+            wall_s=wall,
+            prompt_tokens=prompt_tokens,
+            new_tokens=new_tokens,
+            local_hit_tokens=local,
+            pulled_tokens=pulled,
+            computed_tokens=computed,
+            output_tokens=len(output),
+            kv_bytes=kv_bytes,
+            kv_transfer_s=kv_s,
+            miss_reason=miss,
+            output_token_ids=output,
+        )
+
+
+@contextlib.asynccontextmanager
+async def _engines(
+    modes: Sequence[str],
+    *,
+    given: Mapping[str, Engine] | None,
+    max_model_len: int,
+    progress: Callable[[str], None],
+) -> AsyncIterator[dict[str, Engine]]:
+    """The engines the modes need (given, or started one after another and closed on the way out)."""
+    if given is not None:
+        missing = [mode for mode in modes if mode not in given]
+        if missing:
+            raise ValueError(f"no engine given for mode(s) {', '.join(missing)}")
+        yield {mode: given[mode] for mode in modes}
+        return
+    async with contextlib.AsyncExitStack() as stack:
+        by_mode: dict[str, Engine] = {}
+        if {"bidirectional", "disaggregated", "raw"} & set(modes):
+            pair = EmbeddedPair(max_model_len=max_model_len, progress=progress)
+            await stack.enter_async_context(pair)
+            by_mode.update(bidirectional=pair, disaggregated=pair, raw=pair)
+        if "disaggregated-nocache" in modes:
+            baseline = EmbeddedPair(
+                max_model_len=max_model_len, bidirectional=False, prefill_prefix_cache=False, progress=progress
+            )
+            by_mode["disaggregated-nocache"] = await stack.enter_async_context(baseline)
+        if "colocated" in modes:
+            by_mode["colocated"] = await stack.enter_async_context(Colocated(max_model_len=max_model_len))
+        yield {mode: by_mode[mode] for mode in modes}
+
+
+async def measure_floor(engine: Engine, *, seed: int = 0, sizes: Sequence[int] = (16, 64, 256, 512)) -> FloorFit:
+    """Fit prefill time of n fresh tokens (no cache hit) on one engine: least squares, 2 runs per size."""
+    rng = random.Random(seed)
+    points: list[tuple[int, float]] = []
+    for size in [*sizes, *sizes]:
+        prompt = [rng.randrange(1000, 20000) for _ in range(size)]  # fresh tokens: no cached block
+        clock = _Clock()
+        request = StepRequest(
+            request_id=f"agentkv-floor-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=Sampling(max_tokens=1)
+        )
+        async for event in engine.step(request):
+            if isinstance(event, TokenDelta):
+                clock.tokens(len(event.token_ids))
+        points.append((size, clock.ttft_s))
+    mean_n = sum(n for n, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / sum((n - mean_n) ** 2 for n, _ in points)
+    return FloorFit(a_s=max(0.0, mean_t - slope * mean_n), b_s_per_token=slope, points=points)
+
+
+async def run_modes(
+    workload: Workload,
+    modes: Sequence[str],
+    *,
+    sessions: int,
+    max_model_len: int,
+    engines: Mapping[str, Engine] | None,
+    progress: Progress,
+    log: Callable[[str], None],
+) -> tuple[list[StepRecord], dict[str, float], FloorFit | None]:
+    """Replay the workload in every mode; return the records, each mode's round wall time, the floor."""
+    async with _engines(modes, given=engines, max_model_len=max_model_len, progress=log) as by_mode:
+        engines = by_mode
+        floor = None
+        if "colocated" in engines:
+            log("agentkv bench: measuring the floor (prefill of fresh tokens on the colocated engine)")
+            floor = await measure_floor(engines["colocated"])
+        lanes = await _open_lanes(workload, engines, sessions)
+        records: list[StepRecord] = []
+        walls = dict.fromkeys(modes, 0.0)
+        total = len(workload.turns) * len(modes) * sessions
+        try:
+            for turn, message in enumerate(workload.turns, start=1):
+                shift = (turn - 1) % len(lanes)
+                for lane in lanes[shift:] + lanes[:shift]:  # rotate who goes first
+                    progress(f"turn {turn}/{len(workload.turns)} {lane.mode}", len(records), total)
+                    started = time.perf_counter()
+                    async with anyio.create_task_group() as group:
+                        for index in range(sessions):
+                            group.start_soon(_collect, lane, index, turn, message, records)
+                    walls[lane.mode] += time.perf_counter() - started
+            progress("done", len(records), total)
+        finally:
+            for lane in lanes:
+                for session in lane.sessions:
+                    if isinstance(session, Session):
+                        await session.aclose()
+        return records, walls, floor
+
+
+async def _collect(lane: _Lane, index: int, turn: int, message: str, records: list[StepRecord]) -> None:
+    records.append(await lane.turn(index, turn, message))
+
+
+async def _open_lanes(workload: Workload, engines: dict[str, Engine], sessions: int) -> list[_Lane]:
+    """Every session of every mode, each under its own cache salt: the same prompts, no shared blocks."""
+    run = uuid.uuid4().hex[:8]
+    lanes = []
+    for mode, engine in engines.items():
+        members: list[Session | _RawConversation] = []
+        for index in range(sessions):
+            salt = f"agentkv-bench-{run}-{mode}-{index}"
+            if mode == "raw":
+                tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
+                renderer = ChatRenderer(tokenizer, system=None)
+                members.append(_RawConversation(engine, renderer, workload.system, workload.max_tokens, salt))
+            else:
+                session_mode: Any = "disaggregated" if mode.startswith("disaggregated") else mode
+                session = Session(
+                    engine=engine,
+                    mode=session_mode,
+                    system=workload.system,
+                    max_tokens=workload.max_tokens,
+                    cache_salt=salt,
+                )
+                await session.open()
+                members.append(session)
+        lanes.append(_Lane(mode, members, [0] * sessions))
+    return lanes
