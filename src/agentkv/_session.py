@@ -17,6 +17,7 @@ from ._conversation import ChatRenderer, Conversation, Message
 from ._engines import Colocated, EmbeddedPair, Engine, EngineState, Sampling, StepDone, StepRequest, TokenDelta
 from ._errors import ContextLengthError, InvalidMessageError, SessionClosedError, UserError
 from ._home import LoopHome
+from ._notebook import StartsInCells
 from ._pinning import Pin, choose_handle, miss_after_step
 from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
 from ._stats import SessionStats, StepStats, TurnStats
@@ -50,7 +51,7 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-class Session:
+class Session(StartsInCells):
     """A multi-turn conversation on an engine, with its KV pinned between steps.
 
     Use it as a context manager: ``async with Session() as s`` on your event loop, or
@@ -200,9 +201,10 @@ class Session:
     ) -> None:
         self.close()
 
-    def start(self) -> Session:
-        """`with`, for where a block cannot span the session (notebook cells): close with `close()`."""
-        return self.__enter__()
+    @property
+    def is_open(self) -> bool:
+        """Whether the session takes turns (open, and not closed)."""
+        return self._state is _State.OPEN
 
     def close(self) -> None:
         """Blocking `aclose`."""

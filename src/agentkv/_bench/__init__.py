@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -67,7 +68,11 @@ async def run_bench(
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     if sessions < 1:
         raise ValueError("sessions must be at least 1")
-    records, walls, floor = await run_modes(
+    homes = {id(engine.home): engine.home for engine in (engines or {}).values() if engine.home is not None}
+    if len(homes) > 1:
+        raise ValueError("the given engines live on different event loops; open them on one")
+    measure = functools.partial(
+        run_modes,
         workload,
         list(dict.fromkeys(modes)),
         sessions=sessions,
@@ -76,6 +81,11 @@ async def run_bench(
         progress=progress or (lambda *_: None),
         log=log or (lambda line: logger.info("%s", line)),
     )
+    home = next(iter(homes.values()), None)
+    if home is not None and not home.is_current():  # engines opened with `with`: run where they live
+        records, walls, floor = await home.call_async(measure)
+    else:
+        records, walls, floor = await measure()
     records.sort(key=lambda r: (list(modes).index(r.mode), r.session, r.turn))
     return BenchReport(
         workload=workload.name,

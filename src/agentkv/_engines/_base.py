@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal
 
 from .._errors import EngineDeadError, SessionClosedError
 from .._home import LoopHome
+from .._notebook import StartsInCells
 from ._handle import KVHandle
 
 __all__ = [
@@ -132,7 +133,7 @@ class EngineState(enum.Enum):
     CLOSED = "closed"
 
 
-class Engine(ABC):
+class Engine(StartsInCells, ABC):
     """An inference backend for sessions. Subclasses implement `step`, `_start` and `_stop`."""
 
     def __init__(self) -> None:
@@ -213,10 +214,10 @@ class Engine(ABC):
     ) -> None:
         self.close()
 
-    def start(self) -> Self:
-        """`with`, for where a block cannot span the engine's life (notebook cells): close with `close()`."""
-        self.__enter__()
-        return self
+    @property
+    def is_open(self) -> bool:
+        """Whether the engine is open (it may still have died: see `is_dead`)."""
+        return self._state is EngineState.OPEN
 
     def close(self) -> None:
         """Blocking `aclose` for an engine opened with ``with``."""
