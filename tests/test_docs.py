@@ -7,17 +7,18 @@ what an earlier one defined). Each starts the engines it names, as a reader's wo
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SNIPPET = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+SNIPPET = re.compile(r"^( *)```python\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
 
 
 def _snippets(page: Path) -> list[str]:
-    return SNIPPET.findall(page.read_text())
+    return [textwrap.dedent(code) for _, code in SNIPPET.findall(page.read_text())]
 
 
 def test_the_docs_have_snippets() -> None:
