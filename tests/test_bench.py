@@ -27,7 +27,7 @@ def _record(mode: str, turn: int, ttft: float, *, session: int = 0, pulled: int 
         pulled_tokens=pulled,
         computed_tokens=tokens - pulled,
         output_tokens=2,
-        kv_bytes=1000 if pulled else None,
+        kv_bytes=1000 if pulled else None,  # None: overlapped another step (not attributable)
         kv_transfer_s=0.01 if pulled else None,
         miss_reason=None if pulled else "push_back_off",
         output_token_ids=[1, 2],
@@ -80,7 +80,7 @@ def test_summaries_compare_modes_over_turns_two_and_later() -> None:
     assert bidi.steps == 2 and bidi.ttft_mean_s == pytest.approx(1.5)
     assert plain.ttft_vs_bidirectional == pytest.approx(3.0)
     assert bidi.reuse_ratio == pytest.approx(0.8) and plain.reuse_ratio == 0
-    assert bidi.kv_bytes == 2000 and plain.kv_bytes == 0
+    assert bidi.kv_bytes == 2000 and plain.kv_bytes is None
     assert bidi.output_tokens_per_s == pytest.approx(6 / 10)  # turn 1 counts for throughput
     assert bidi.floor_mean_s == pytest.approx(0.1 + 0.2 + 0.01)
     assert bidi.overhead_vs_raw_s == pytest.approx(0.25) and plain.overhead_vs_raw_s is None

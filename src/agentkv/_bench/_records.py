@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -66,8 +67,10 @@ class ModeSummary(BaseModel):
     reuse_ratio: float
     pulled_tokens: int
     computed_tokens: int
-    kv_bytes: int
-    kv_transfer_s: float
+    kv_bytes: int | None
+    """NIXL bytes of the mode's steps; None when some step's transfers overlapped another's
+    (concurrent sessions): the engines' counters cannot be split between them."""
+    kv_transfer_s: float | None
     output_tokens_per_s: float
     """Output tokens of all sessions / wall time of the rounds (sessions run concurrently)."""
     floor_mean_s: float | None
@@ -97,6 +100,15 @@ def _percentile(values: Sequence[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+_Number = TypeVar("_Number", int, float)
+
+
+def _total(values: Sequence[_Number | None]) -> _Number | None:
+    """The sum, or None if any value is unknown."""
+    known = [value for value in values if value is not None]
+    return sum(known[1:], known[0]) if known and len(known) == len(values) else None
 
 
 def summarize(
@@ -129,8 +141,8 @@ def summarize(
                 / sum(r.prompt_tokens for r in rows),
                 pulled_tokens=sum(r.pulled_tokens for r in rows),
                 computed_tokens=sum(r.computed_tokens for r in rows),
-                kv_bytes=sum(r.kv_bytes or 0 for r in rows),
-                kv_transfer_s=sum(r.kv_transfer_s or 0.0 for r in rows),
+                kv_bytes=_total([r.kv_bytes for r in rows]),
+                kv_transfer_s=_total([r.kv_transfer_s for r in rows]),
                 output_tokens_per_s=sum(r.output_tokens for r in every) / round_wall_s[mode],
                 floor_mean_s=statistics.fmean(floors) if floors else None,
                 ttft_over_floor=statistics.fmean(t / f for t, f in zip(ttfts, floors, strict=True)) if floors else None,

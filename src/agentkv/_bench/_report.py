@@ -32,8 +32,9 @@ def table(summaries: Sequence[ModeSummary]) -> str:
         lines.append(
             f"{s.mode:<22} {_seconds(s.ttft_mean_s):>9} {_seconds(s.ttft_p50_s):>7} {_seconds(s.ttft_p90_s):>7} "
             f"{_ratio(s.ttft_vs_bidirectional):>7} {_seconds(s.itl_p50_s):>7} {_seconds(s.itl_p90_s):>7} "
-            f"{s.reuse_ratio:>6.0%} {s.pulled_tokens:>7} {s.computed_tokens:>8} {s.kv_bytes / 1e6:>8.2f} "
-            f"{s.kv_transfer_s:>7.3f} {s.output_tokens_per_s:>6.1f} {_seconds(s.floor_mean_s):>6} "
+            f"{s.reuse_ratio:>6.0%} {s.pulled_tokens:>7} {s.computed_tokens:>8} "
+            f"{'-' if s.kv_bytes is None else f'{s.kv_bytes / 1e6:.2f}':>8} "
+            f"{_seconds(s.kv_transfer_s):>7} {s.output_tokens_per_s:>6.1f} {_seconds(s.floor_mean_s):>6} "
             f"{_ratio(s.ttft_over_floor):>6} {_seconds(s.overhead_vs_raw_s):>7}"
         )
     return "\n".join(lines)
