@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import anyio
 import pytest
 
 from agentkv import Colocated, ContextLengthError, EmbeddedPair, InvalidMessageError, Session, StepStats, TurnResult
-from agentkv._engines._system import alive, cpu_seconds, listening_ports
+from agentkv._engines._system import alive, listening_ports
 
 pytestmark = pytest.mark.pair
 
@@ -22,6 +23,19 @@ MAX_TOKENS = 12
 
 def _run(session: Session, questions: Sequence[str] = QUESTIONS) -> list[TurnResult]:
     return [session.run_sync(question) for question in questions]
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """CPU time (user + system, all threads) used so far by those of these processes still alive."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _assert_invariant(step: StepStats) -> None:

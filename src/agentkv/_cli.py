@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from ._errors import AgentKVError
 from ._model import list_models, prepare_model
@@ -135,7 +136,7 @@ class _ProgressBar:
 def _bench(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ._bench import load_replay, make_workload, run_bench_sync, table, write_outputs
+    from ._bench import load_replay, make_workload, plot, run_bench_sync, table
 
     try:
         if args.replay:
@@ -168,13 +169,15 @@ def _bench(args: argparse.Namespace) -> int:
     if report.answers_agree:
         agree = ", ".join(f"{mode} {'yes' if same else 'NO'}" for mode, same in report.answers_agree.items())
         print(f"greedy answers equal to bidirectional's: {agree}")
-    try:
-        written = write_outputs(report, json_path=args.json or None, plot_path=args.plot or None)
-    except ImportError:
-        written = write_outputs(report, json_path=args.json or None, plot_path=None)
-        print("agentkv bench: no plot: matplotlib is missing (pip install 'agentkv[plot]')", file=sys.stderr)
-    for path in written:
-        print(f"wrote {path}")
+    if args.json:
+        Path(args.json).write_text(report.model_dump_json(indent=2))
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            plot(report, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError as exc:
+            print(f"agentkv bench: no plot: {exc}", file=sys.stderr)
     return 0
 
 

@@ -13,7 +13,7 @@ import logging
 import re
 import sys
 import weakref
-from typing import Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 __all__ = ["StartsInCells", "replace_previous_from_this_cell"]
 
@@ -42,8 +42,9 @@ def _cell_run() -> int | None:
 class StartsInCells:
     """``start()`` for engines and sessions: ``with`` where a block cannot span their life."""
 
-    def __enter__(self) -> Any:
-        raise NotImplementedError
+    if TYPE_CHECKING:
+
+        def __enter__(self) -> Any: ...
 
     def start(self) -> Self:
         """Open on an event loop thread of its own, as ``with`` does; end it with ``close()``.

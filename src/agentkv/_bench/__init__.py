@@ -7,7 +7,6 @@ import logging
 import os
 import platform
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 import anyio
 
@@ -31,7 +30,6 @@ __all__ = [
     "run_bench",
     "run_bench_sync",
     "table",
-    "write_outputs",
 ]
 
 logger = logging.getLogger("agentkv")
@@ -116,15 +114,3 @@ def _answers_agree(records: Sequence[StepRecord]) -> dict[str, bool]:
 def run_bench_sync(workload: Workload, **options: object) -> BenchReport:
     """`run_bench` from synchronous code (the CLI)."""
     return anyio.run(lambda: run_bench(workload, **options))  # type: ignore[arg-type]
-
-
-def write_outputs(report: BenchReport, *, json_path: str | Path | None, plot_path: str | Path | None) -> list[Path]:
-    """Write the JSON report and the PNG plot; return what was written."""
-    written = []
-    if json_path:
-        target = Path(json_path)
-        target.write_text(report.model_dump_json(indent=2))
-        written.append(target)
-    if plot_path:
-        written.append(plot(report, plot_path))  # ImportError without matplotlib (agentkv[plot])
-    return written

@@ -173,19 +173,6 @@ def _reap(pids: Iterable[int], *, until: float) -> None:
             time.sleep(0.05)
 
 
-def cpu_seconds(pids: Iterable[int]) -> float:
-    """CPU time (user + system, all threads) used so far by those of these processes still alive."""
-    ticks = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def listening_ports() -> set[int]:
     """TCP ports in LISTEN state on this host (from /proc/net/tcp and tcp6)."""
     ports: set[int] = set()
