@@ -92,3 +92,27 @@ def test_ctrl_c_during_a_turn_cancels_it_and_keeps_the_conversation() -> None:
         assert session.token_ids == before
         engine._delay_s = 0
         assert session.run_sync("two").text == "never seen"  # the interrupted step consumed nothing
+
+
+@pytest.mark.pair
+def test_launched_servers_do_not_outlive_a_killed_parent() -> None:
+    """The servers of a LaunchedPair run in their own sessions; the watchdog still stops them."""
+    script = textwrap.dedent("""
+        import os, signal
+        from agentkv import LaunchedPair
+        pair = LaunchedPair(max_model_len=512, warmup=False)
+        pair.__enter__()
+        print("PIDS", *sorted(pair.pids), flush=True)
+        print("PORTS", *pair.ports, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line[:4] in ("PIDS", "PORT")}
+    pids, ports = {int(pid) for pid in lines["PIDS"]}, {int(port) for port in lines["PORTS"]}
+    assert len(pids) >= 4  # two servers, each with an engine core and a worker at least
+    deadline = time.monotonic() + 30
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive(pids) == set()
+    assert not ports & listening_ports()

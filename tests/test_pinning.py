@@ -124,3 +124,13 @@ def test_prefill_params_carry_the_handle_unchanged() -> None:
     params = prefill_params(handle)
     assert params == _raw_handle()
     assert prefill_params(None) == {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def test_a_deadline_in_this_hosts_clock_wins_over_ds_clock() -> None:
+    """D on another host: its expiry time is in its own clock; the engine gives ours (``handle_deadline``)."""
+    handle = _pin().handle  # D's clock says it expires at NOW + 100
+    later = Pin(handle, [1, 2, 3, 4, 5, 6], deadline=NOW + 1000)
+    sooner = Pin(handle, [1, 2, 3, 4, 5, 6], deadline=NOW + 5)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    assert choose_handle(later, prompt, push_back=True, expiry_margin_s=10, now=NOW + 500)[0] is handle
+    assert choose_handle(sooner, prompt, push_back=True, expiry_margin_s=10, now=NOW) == (None, "expired")

@@ -9,6 +9,7 @@ import pytest
 from agentkv import (
     ContextLengthError,
     EngineError,
+    EngineState,
     InvalidMessageError,
     Session,
     SessionClosedError,
@@ -91,9 +92,6 @@ def test_configuration_mistakes_raise_user_errors(engine: ScriptedEngine) -> Non
         Session(max_tokens=0)
     with pytest.raises(UserError), Session(engine=engine, mode="bidirectional"):
         pass  # a scripted engine has no push-back
-    unopened = ScriptedEngine([])
-    with pytest.raises(UserError), Session(engine=unopened):
-        pass
 
 
 def test_rewind_and_fork(engine: ScriptedEngine) -> None:
@@ -132,3 +130,11 @@ def test_the_script_must_be_consumed() -> None:
         session.run_sync("hi")
         with pytest.raises(UnconsumedScriptError):
             engine.assert_complete()
+
+
+def test_an_unopened_engine_given_to_a_session_is_the_sessions_own() -> None:
+    engine = ScriptedEngine(["Paris."])
+    with Session(engine=engine) as session:
+        assert engine.is_open
+        assert session.run_sync("Capital of France?").text == "Paris."
+    assert engine.state is EngineState.CLOSED

@@ -1,4 +1,4 @@
-"""The ``agentkv`` command: ``demo``, ``chat``, ``bench`` and ``models``."""
+"""The ``agentkv`` command: ``demo``, ``chat``, ``bench``, ``serve`` and ``models``."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from ._bench._runner import DEFAULT_MODES, MODES
+from ._engines import LaunchedPair, RemotePair
 from ._errors import AgentKVError
 from ._model import list_models, prepare_model
 from ._session import Session
 
 __all__ = ["main"]
 
-_BENCH_MODES = ("bidirectional", "disaggregated", "disaggregated-nocache", "colocated", "raw")
 
 _DEMO_SYSTEM = (
     "You are a coding agent working in the repository of a small Python web service. "
@@ -41,22 +43,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="a multi-turn agent conversation on the real pair, with a stats table")
-    demo.add_argument("--mode", choices=("bidirectional", "disaggregated", "colocated"), default="bidirectional")
+    demo.add_argument("--mode", choices=("bidirectional", "disaggregated", "colocated"), default=None)
     demo.add_argument("--model", default=None, help="bundled model name or HF folder (default: bundled SmolLM2)")
+    _engine_arguments(demo)
     demo.add_argument("--turns", type=int, default=len(_DEMO_TURNS), help="number of turns (up to 4)")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--json", metavar="FILE", help="also write the session stats as JSON to FILE")
 
     chat = commands.add_parser("chat", help="chat with the model in the terminal (empty line to quit)")
-    chat.add_argument("--mode", choices=("bidirectional", "disaggregated", "colocated"), default="bidirectional")
+    chat.add_argument("--mode", choices=("bidirectional", "disaggregated", "colocated"), default=None)
     chat.add_argument("--model", default=None)
+    _engine_arguments(chat)
     chat.add_argument("--system", default="You are a helpful assistant.")
     chat.add_argument("--max-tokens", type=int, default=128)
 
     bench = commands.add_parser("bench", help="one multi-turn workload under each mode, side by side, in one run")
     bench.add_argument("--workload", default="agentic", help="agentic, coding or chat (default: agentic)")
     bench.add_argument("--replay", metavar="FILE", help="replay the user messages of an OpenAI messages JSON file")
-    bench.add_argument("--modes", default=",".join(_BENCH_MODES), help="comma-separated (default: all)")
+    bench.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, from {', '.join(MODES)} (default: {', '.join(DEFAULT_MODES)})",
+    )
     bench.add_argument("--turns", type=int, default=4)
     bench.add_argument("--sessions", type=int, default=1, help="concurrent sessions per mode")
     bench.add_argument("--scale", type=float, default=1.0, help="multiply the workload's sizes")
@@ -65,6 +73,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--max-model-len", type=int, default=4096)
     bench.add_argument("--json", default="agentkv-bench.json", help="write the report here ('' for none)")
     bench.add_argument("--plot", default="agentkv-bench.png", help="draw the plot here ('' for none)")
+
+    serve = commands.add_parser(
+        "serve", help="run one server of a P/D pair in the foreground (for a pair across hosts: RemotePair)"
+    )
+    serve.add_argument("--role", choices=("prefill", "decode"), required=True)
+    serve.add_argument("--model", default=None, help="bundled model name or HF folder (default: bundled SmolLM2)")
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    serve.add_argument("--port", type=int, default=8100)
+    serve.add_argument("--nixl-host", required=True, help="this host's address as the peer server reaches it")
+    serve.add_argument("--nixl-port", type=int, default=5600, help="NIXL side-channel port")
+    serve.add_argument("--cores", default=None, help="cores for the engine, e.g. 0-3 (default: all available)")
+    serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.add_argument("--kv-cache-gib", type=float, default=4.0)
+    serve.add_argument("--pin-ttl-s", type=float, default=480.0)
+    serve.add_argument("--no-push-back", action="store_true", help="standard disaggregated (no bidirectional)")
+    serve.add_argument("--no-prefix-cache", action="store_true")
 
     models = commands.add_parser("models", help="list the bundled models, or prepare one")
     models.add_argument("action", nargs="?", choices=("list", "prepare"), default="list")
@@ -82,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _chat(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "serve":
+            return _serve(args)
         return _models(args)
     except AgentKVError as exc:
         print(f"agentkv: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -90,9 +116,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine", choices=("embedded", "launched"), default="embedded", help="the pair in-process or as two servers"
+    )
+    parser.add_argument(
+        "--remote", nargs=2, metavar=("PREFILL_URL", "DECODE_URL"), help="use servers started elsewhere (agentkv serve)"
+    )
+
+
+def _session(args: argparse.Namespace, **options: Any) -> Session:
+    """The session the command line asks for (its engine opens and closes with it)."""
+    if args.remote:
+        return Session(engine=RemotePair(*args.remote, model=args.model), mode=args.mode, **options)
+    if args.engine == "launched":
+        return Session(engine=LaunchedPair(args.model), mode=args.mode, **options)
+    return Session(mode=args.mode, model=args.model, **options)
+
+
 def _demo(args: argparse.Namespace) -> int:
     turns = _DEMO_TURNS[: max(1, min(args.turns, len(_DEMO_TURNS)))]
-    with Session(mode=args.mode, model=args.model, system=_DEMO_SYSTEM, max_tokens=args.max_tokens) as session:
+    with _session(args, system=_DEMO_SYSTEM, max_tokens=args.max_tokens) as session:
         for number, message in enumerate(turns, start=1):
             print(f"\n[turn {number}] user: {message}")
             result = session.run_sync(message)
@@ -182,7 +226,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    with Session(mode=args.mode, model=args.model, system=args.system, max_tokens=args.max_tokens) as session:
+    with _session(args, system=args.system, max_tokens=args.max_tokens) as session:
         while True:
             try:
                 message = input("you> ")
@@ -200,6 +244,46 @@ def _print_delta(event: object) -> None:
     text = getattr(event, "text", None)
     if getattr(event, "kind", None) == "text_delta" and text:
         print(text, end="", flush=True)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import socket
+    import uuid
+
+    from ._engines._launch import ServerSpec, server_command, server_env
+    from ._engines._pair import connector_config
+
+    spec = ServerSpec(
+        role=args.role,
+        model_path=prepare_model(args.model, progress=print),
+        host=args.host,
+        port=args.port,
+        nixl_host=args.nixl_host,
+        side_channel_port=args.nixl_port,
+        engine_id=f"agentkv-{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}",
+        cores=_parse_cores(args.cores) if args.cores else None,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        prefix_caching=not args.no_prefix_cache,
+        connector_options=connector_config(
+            bidirectional=not args.no_push_back, recompute_threshold=16, pin_ttl_s=args.pin_ttl_s, options={}
+        ),
+    )
+    command = server_command(spec)
+    print(
+        f"agentkv serve: {args.role} server on http://{args.host}:{args.port}, NIXL at {args.nixl_host}:{args.nixl_port}"
+    )
+    sys.stdout.flush()
+    os.execvpe(command[0], command, {**os.environ, **server_env(spec)})
+
+
+def _parse_cores(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]``."""
+    cores: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cores.extend(range(int(first), int(last or first) + 1))
+    return cores
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -11,7 +11,8 @@ Every error agentkv raises on purpose derives from `AgentKVError`::
     ├── ContextLengthError         the prompt does not fit the model's context length
     └── EngineError                the inference backend failed
         ├── EngineStartError       an engine did not come up
-        └── EngineDeadError        an engine died; the engine must be replaced
+        ├── EngineDeadError        an engine died; the engine must be replaced
+        └── EngineUnavailableError a server of an HTTP pair could not be reached; the next step tries again
 
 Errors from vLLM, NIXL or the network are translated at the engine boundary
 (``raise EngineError(...) from exc``), so callers never need to import vLLM to catch them.
@@ -25,6 +26,7 @@ __all__ = [
     "EngineDeadError",
     "EngineError",
     "EngineStartError",
+    "EngineUnavailableError",
     "InvalidMessageError",
     "ModelPreparationError",
     "SessionClosedError",
@@ -82,4 +84,13 @@ class EngineDeadError(EngineError):
 
     The conversation that was being served is intact: a new session or a session given a
     new engine can continue it (its KV is recomputed).
+    """
+
+
+class EngineUnavailableError(EngineError):
+    """A server of a `LaunchedPair` or `RemotePair` could not be reached, or died during a step.
+
+    The engine stays open and the conversation is intact (the failed step added nothing); the
+    next step tries again, without the KV handle (the conversation's KV is recomputed). A
+    launched pair restarts a server whose process died before that next step.
     """

@@ -23,6 +23,9 @@ class Pin:
 
     handle: KVHandle
     tokens: list[int]
+    deadline: float | None = None
+    """When the pin expires, in this process's ``time.perf_counter()`` clock; None: the handle's own
+    ``remote_blocks_expiry_time`` (D's clock, the same clock when D runs on this host)."""
 
 
 def choose_handle(
@@ -34,7 +37,8 @@ def choose_handle(
     if pin is None:
         return None, "no_handle"
     moment = time.perf_counter() if now is None else now
-    if moment + expiry_margin_s >= pin.handle.remote_blocks_expiry_time:
+    deadline = pin.deadline if pin.deadline is not None else pin.handle.remote_blocks_expiry_time
+    if moment + expiry_margin_s >= deadline:
         return None, "expired"
     held = pin.handle.remote_num_tokens
     if held > len(pin.tokens) or len(prompt) <= held or prompt[:held] != pin.tokens[:held]:

@@ -59,7 +59,9 @@ class Session(StartsInCells):
     event loop of its own, and both ``s.run_sync(...)`` and ``await s.run(...)`` work).
 
     Args:
-        engine: an open engine to run on, shared with other sessions and closed by its owner.
+        engine: the engine to run on. An open one is shared (other sessions may use it; its
+            owner closes it); an unopened one (``Session(engine=LaunchedPair())``) becomes the
+            session's own: it opens with the session and closes with it.
             Default: the session starts its own engine for ``mode`` and closes it on exit.
         model: the model of the session's own engine: a bundled name or an HF folder.
         mode: ``"bidirectional"`` (default: D's KV pushed back every step), ``"disaggregated"``
@@ -126,7 +128,8 @@ class Session(StartsInCells):
         if self._tools and tool_format == "schema":
             system = (system or "") + instructions(self._tools)
         self._engine = engine
-        self._owns_engine = engine is None
+        self._owns_engine = engine is None or engine.state is EngineState.UNOPENED
+        self._engine_given = engine is not None
         self._model = model
         self._requested_mode = mode
         self._engine_options = dict(engine_options or {})
@@ -155,7 +158,9 @@ class Session(StartsInCells):
                 engine.home = self._home
                 await engine.open()
             elif engine.state is not EngineState.OPEN:
-                raise UserError("open the engine before giving it to a session (`with EmbeddedPair() as pair:`)")
+                raise SessionClosedError(
+                    f"the engine given to this session is {engine.state.value}; give an open or a new one"
+                )
             self._home = engine.home
             self.mode = self._resolve_mode(engine)
             tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
@@ -187,7 +192,7 @@ class Session(StartsInCells):
         await self.aclose()
 
     def __enter__(self) -> Session:
-        if self._engine is not None:
+        if self._engine is not None and not self._owns_engine:
             if self._engine.home is None or not self._engine.home.owns_thread:
                 raise UserError("this engine was opened with `async with`: use `async with Session(...)` too")
             self._engine.home.call(self.open)
@@ -426,7 +431,7 @@ class Session(StartsInCells):
         assert done is not None
         conversation.add_output(done.token_ids, done.text)
         if done.handle is not None:
-            self._pin = Pin(done.handle, prompt + list(done.token_ids))
+            self._pin = Pin(done.handle, prompt + list(done.token_ids), done.handle_deadline)
         timings = done.timings
         stats = StepStats(
             turn=turn,
@@ -460,7 +465,7 @@ class Session(StartsInCells):
         engine = self.engine
         if not engine.is_dead:
             return
-        if not self._owns_engine:
+        if not self._owns_engine or self._engine_given:  # only an engine the session made is remade
             engine.check_open()
         logger.warning("agentkv: the session's engine died; starting a new one (the conversation is kept)")
         self._pin = None

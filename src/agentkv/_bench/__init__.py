@@ -13,10 +13,11 @@ import anyio
 from .._engines import Engine
 from ._records import BenchReport, ModeSummary, StepRecord, summarize
 from ._report import plot, table
-from ._runner import MODES, Progress, run_modes
+from ._runner import DEFAULT_MODES, MODES, Progress, run_modes
 from ._workloads import WORKLOADS, Workload, load_replay, make_workload
 
 __all__ = [
+    "DEFAULT_MODES",
     "MODES",
     "Progress",
     "WORKLOADS",
@@ -47,7 +48,7 @@ def _machine() -> dict[str, str | int]:
 async def run_bench(
     workload: Workload,
     *,
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = DEFAULT_MODES,
     sessions: int = 1,
     max_model_len: int = 4096,
     engines: Mapping[str, Engine] | None = None,

@@ -2,7 +2,9 @@
 
 Engines: one bidirectional pair serves ``bidirectional``, ``disaggregated`` (P's prefix
 cache on) and ``raw``; ``disaggregated-nocache`` gets a pair whose P has no prefix cache
-and no push-back (the source's baseline); ``colocated`` one engine with prefix caching.
+and no push-back (the source's baseline); ``colocated`` one engine with prefix caching;
+``launched`` the bidirectional pair as two API-server processes over HTTP (`LaunchedPair`);
+``netns`` the same with P and D in two network namespaces (KV over UCX/TCP; needs root).
 All stay up for the whole run. In every turn each mode takes its turn in a rotated order,
 so machine noise and warm caches hit every mode alike; a mode's sessions run concurrently.
 """
@@ -20,17 +22,21 @@ from typing import Any
 import anyio
 
 from .._conversation import ChatRenderer, Conversation, Message
-from .._engines import Colocated, EmbeddedPair, Engine
+from .._engines import Colocated, EmbeddedPair, Engine, LaunchedPair
 from .._engines._base import Sampling, StepDone, StepRequest, TokenDelta
 from .._engines._handle import KVHandle
 from .._results import TextDelta
 from .._session import Session, load_tokenizer
+from ..testing import two_hosts
 from ._records import FloorFit, StepRecord
 from ._workloads import Workload
 
-__all__ = ["MODES", "Progress", "measure_floor", "run_modes"]
+__all__ = ["DEFAULT_MODES", "MODES", "Progress", "measure_floor", "run_modes"]
 
-MODES = ("bidirectional", "disaggregated", "disaggregated-nocache", "colocated", "raw")
+MODES = ("bidirectional", "disaggregated", "disaggregated-nocache", "colocated", "raw", "launched", "netns")
+DEFAULT_MODES = MODES[:5]
+"""What ``agentkv bench`` runs unless told: the modes of one embedded pair and the colocated engine."""
+_PAIR_OVER_HTTP = ("launched", "netns")
 
 Progress = Callable[[str, int, int], None]
 """Called with (what is running, steps done, steps in all)."""
@@ -172,6 +178,19 @@ async def _engines(
             by_mode["disaggregated-nocache"] = await stack.enter_async_context(baseline)
         if "colocated" in modes:
             by_mode["colocated"] = await stack.enter_async_context(Colocated(max_model_len=max_model_len))
+        if "launched" in modes:
+            launched = LaunchedPair(max_model_len=max_model_len, progress=progress)
+            by_mode["launched"] = await stack.enter_async_context(launched)
+        if "netns" in modes:
+            hosts = stack.enter_context(two_hosts())
+            across = LaunchedPair(
+                max_model_len=max_model_len,
+                hosts=hosts.addresses,
+                launch_prefixes=hosts.launch_prefixes,
+                server_env={"UCX_TLS": "tcp"},
+                progress=progress,
+            )
+            by_mode["netns"] = await stack.enter_async_context(across)
         yield {mode: by_mode[mode] for mode in modes}
 
 
@@ -253,6 +272,8 @@ async def _open_lanes(workload: Workload, engines: dict[str, Engine], sessions: 
                 members.append(_RawConversation(engine, renderer, workload.system, workload.max_tokens, salt))
             else:
                 session_mode: Any = "disaggregated" if mode.startswith("disaggregated") else mode
+                if mode in _PAIR_OVER_HTTP:
+                    session_mode = "bidirectional"
                 session = Session(
                     engine=engine,
                     mode=session_mode,

@@ -1,9 +1,11 @@
-"""Engines: one small async contract and its implementations (embedded pair, colocated)."""
+"""Engines: one small async contract and its implementations (embedded, launched and remote pairs, colocated)."""
 
 from ._base import Engine, EngineInfo, EngineState, Sampling, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
 from ._colocated import Colocated
 from ._handle import KVHandle
+from ._launched import LaunchedPair
 from ._pair import EmbeddedPair
+from ._remote import RemotePair
 
 __all__ = [
     "Colocated",
@@ -12,6 +14,8 @@ __all__ = [
     "EngineInfo",
     "EngineState",
     "KVHandle",
+    "LaunchedPair",
+    "RemotePair",
     "Sampling",
     "StepDone",
     "StepEvent",

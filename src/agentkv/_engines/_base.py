@@ -108,6 +108,9 @@ class StepDone:
     finish_reason: str
     handle: KVHandle | None
     timings: StepTimings
+    handle_deadline: float | None = None
+    """The handle's expiry in this process's ``time.perf_counter()`` clock, when D's clock is another
+    host's (None: D shares this host's monotonic clock, and ``remote_blocks_expiry_time`` is it)."""
 
 
 StepEvent = TokenDelta | StepDone

@@ -14,7 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .._errors import EngineError
 
-__all__ = ["KVHandle", "PrefillResult", "parse_handle", "parse_prefill_result", "prefill_params"]
+__all__ = ["SERVER_EXTRAS_FIELD", "KVHandle", "PrefillResult", "parse_handle", "parse_prefill_result", "prefill_params"]
+
+
+SERVER_EXTRAS_FIELD = "agentkv"
+"""The field of a ``/v1/completions`` response where agentkv's server puts what vLLM does not return."""
 
 
 class _RemoteBlocks(BaseModel):

@@ -25,7 +25,7 @@ from ._idle import idle_env
 from ._system import free_port, split_cores
 from ._vllm import DecodeStream, TransferLedger, VLLMEngine, VLLMSettings, engine_seconds, vllm_sampling
 
-__all__ = ["EmbeddedPair"]
+__all__ = ["EmbeddedPair", "check_pair_options", "connector_config", "run_warmup_steps"]
 
 logger = logging.getLogger("agentkv")
 
@@ -72,8 +72,7 @@ class EmbeddedPair(Engine):
         progress: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__()
-        if pin_ttl_s <= 10:
-            raise UserError("pin_ttl_s must exceed 10 s: P declines reads within 5 s of expiry")
+        check_pair_options(pin_ttl_s=pin_ttl_s, idle_poll_ms=idle_poll_ms)
         self._model = model
         self.bidirectional = bidirectional
         self.prefill_prefix_cache = prefill_prefix_cache
@@ -83,8 +82,6 @@ class EmbeddedPair(Engine):
         self.pin_ttl_s = pin_ttl_s
         self._recompute_threshold = recompute_threshold
         self._connector_options = dict(connector_options or {})
-        if idle_poll_ms is not None and idle_poll_ms < 1:
-            raise UserError("idle_poll_ms must be at least 1 ms (or None for the busy loops)")
         self._idle_poll_ms = idle_poll_ms
         self._warmup = warmup
         self._step_timeout_s = step_timeout_s
@@ -118,12 +115,12 @@ class EmbeddedPair(Engine):
             model_path=model_path, max_model_len=self._max_model_len, kv_cache_gib=self._kv_cache_gib
         )
         tag = uuid.uuid4().hex[:8]
-        extra = {
-            "bidirectional_kv_xfer": self.bidirectional,
-            "kv_recompute_threshold": self._recompute_threshold,
-            "decoder_kv_blocks_ttl": self.pin_ttl_s,
-            **self._connector_options,
-        }
+        extra = connector_config(
+            bidirectional=self.bidirectional,
+            recompute_threshold=self._recompute_threshold,
+            pin_ttl_s=self.pin_ttl_s,
+            options=self._connector_options,
+        )
         for name, role, cores, prefix in (
             ("prefill", "kv_producer", p_cores, self.prefill_prefix_cache),
             ("decode", "kv_consumer", d_cores, True),
@@ -164,24 +161,9 @@ class EmbeddedPair(Engine):
     async def _warm_up(self) -> None:
         if self._warmup:
             self._progress("agentkv: warming up (kernels, NIXL handshakes)")
-            await self._run_warmup()
+            await run_warmup_steps(self, push_back=self.bidirectional)
         for engine in self._engines():
             engine.repin()  # threads that NIXL started during the handshakes
-
-    async def _run_warmup(self) -> None:
-        prompt = [1] + [28] * 300  # two CPU blocks of one repeated token: shapes and handshakes only
-        handle: KVHandle | None = None
-        for index in range(2 if self.bidirectional else 1):
-            request = StepRequest(
-                request_id=f"agentkv-warmup-{uuid.uuid4().hex}",
-                prompt_token_ids=prompt,
-                sampling=Sampling(max_tokens=4),
-                handle=handle,
-            )
-            async for event in self.step(request):
-                if isinstance(event, StepDone):
-                    handle = event.handle
-            prompt = prompt + [28] * (40 + index)
 
     async def _stop(self) -> None:
         engines = [e for e in (self._d, self._p) if e is not None]
@@ -297,4 +279,41 @@ def _transfer(*ledgers: TransferLedger) -> dict[str, Any]:
     return {
         "kv_bytes": sum(ledger.bytes for ledger in ledgers),
         "kv_transfer_s": sum(ledger.seconds for ledger in ledgers),
+    }
+
+
+async def run_warmup_steps(pair: Engine, *, push_back: bool) -> None:
+    """Two short steps (one pushing the first one's handle back): kernels and NIXL handshakes run now."""
+    prompt = [1] + [28] * 300  # two CPU blocks of one repeated token: shapes and handshakes only
+    handle: KVHandle | None = None
+    for index in range(2 if push_back else 1):
+        request = StepRequest(
+            request_id=f"agentkv-warmup-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt,
+            sampling=Sampling(max_tokens=4),
+            handle=handle,
+        )
+        async for event in pair.step(request):
+            if isinstance(event, StepDone):
+                handle = event.handle
+        prompt = prompt + [28] * (40 + index)
+
+
+def check_pair_options(*, pin_ttl_s: float, idle_poll_ms: int | None) -> None:
+    """Reject pair settings that cannot work, before anything starts."""
+    if pin_ttl_s <= 10:
+        raise UserError("pin_ttl_s must exceed 10 s: P declines reads within 5 s of expiry")
+    if idle_poll_ms is not None and idle_poll_ms < 1:
+        raise UserError("idle_poll_ms must be at least 1 ms (or None for the busy loops)")
+
+
+def connector_config(
+    *, bidirectional: bool, recompute_threshold: int, pin_ttl_s: float, options: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``kv_connector_extra_config`` of both engines of a pair (``options`` win)."""
+    return {
+        "bidirectional_kv_xfer": bidirectional,
+        "kv_recompute_threshold": recompute_threshold,
+        "decoder_kv_blocks_ttl": pin_ttl_s,
+        **options,
     }

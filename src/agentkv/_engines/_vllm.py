@@ -128,7 +128,7 @@ class VLLMEngine:
             before = descendants(os.getpid())
             env = {
                 "VLLM_CPU_OMP_THREADS_BIND": cpu_list(self.cores),
-                "VLLM_CPU_KVCACHE_SPACE": _gib(self.settings.kv_cache_gib),
+                "VLLM_CPU_KVCACHE_SPACE": gib_text(self.settings.kv_cache_gib),
                 **self.extra_env,
             }
             if self.side_channel_port is not None:
@@ -251,48 +251,56 @@ class VLLMEngine:
     # ----------------------------------------------------------------- read-outs
 
     def _hook_prefill_stats(self) -> None:
-        """Keep ``EngineCoreOutput.prefill_stats`` per request id (vLLM 0.32 drops the split)."""
-        processor = self.llm.output_processor
-        original = processor.process_outputs
-        readouts = self._readouts
-
-        def process_outputs(engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
-            for output in engine_core_outputs:
-                if output.prefill_stats is not None:
-                    # the engine core knows the request as "<our id>-<8 hex>" (InputProcessor.assign_request_id)
-                    readouts.prefill_stats[output.request_id.rsplit("-", 1)[0]] = output.prefill_stats
-            return original(engine_core_outputs, *args, **kwargs)
-
-        processor.process_outputs = process_outputs  # type: ignore[method-assign]
+        keep_prefill_stats(self.llm, self._readouts.prefill_stats)
 
     def _stat_logger_factory(self) -> Callable[..., Any]:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
         readouts = self._readouts
+        return transfer_stat_logger(lambda data: _attribute(readouts, data))
 
-        class TransferStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is not type-checked here
-            """Hands NIXL transfer stats to the request in flight (when there is exactly one)."""
 
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
+def keep_prefill_stats(llm: Any, store: dict[str, Any]) -> None:
+    """Keep each request's ``EngineCoreOutput.prefill_stats`` in ``store`` by request id.
 
-            def record(
-                self,
-                scheduler_stats: Any,
-                iteration_stats: Any,
-                mm_cache_stats: Any = None,
-                engine_idx: int = 0,
-                *args: Any,
-                **kwargs: Any,
-            ) -> None:
-                data = getattr(scheduler_stats, "kv_connector_stats", None) if scheduler_stats else None
-                if data:
-                    _attribute(readouts, data)
+    vLLM 0.32 computes the local/external prefix-cache split per request but does not return it.
+    """
+    processor = llm.output_processor
+    original = processor.process_outputs
 
-            def log_engine_initialized(self) -> None:
-                pass
+    def process_outputs(engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        for output in engine_core_outputs:
+            if output.prefill_stats is not None:
+                # the engine core knows the request as "<our id>-<8 hex>" (InputProcessor.assign_request_id)
+                store[output.request_id.rsplit("-", 1)[0]] = output.prefill_stats
+        return original(engine_core_outputs, *args, **kwargs)
 
-        return TransferStatLogger
+    processor.process_outputs = process_outputs
+
+
+def transfer_stat_logger(on_stats: Callable[[dict[str, Any]], None]) -> Callable[..., Any]:
+    """A vLLM stat logger class that hands each step's NIXL statistics to ``on_stats``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class TransferStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is not type-checked here
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+            *args: Any,
+            **kwargs: Any,
+        ) -> None:
+            data = getattr(scheduler_stats, "kv_connector_stats", None) if scheduler_stats else None
+            if data:
+                on_stats(data)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return TransferStatLogger
 
 
 def _attribute(readouts: _Readouts, data: dict[str, Any]) -> None:
@@ -350,7 +358,7 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
 
 
-def _gib(value: float) -> str:
+def gib_text(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 

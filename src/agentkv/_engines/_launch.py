@@ -1,0 +1,237 @@
+"""Launching one vLLM API server process: its command, environment, log file, readiness and stop.
+
+Used by `LaunchedPair` (two servers on this host) and by ``agentkv serve`` (one server, in
+the foreground, for a pair spread over hosts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+import httpx
+
+from .._errors import EngineStartError, UserError
+from . import _vllm
+from ._idle import idle_env
+from ._system import alive, cpu_list, descendants, kill_and_reap, repin_threads
+from ._vllm import gib_text, resolve_dtype
+from ._watchdog import forget_pids, watch_pids
+
+__all__ = ["Role", "ServerProcess", "ServerSpec", "server_command", "server_env"]
+
+logger = logging.getLogger("agentkv")
+
+Role = Literal["prefill", "decode"]
+
+SERVED_MODEL_NAME = "agentkv"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSpec:
+    """Everything that defines one server of a pair."""
+
+    role: Role
+    model_path: Path
+    port: int
+    side_channel_port: int
+    engine_id: str
+    host: str = "127.0.0.1"
+    """The address the server listens on for HTTP (and NIXL, unless `nixl_host` is given)."""
+    nixl_host: str | None = None
+    """The address the server gives its peer for NIXL (must be reachable from the peer's host)."""
+    cores: Sequence[int] | None = None
+    max_model_len: int = 4096
+    kv_cache_gib: float = 1.0
+    prefix_caching: bool = True
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    connector_options: Mapping[str, Any] = field(default_factory=dict[str, Any])
+    idle_poll_ms: int | None = 50
+    extra_env: Mapping[str, str] = field(default_factory=dict[str, str])
+    """More environment for the server (``UCX_TLS``, ``UCX_NET_DEVICES``, ...); it wins."""
+    launch_prefix: Sequence[str] = ()
+    """Run the server under these words (``["ip", "netns", "exec", "ns1"]``, ``["numactl", ...]``).
+
+    The wrapper must exec the server in the foreground: stopping the server signals its pid."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def server_command(spec: ServerSpec) -> list[str]:
+    """The command line that starts ``spec``'s server (agentkv's entry point over vLLM's server)."""
+    kv_transfer = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "engine_id": spec.engine_id,
+        "kv_connector_extra_config": dict(spec.connector_options),
+    }
+    return [
+        *spec.launch_prefix,
+        sys.executable,
+        "-m",
+        "agentkv._engines._server",
+        "--model",
+        str(spec.model_path),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--max-num-seqs",
+        str(spec.max_num_seqs),
+        "--dtype",
+        resolve_dtype(spec.dtype),
+        "--enforce-eager",
+        "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+        "--kv-transfer-config",
+        json.dumps(kv_transfer),
+    ]
+
+
+def server_env(spec: ServerSpec) -> dict[str, str]:
+    """The environment variables ``spec``'s server needs on top of the caller's."""
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": gib_text(spec.kv_cache_gib),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.nixl_host or spec.host,
+        "VLLM_CONFIGURE_LOGGING": "1",
+        **idle_env(spec.idle_poll_ms),
+    }
+    if spec.cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(spec.cores)
+    return {**env, **spec.extra_env}
+
+
+class ServerProcess:
+    """One server process started by agentkv: its log file, readiness, and stop."""
+
+    def __init__(self, spec: ServerSpec, *, log_path: Path) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self._process: subprocess.Popen[bytes] | None = None
+        self.pids: set[int] = set()
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def exit_code(self) -> int | None:
+        """The server's exit status once it has exited (None while it runs, or before it started)."""
+        return self._process.poll() if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is still alive."""
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> None:
+        """Start the process (returns at once; see `wait_ready`)."""
+        if not _vllm.ALLOW_REAL_ENGINES:
+            raise UserError("real engines are blocked here (agentkv.testing.block_real_engines)")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                server_command(self.spec),
+                env={**os.environ, **server_env(self.spec)},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in the caller's terminal goes to the caller; close stops us
+            )
+        self.pids = {self._process.pid}
+        watch_pids(self.pids)
+
+    async def wait_ready(self, *, timeout_s: float, progress: Callable[[str], None]) -> None:
+        """Poll ``/health`` until it answers 200; fail with the log's tail if the process exits first."""
+        started = time.monotonic()
+        next_report = started + 10.0
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while True:
+                if not self.running:
+                    raise EngineStartError(
+                        f"the {self.spec.role} server exited during start-up (log: {self.log_path}):\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.url}/health")).status_code == 200:
+                        break
+                now = time.monotonic()
+                if now - started > timeout_s:
+                    raise EngineStartError(
+                        f"the {self.spec.role} server was not ready after {timeout_s:.0f} s "
+                        f"(log: {self.log_path}):\n{self.log_tail()}"
+                    )
+                if now >= next_report:
+                    next_report = now + 10.0
+                    last = self.log_tail(1).strip().rsplit("] ", 1)[-1][:100]  # the message, not vLLM's prefix
+                    progress(f"agentkv: {self.spec.role} server starting ({now - started:.0f} s): {last}")
+                await anyio.sleep(0.5)
+        self.adopt_children()
+
+    def adopt_children(self) -> None:
+        """Watch the server's engine processes too, and keep their threads on the server's cores."""
+        if self._process is None:
+            return
+        children = descendants(self._process.pid)
+        if children - self.pids:
+            watch_pids(children - self.pids)
+            self.pids |= children
+        if self.spec.cores:
+            repin_threads(children, self.spec.cores)
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines of the server's log."""
+        try:
+            with open(self.log_path, "rb") as handle:
+                handle.seek(max(0, handle.seek(0, os.SEEK_END) - 16_384))
+                return b"\n".join(handle.read().splitlines()[-lines:]).decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, *, grace_s: float = 15.0) -> set[int]:
+        """SIGTERM the server (vLLM then stops its engine), SIGKILL whatever is left after ``grace_s``.
+
+        Returns the pids that had to be killed.
+        """
+        process, self._process = self._process, None
+        if process is None:
+            return set()
+        pids = self.pids | descendants(process.pid)
+        with contextlib.suppress(OSError):
+            process.send_signal(signal.SIGTERM)
+        killed = kill_and_reap(pids, grace_s=grace_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=2.0)
+        forget_pids(pids)
+        self.pids = set()
+        return killed
+
+    async def stop_async(self) -> None:
+        killed = await anyio.to_thread.run_sync(self.stop)
+        if killed:
+            logger.warning("agentkv: %s server processes %s had to be killed", self.spec.role, sorted(killed))
+
+    def leftover(self) -> set[int]:
+        """Processes of this server still alive (empty after a clean stop)."""
+        return alive(self.pids)

@@ -1,0 +1,224 @@
+"""`LaunchedPair`: agentkv starts a prefill and a decode vLLM API server and drives them over HTTP."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from .._errors import UserError
+from .._model import cache_dir, prepare_model
+from ._http import HTTPPair
+from ._launch import Role, ServerProcess, ServerSpec
+from ._pair import check_pair_options, connector_config
+from ._system import free_port, split_cores
+
+__all__ = ["LaunchedPair"]
+
+logger = logging.getLogger("agentkv")
+
+
+class LaunchedPair(HTTPPair):
+    """Two vLLM OpenAI API-server processes (P and D, NIXL between them) that agentkv starts and stops.
+
+    The same pair as `EmbeddedPair` (the same settings, the same stats, push-back on by
+    default), but each engine serves HTTP from a process of its own: the step from one
+    process to one host per engine. The servers run agentkv's entry point over vLLM's
+    server (``python -m agentkv._engines._server``), which streams D's KV handle and reports
+    the prefill split and NIXL totals (see ``docs/engines.md``).
+
+    It takes `EmbeddedPair`'s settings with the same meaning (``model``, ``bidirectional``,
+    ``prefill_prefix_cache``, ``cores``, ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``,
+    ``recompute_threshold``, ``connector_options``, ``idle_poll_ms``, ``warmup``,
+    ``step_timeout_s``, ``progress``), and these:
+
+    Args:
+        hosts: the addresses P and D listen on and give each other for NIXL.
+        launch_prefixes: words to run each server under, e.g. ``["ip", "netns", "exec", "ns1"]``
+            (the wrapper must exec the server in the foreground).
+        server_env: more environment for both servers (e.g. ``{"UCX_TLS": "tcp"}``).
+        log_dir: where the servers' logs go (default: a new folder under agentkv's cache).
+        start_timeout_s: a server not healthy after this long fails `open` with its log's tail.
+        attempts: tries per server call on transient errors (refused connection, 5xx).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        bidirectional: bool = True,
+        prefill_prefix_cache: bool = True,
+        cores: tuple[Sequence[int], Sequence[int]] | None = None,
+        hosts: tuple[str, str] = ("127.0.0.1", "127.0.0.1"),
+        launch_prefixes: tuple[Sequence[str], Sequence[str]] = ((), ()),
+        server_env: Mapping[str, str] | None = None,
+        max_model_len: int = 4096,
+        kv_cache_gib: float = 1.0,
+        pin_ttl_s: float = 480.0,
+        recompute_threshold: int = 16,
+        connector_options: Mapping[str, Any] | None = None,
+        idle_poll_ms: int | None = 50,
+        log_dir: str | os.PathLike[str] | None = None,
+        start_timeout_s: float = 600.0,
+        attempts: int = 4,
+        warmup: bool = True,
+        step_timeout_s: float = 300.0,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(model, step_timeout_s=step_timeout_s, attempts=attempts, warmup=warmup, progress=progress)
+        self._exclusive = True  # agentkv started the servers: nobody else talks to them
+        check_pair_options(pin_ttl_s=pin_ttl_s, idle_poll_ms=idle_poll_ms)
+        if len(hosts) != 2 or len(launch_prefixes) != 2:
+            raise UserError("hosts and launch_prefixes take two entries: prefill's, then decode's")
+        self.bidirectional = bidirectional
+        self._cores = cores
+        self._hosts = hosts
+        self._prefixes = launch_prefixes
+        self._server_env = dict(server_env or {})
+        self._max_model_len = max_model_len
+        self._kv_cache_gib = kv_cache_gib
+        self._idle_poll_ms = idle_poll_ms
+        self._connector = connector_config(
+            bidirectional=bidirectional,
+            recompute_threshold=recompute_threshold,
+            pin_ttl_s=pin_ttl_s,
+            options=dict(connector_options or {}),
+        )
+        self._prefill_prefix_cache = prefill_prefix_cache
+        self._log_dir = Path(log_dir) if log_dir is not None else None
+        self._start_timeout_s = start_timeout_s
+        self._servers: dict[Role, ServerProcess] = {}
+        self._generation = 0
+        self._tag = uuid.uuid4().hex[:8]
+        self._restart_lock = anyio.Lock()
+
+    # ----------------------------------------------------------------- what it started
+
+    @property
+    def pids(self) -> set[int]:
+        """Every process the pair started (both servers and their engine processes)."""
+        return {pid for server in self._servers.values() for pid in server.pids}
+
+    @property
+    def pids_by_role(self) -> dict[str, set[int]]:
+        """The processes of each server (``"prefill"``, ``"decode"``)."""
+        return {role: set(server.pids) for role, server in self._servers.items()}
+
+    @property
+    def ports(self) -> list[int]:
+        """The HTTP and NIXL side-channel ports of both servers."""
+        return [port for s in self._servers.values() for port in (s.spec.port, s.spec.side_channel_port)]
+
+    @property
+    def log_paths(self) -> dict[str, Path]:
+        """Each server's log file."""
+        return {role: server.log_path for role, server in self._servers.items()}
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def _start(self) -> None:
+        model_path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
+        if self._log_dir is None:
+            self._log_dir = cache_dir().parent / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self._tag}"
+        p_cores, d_cores = (list(c) for c in self._cores) if self._cores else split_cores()
+        self._servers = {
+            "prefill": self._server("prefill", model_path, p_cores),
+            "decode": self._server("decode", model_path, d_cores),
+        }
+        await self._launch(list(self._servers.values()))
+        await self._connect(
+            self._servers["prefill"].url, self._servers["decode"].url, push_back=self.bidirectional, kind="launched"
+        )
+        self._info_extra({"prefill_cores": p_cores, "decode_cores": d_cores, "log_dir": str(self._log_dir)})
+
+    def _server(self, role: Role, model_path: Path, cores: Sequence[int]) -> ServerProcess:
+        index = 0 if role == "prefill" else 1
+        spec = ServerSpec(
+            role=role,
+            model_path=model_path,
+            port=free_port(),
+            side_channel_port=free_port(),
+            engine_id=f"agentkv-{role}-{self._tag}-{self._generation}",
+            host=self._hosts[index],
+            cores=list(cores),
+            prefix_caching=self._prefill_prefix_cache if role == "prefill" else True,
+            launch_prefix=list(self._prefixes[index]),
+            extra_env=self._server_env,
+            max_model_len=self._max_model_len,
+            kv_cache_gib=self._kv_cache_gib,
+            idle_poll_ms=self._idle_poll_ms,
+            connector_options=self._connector,
+        )
+        assert self._log_dir is not None
+        return ServerProcess(spec, log_path=self._log_dir / f"{role}-{self._generation}.log")
+
+    async def _launch(self, servers: list[ServerProcess]) -> None:
+        started = time.perf_counter()
+        for server in servers:
+            self._progress(f"agentkv: starting the {server.spec.role} server at {server.url} (log: {server.log_path})")
+            server.start()
+        async with anyio.create_task_group() as group:
+            for server in servers:
+                group.start_soon(self._wait_ready, server)
+        self._progress(f"agentkv: servers up in {time.perf_counter() - started:.0f} s")
+
+    async def _wait_ready(self, server: ServerProcess) -> None:
+        await server.wait_ready(timeout_s=self._start_timeout_s, progress=self._progress)
+
+    def _info_extra(self, extra: dict[str, Any]) -> None:
+        self._info = dataclasses.replace(self.info, extra={**self.info.extra, **extra})
+
+    async def _warm_up(self) -> None:
+        await super()._warm_up()
+        for server in self._servers.values():
+            server.adopt_children()  # threads NIXL started during the handshakes go to the server's cores
+
+    async def _stop(self) -> None:
+        await super()._stop()
+        servers, self._servers = list(self._servers.values()), {}
+        async with anyio.create_task_group() as group:
+            for server in servers:
+                group.start_soon(server.stop_async)
+
+    # ----------------------------------------------------------------- failures
+
+    async def _server_gone(self) -> str | None:
+        for _ in range(20):  # a server that was just killed takes a moment to be seen gone
+            if not all(server.running for server in self._servers.values()):
+                break
+            await anyio.sleep(0.1)
+        gone = [server for server in self._servers.values() if not server.running]
+        if not gone:
+            return None
+        return "; ".join(f"the {s.spec.role} server exited (code {s.exit_code}; log: {s.log_path})" for s in gone)
+
+    async def _before_step(self) -> None:
+        """Restart a server whose process died (new ports and engine id: no stale handle can reach it)."""
+        if all(server.running for server in self._servers.values()):
+            return
+        async with self._restart_lock:
+            dead = [role for role, server in self._servers.items() if not server.running]
+            if not dead:
+                return
+            self._generation += 1
+            for role in dead:
+                old = self._servers[role]
+                logger.warning("agentkv: the %s server died (code %s); restarting it", role, old.exit_code)
+                await old.stop_async()
+                self._retired_engines.add(old.spec.engine_id)
+                self._baseline.totals.pop(role, None)  # a new server counts NIXL bytes from zero
+                self._servers[role] = self._server(role, old.spec.model_path, old.spec.cores or [])
+            await self._launch([self._servers[role] for role in dead])
+            extra = dict(self.info.extra)
+            await self._connect(
+                self._servers["prefill"].url, self._servers["decode"].url, push_back=self._push_back, kind="launched"
+            )
+            self._info_extra(extra)

@@ -1,0 +1,212 @@
+"""The HTTP client's logic against scripted servers (no model runs): retries, handle rules, stock servers.
+
+``ScriptedServer`` answers ``/v1/completions`` like a vLLM P or D server would, from a
+script; it proves nothing about KV (the real launched pair's tests do), only about what
+agentkv sends, when it retries, and what it tells the user.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from agentkv import EngineError, EngineUnavailableError, RemotePair, Session
+
+ANSWER_IDS = [12095, 30, 2]  # any ids: the session only needs them back exactly
+
+
+def _prefill_result() -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[1]],
+        "remote_engine_id": "p",
+        "remote_request_id": "r",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_num_tokens": 10,
+        "tp_size": 1,
+    }
+
+
+def _handle(tokens: int) -> dict[str, Any]:
+    return {
+        **_prefill_result(),
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_engine_id": "d",
+        "remote_num_tokens": tokens,
+        "remote_blocks_expiry_time": time.perf_counter() + 300,
+    }
+
+
+class ScriptedServer:
+    """A scripted vLLM P or D server on a free local port (``agentkv`` trailer or stock behaviour)."""
+
+    def __init__(self, role: str, *, trailer: bool = True) -> None:
+        self.role = role
+        self.trailer = trailer
+        self.failures: list[int] = []
+        """Status codes to answer the next completions with, before answering normally."""
+        self.bodies: list[dict[str, Any]] = []
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        app = Starlette(
+            routes=[
+                Route("/v1/models", self._models),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+            ]
+        )
+        self._server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ScriptedServer:
+        self._thread.start()
+        while not self._server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join()
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "scripted", "object": "model", "max_model_len": 2048}]})
+
+    async def _completions(self, request: Request) -> Response:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.failures:
+            return JSONResponse({"error": {"message": "scripted failure"}}, status_code=self.failures.pop(0))
+        prompt_tokens = len(body["prompt"])
+        if self.role == "prefill":
+            choice = {"index": 0, "text": "x", "finish_reason": "length", "token_ids": [7]}
+            return JSONResponse(self._completion([choice], kv_transfer_params=_prefill_result()))
+        handle = _handle(prompt_tokens + len(ANSWER_IDS) - 1)
+        if not body.get("stream"):
+            choice = {"index": 0, "text": "Paris.", "finish_reason": "stop", "token_ids": ANSWER_IDS}
+            return JSONResponse(self._completion([choice], kv_transfer_params=handle))
+        return StreamingResponse(self._stream(handle), media_type="text/event-stream")
+
+    async def _stream(self, handle: dict[str, Any]) -> AsyncIterator[str]:
+        for index, (token, text) in enumerate(zip(ANSWER_IDS, ("Par", "is", "."), strict=True)):
+            finish = "stop" if index == len(ANSWER_IDS) - 1 else None
+            choice = {"index": 0, "text": text, "finish_reason": finish, "token_ids": [token]}
+            yield f"data: {json.dumps(self._completion([choice]))}\n\n"
+        if self.trailer:
+            yield f"data: {json.dumps(self._completion([], kv_transfer_params=handle, agentkv={}))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _completion(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 0,
+            "model": "scripted",
+            "choices": choices,
+            **extra,
+        }
+
+
+@pytest.fixture
+def servers() -> Iterator[tuple[ScriptedServer, ScriptedServer]]:
+    with ScriptedServer("prefill") as p, ScriptedServer("decode") as d:
+        yield p, d
+
+
+def _sent_handle(body: dict[str, Any]) -> bool:
+    return body["kv_transfer_params"].get("remote_engine_id") == "d"
+
+
+def test_the_handle_from_the_stream_is_pushed_back(servers: tuple[ScriptedServer, ScriptedServer]) -> None:
+    p, d = servers
+    with RemotePair(p.url, d.url, warmup=False) as pair, Session(engine=pair, max_tokens=8) as session:
+        assert session.run_sync("Capital of France?").text == "Paris."
+        session.run_sync("And of Italy?")
+    assert [_sent_handle(body) for body in p.bodies] == [False, True]
+    assert all(body["prompt"] and body["return_token_ids"] for body in p.bodies + d.bodies)
+    assert d.bodies[1]["prompt"][: len(d.bodies[0]["prompt"])] == d.bodies[0]["prompt"]  # token-exact history
+
+
+def test_a_stock_server_without_the_handle_in_streams_turns_push_back_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with ScriptedServer("prefill") as p, ScriptedServer("decode", trailer=False) as d:
+        with caplog.at_level(logging.WARNING, logger="agentkv"), RemotePair(p.url, d.url) as pair:
+            assert pair.handle_in_stream is False and not pair.info.push_back
+            with Session(engine=pair, max_tokens=8) as session:
+                assert session.mode == "disaggregated"
+                session.run_sync("Capital of France?")
+                assert session.run_sync("And of Italy?").steps[0].stats.miss_reason == "push_back_off"
+        assert "push-back is OFF" in caplog.text
+        assert pair.server_kind == "vllm"
+
+
+def test_a_stock_server_keeps_push_back_without_token_streaming() -> None:
+    with ScriptedServer("prefill") as p, ScriptedServer("decode", trailer=False) as d:
+        with RemotePair(p.url, d.url, decode_streaming=False, warmup=False) as pair:
+            with Session(engine=pair, max_tokens=8) as session:
+                session.run_sync("Capital of France?")
+                session.run_sync("And of Italy?")
+            assert pair.info.push_back
+        assert [_sent_handle(body) for body in p.bodies] == [False, True]
+        assert not any(body.get("stream") for body in d.bodies)
+
+
+def test_transient_errors_are_retried(servers: tuple[ScriptedServer, ScriptedServer]) -> None:
+    p, d = servers
+    with RemotePair(p.url, d.url, warmup=False) as pair, Session(engine=pair, max_tokens=8) as session:
+        p.failures = [503, 502]
+        assert session.run_sync("Capital of France?").text == "Paris."
+    assert len(p.bodies) == 3
+
+
+def test_a_handle_that_may_have_been_read_is_never_sent_again(servers: tuple[ScriptedServer, ScriptedServer]) -> None:
+    p, d = servers
+    with RemotePair(p.url, d.url, warmup=False) as pair, Session(engine=pair, max_tokens=8) as session:
+        session.run_sync("Capital of France?")
+        p.failures = [500]  # P failed after the handle reached it: its blocks may be gone
+        second = session.run_sync("And of Italy?")
+    assert [_sent_handle(body) for body in p.bodies] == [False, True, False]
+    assert second.steps[0].stats.miss_reason == "declined"
+
+
+def test_client_errors_are_not_retried_and_leave_the_session_usable(
+    servers: tuple[ScriptedServer, ScriptedServer],
+) -> None:
+    p, d = servers
+    with RemotePair(p.url, d.url, warmup=False) as pair, Session(engine=pair, max_tokens=8) as session:
+        before = session.messages
+        d.failures = [400]
+        with pytest.raises(EngineError, match="decode server answered 400"):
+            session.run_sync("Capital of France?")
+        assert session.messages == before
+        assert session.run_sync("Capital of France?").text == "Paris."
+    assert len(d.bodies) == 2
+
+
+def test_an_unreachable_server_is_a_clear_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    pair = RemotePair(nobody, nobody, attempts=2)
+    with pytest.raises(EngineUnavailableError, match="prefill server could not be reached"):
+        pair.__enter__()

@@ -1,0 +1,105 @@
+"""The launched pair: two vLLM API-server processes that agentkv starts, driven over HTTP.
+
+One launched pair serves the module (a start costs about a minute on two cores); its
+fixture checks on the way out that closing it left no process and no port behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from agentkv import EmbeddedPair, EngineUnavailableError, LaunchedPair, RemotePair, Session, TextDelta, TurnResult
+from agentkv._engines._system import alive, listening_ports
+from test_pair import MAX_TOKENS, QUESTIONS, SYSTEM, _assert_invariant, _first_difference
+
+pytestmark = pytest.mark.pair
+
+
+@pytest.fixture(scope="module")
+def launched() -> Iterator[LaunchedPair]:
+    with LaunchedPair(max_model_len=2048, pin_ttl_s=30) as engine:
+        yield engine
+        pids, ports = engine.pids, engine.ports
+        assert pids and ports
+    assert alive(pids) == set()
+    assert not set(ports) & listening_ports()
+
+
+def _run(session: Session, questions: Sequence[str] = QUESTIONS) -> list[TurnResult]:
+    return [session.run_sync(question) for question in questions]
+
+
+def test_the_launched_pair_streams_and_pushes_back(launched: LaunchedPair) -> None:
+    deltas: list[TextDelta] = []
+    with Session(engine=launched, system=SYSTEM, max_tokens=MAX_TOKENS) as session:
+        first = session.run_sync(QUESTIONS[0])
+        second = session.run_sync(
+            QUESTIONS[1], on_event=lambda e: deltas.append(e) if isinstance(e, TextDelta) else None
+        )
+    assert launched.handle_in_stream is True and launched.server_kind == "agentkv"
+    assert len(deltas) > 1 and "".join(d.text for d in deltas) == second.text  # tokens arrive as they are made
+    one, two = first.steps[0].stats, second.steps[0].stats
+    for step in (one, two):
+        _assert_invariant(step)
+        assert step.handoff_tokens > 0  # D pulled the prompt's KV from P
+    assert one.miss_reason == "no_handle" and one.pulled_tokens == 0
+    assert two.handle_forwarded and two.miss_reason is None and two.pulled_tokens > 0
+    assert two.kv_bytes is not None and two.kv_bytes > 0 and two.kv_transfer_s is not None
+
+
+def test_greedy_answers_agree_over_http_and_in_process(launched: LaunchedPair, pair: EmbeddedPair) -> None:
+    """Push-back over HTTP changes no token: launched with and without it, and the embedded pair, agree."""
+    answers: dict[str, list[list[int]]] = {}
+    for name, engine, mode in (
+        ("launched", launched, "bidirectional"),
+        ("launched, no push-back", launched, "disaggregated"),
+        ("embedded", pair, "bidirectional"),
+    ):
+        with Session(engine=engine, mode=mode, system=SYSTEM, max_tokens=MAX_TOKENS, cache_salt=name) as session:
+            results = _run(session)
+        answers[name] = [result.steps[0].token_ids for result in results]
+        if mode == "bidirectional":
+            assert results[1].steps[0].stats.pulled_tokens > 0
+    for name in ("launched, no push-back", "embedded"):
+        for turn, (a, b) in enumerate(zip(answers["launched"], answers[name], strict=True), start=1):
+            assert a == b, f"{name}, turn {turn}: {_first_difference(a, b)}"
+
+
+def test_a_remote_pair_drives_servers_it_did_not_start(launched: LaunchedPair) -> None:
+    prefill_url, decode_url = launched.urls
+    with (
+        RemotePair(prefill_url, decode_url, warmup=False) as remote,
+        Session(engine=remote, system=SYSTEM, max_tokens=MAX_TOKENS) as session,
+    ):
+        results = _run(session, QUESTIONS[:2])
+        assert remote.info.push_back and remote.server_kind == "agentkv"
+    second = results[1].steps[0].stats
+    assert second.pulled_tokens > 0 and second.miss_reason is None
+    assert second.kv_bytes is None  # not exclusive: the servers' NIXL totals may include other clients'
+
+
+def test_a_server_that_dies_mid_step_is_restarted_and_the_conversation_kept(launched: LaunchedPair) -> None:
+    with Session(engine=launched, system=SYSTEM, max_tokens=48) as session:
+        session.run_sync(QUESTIONS[0])
+        before = session.messages
+        dead = launched.pids_by_role["decode"]
+
+        def kill_decode(event: object) -> None:
+            if isinstance(event, TextDelta):
+                for pid in alive(dead):
+                    os.kill(pid, signal.SIGKILL)
+
+        with pytest.raises(EngineUnavailableError, match="decode server exited"):
+            session.run_sync(QUESTIONS[1], on_event=kill_decode)
+        assert session.messages == before  # the failed turn added nothing
+
+        again = session.run_sync(QUESTIONS[1])  # D restarts first; the handle it pinned is not sent to P
+        assert again.text and again.steps[0].stats.miss_reason == "no_handle"
+        assert alive(dead) == set() and not dead & launched.pids
+        third = session.run_sync(QUESTIONS[2])
+        assert third.steps[0].stats.pulled_tokens > 0  # push-back works with the new D
+    assert [m.role for m in session.messages][-6:] == ["user", "assistant"] * 3
