@@ -22,6 +22,7 @@ responses takes the difference. ``clock`` lets a client on another host turn D's
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -47,9 +48,20 @@ class _Totals:
             self.expired += len(data.get("num_kv_expired_reqs", ()))
 
 
+class _Recent(collections.OrderedDict[str, Any]):
+    """The prefill stats of the latest requests (those no completion reply took, e.g. chat, age out)."""
+
+    LIMIT = 4096
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        while len(self) > self.LIMIT:
+            self.popitem(last=False)
+
+
 _LOCK = threading.Lock()
 _TOTALS = _Totals()
-_PREFILL_STATS: dict[str, Any] = {}
+_PREFILL_STATS = _Recent()
 
 
 def _extras(output: Any) -> dict[str, Any]:

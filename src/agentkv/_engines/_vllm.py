@@ -234,7 +234,9 @@ class VLLMEngine:
         except Exception as exc:
             if isinstance(exc, EngineError):
                 raise
-            if llm.errored:
+            from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+
+            if llm.errored or isinstance(exc, VLLMEngineDeadError):  # the flag can lag the error
                 raise EngineDeadError(f"the {self.name} engine died: {exc}") from exc
             raise EngineError(f"the {self.name} engine failed a request: {exc}") from exc
 
