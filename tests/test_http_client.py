@@ -55,9 +55,10 @@ def _handle(tokens: int) -> dict[str, Any]:
 class ScriptedServer:
     """A scripted vLLM P or D server on a free local port (``agentkv`` trailer or stock behaviour)."""
 
-    def __init__(self, role: str, *, trailer: bool = True) -> None:
+    def __init__(self, role: str, *, trailer: bool = True, token_ids: bool = True) -> None:
         self.role = role
         self.trailer = trailer
+        self.token_ids = token_ids
         self.failures: list[int] = []
         """Status codes to answer the next completions with, before answering normally."""
         self.bodies: list[dict[str, Any]] = []
@@ -108,7 +109,12 @@ class ScriptedServer:
     async def _stream(self, handle: dict[str, Any]) -> AsyncIterator[str]:
         for index, (token, text) in enumerate(zip(ANSWER_IDS, ("Par", "is", "."), strict=True)):
             finish = "stop" if index == len(ANSWER_IDS) - 1 else None
-            choice = {"index": 0, "text": text, "finish_reason": finish, "token_ids": [token]}
+            choice = {
+                "index": 0,
+                "text": text,
+                "finish_reason": finish,
+                "token_ids": [token] if self.token_ids else None,
+            }
             yield f"data: {json.dumps(self._completion([choice]))}\n\n"
         if self.trailer:
             yield f"data: {json.dumps(self._completion([], kv_transfer_params=handle, agentkv={}))}\n\n"
@@ -210,3 +216,12 @@ def test_an_unreachable_server_is_a_clear_error() -> None:
     pair = RemotePair(nobody, nobody, attempts=2)
     with pytest.raises(EngineUnavailableError, match="prefill server could not be reached"):
         pair.__enter__()
+
+
+def test_a_server_that_returns_no_token_ids_is_refused() -> None:
+    """Text alone cannot extend the token history exactly (DESIGN.md section 6): the step fails plainly."""
+    with ScriptedServer("prefill") as p, ScriptedServer("decode", token_ids=False) as d:
+        with RemotePair(p.url, d.url, warmup=False) as pair, Session(engine=pair, max_tokens=8) as session:
+            with pytest.raises(EngineError, match="without token ids"):
+                session.run_sync("Capital of France?")
+            assert session.messages == []

@@ -94,6 +94,11 @@ class _Reply:
     cached_tokens: int | None = None
     received_at: float = 0.0
 
+    @classmethod
+    def of(cls, extra: dict[str, Any], *, cached_tokens: int | None = None) -> _Reply:
+        """From a reply's fields beyond OpenAI's (``model_extra``)."""
+        return cls(extra.get("kv_transfer_params"), extra.get(SERVER_EXTRAS_FIELD), cached_tokens, time.perf_counter())
+
     def split(self) -> dict[str, int] | None:
         prefill = self.extras.get("prefill") if self.extras else None
         return prefill if isinstance(prefill, dict) else None
@@ -279,6 +284,8 @@ class HTTPPair(Engine):
                 d_reply = reply
                 continue
             ids = list(getattr(choice, "token_ids", None) or [])
+            if choice.text and not ids:  # the history is token ids: text alone would break the exact-prefix rule
+                raise EngineError("the decode server returned text without token ids (it needs `return_token_ids`)")
             if ids and first_token_at is None:
                 first_token_at = time.perf_counter()
             token_ids.extend(ids)
@@ -339,13 +346,7 @@ class HTTPPair(Engine):
         response = await self._clients[role].completions.create(**body)
         usage = response.usage
         details = getattr(usage, "prompt_tokens_details", None) if usage else None
-        extra = response.model_extra or {}
-        return _Reply(
-            kv_transfer_params=extra.get("kv_transfer_params"),
-            extras=extra.get(SERVER_EXTRAS_FIELD),
-            cached_tokens=getattr(details, "cached_tokens", None),
-            received_at=time.perf_counter(),
-        )
+        return _Reply.of(response.model_extra or {}, cached_tokens=getattr(details, "cached_tokens", None))
 
     async def _decode(self, body: dict[str, Any]) -> AsyncIterator[tuple[Any, _Reply | None]]:
         """D's output: ``(choice, None)`` per chunk, then ``(None, reply)`` with the handle when sent."""
@@ -353,14 +354,8 @@ class HTTPPair(Engine):
         if not self.decode_streaming:
             with _translated("decode"):
                 response = await client.completions.create(**body)
-            extra = response.model_extra or {}
             yield response.choices[0], None
-            yield (
-                None,
-                _Reply(
-                    extra.get("kv_transfer_params"), extra.get(SERVER_EXTRAS_FIELD), received_at=time.perf_counter()
-                ),
-            )
+            yield None, _Reply.of(response.model_extra or {})
             return
         stream: Any = None
         with _translated("decode"):
@@ -379,14 +374,7 @@ class HTTPPair(Engine):
                 if chunk.choices:
                     yield chunk.choices[0], None
                 elif "kv_transfer_params" in extra or SERVER_EXTRAS_FIELD in extra:
-                    yield (
-                        None,
-                        _Reply(
-                            extra.get("kv_transfer_params"),
-                            extra.get(SERVER_EXTRAS_FIELD),
-                            received_at=time.perf_counter(),
-                        ),
-                    )
+                    yield None, _Reply.of(extra)
         except TimeoutError as exc:
             raise EngineError(f"the decode server sent nothing for {self._step_timeout_s} s") from exc
         finally:
