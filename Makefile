@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup demo test check lint typecheck docs unit
+.PHONY: setup demo test check lint typecheck docs unit soak
 
 VENV := .venv/bin
 
@@ -28,3 +28,8 @@ docs:
 # Tests that need no engine (seconds).
 unit: setup
 	$(VENV)/python -m pytest -m "not pair"
+
+# The soak: 8 concurrent sessions x 20 turns on the real pair (minutes; not in `make test` or CI).
+# Results and how to read them: docs/reliability.md.
+soak: setup
+	$(VENV)/python scripts/soak.py

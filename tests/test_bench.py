@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from agentkv._bench import BenchReport, load_replay, make_workload, plot, table
+from agentkv import UserError
+from agentkv._bench import BenchReport, load_replay, make_workload, plot, run_bench_sync, table
 from agentkv._bench._records import FloorFit, StepRecord, summarize
-from agentkv._cli import main
+from agentkv._cli import _BenchProgress, main
 
 
 def _record(mode: str, turn: int, ttft: float, *, session: int = 0, pulled: int = 0, tokens: int = 100) -> StepRecord:
@@ -41,10 +42,12 @@ def test_workloads_are_deterministic_and_scale() -> None:
     assert len(a.turns) == 3 and "run_tests" in a.system
     assert len(make_workload("agentic", turns=3, scale=2).turns[1]) > len(a.turns[1])
     assert make_workload("coding", turns=2, scale=2).max_tokens == 2 * make_workload("coding", turns=2).max_tokens
-    with pytest.raises(ValueError, match="unknown workload"):
+    with pytest.raises(UserError, match="unknown workload"):
         make_workload("nope", turns=3)
-    with pytest.raises(ValueError, match="at least 2 turns"):
+    with pytest.raises(UserError, match="at least 2 turns"):
         make_workload("chat", turns=1)
+    with pytest.raises(UserError, match="scale must be a positive number"):
+        make_workload("chat", turns=2, scale=float("nan"))
 
 
 def test_a_replay_takes_the_system_and_user_messages(tmp_path: Path) -> None:
@@ -59,8 +62,14 @@ def test_a_replay_takes_the_system_and_user_messages(tmp_path: Path) -> None:
     workload = load_replay(path, max_tokens=8)
     assert workload.system == "Be brief." and workload.turns == ("one", "two") and workload.max_tokens == 8
     path.write_text(json.dumps(messages[:2]))
-    with pytest.raises(ValueError, match="at least 2 user messages"):
+    with pytest.raises(UserError, match="at least 2 user messages"):
         load_replay(path)
+    for content in ("not json", json.dumps({"turns": []}), json.dumps(["hello"])):
+        path.write_text(content)
+        with pytest.raises(UserError, match=str(path)):
+            load_replay(path)
+    with pytest.raises(UserError, match="cannot read"):
+        load_replay(tmp_path / "missing.json")
 
 
 def test_summaries_compare_modes_over_turns_two_and_later() -> None:
@@ -102,11 +111,52 @@ def test_the_report_prints_writes_json_and_draws(tmp_path: Path) -> None:
         summaries=summarize(records, {"bidirectional": 3.0}, None),
         answers_agree={},
     )
-    assert table(report.summaries).splitlines()[2].startswith("bidirectional")
+    header, rule, row = table(report.summaries).splitlines()
+    assert header.split()[:3] == ["mode", "ttft", "mean"] and set(rule) == {"-"}
+    assert row.split()[0] == "bidirectional" and len(header) == len(rule) >= len(row)
+    assert row.split()[1] == "0.417"  # mean TTFT of turns 2 and 3: (1/2 + 1/3) / 2
     assert BenchReport.model_validate_json(report.model_dump_json()) == report
     assert plot(report, tmp_path / "b.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_the_command_rejects_unknown_modes_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--modes", "bidirectional,warp", "--turns", "2"]) == 2
-    assert "unknown mode" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--modes", "bidirectional,warp", "--turns", "2"])
+    assert exited.value.code == 2
+    assert "unknown mode(s) warp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--turns", "1"], "at least 2 turns"),
+        (["bench", "--sessions", "0"], "sessions must be at least 1"),
+        (["bench", "--replay", "/nonexistent/conversation.json"], "cannot read"),
+    ],
+)
+def test_a_usage_mistake_is_one_line_and_exit_code_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("agentkv bench: error: ") and message in err and "\n" not in err
+
+
+def test_mistakes_in_bench_arguments_raise_user_error() -> None:
+    workload = make_workload("chat", turns=2)
+    with pytest.raises(UserError, match="unknown mode"):
+        run_bench_sync(workload, modes=["bidirectional", "warp"])
+    with pytest.raises(UserError, match="sessions must be at least 1"):
+        run_bench_sync(workload, sessions=0)
+
+
+def test_the_progress_bar_counts_steps_and_shows_what_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    progress = _BenchProgress()
+    progress("turn 1/2 bidirectional", 0, 4)
+    progress.log("a start-up stage")
+    progress("turn 2/2 raw", 2, 4)
+    progress("done", 4, 4)
+    err = capsys.readouterr().err
+    last = err.rsplit("\r", 1)[-1]  # tqdm redraws in place; intermediate frames are throttled
+    assert "\ra start-up stage\n" in err
+    assert last.startswith("done:") and "4/4" in last and last.endswith("\n")  # closed at the end

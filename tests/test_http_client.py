@@ -1,4 +1,4 @@
-"""The HTTP client's logic against scripted servers (no model runs): retries, handle rules, stock servers.
+"""The HTTP client's logic against scripted servers (no model runs): the probe, retries, handle rules, stock servers.
 
 ``ScriptedServer`` answers ``/v1/completions`` like a vLLM P or D server would, from a
 script; it proves nothing about KV (the real launched pair's tests do), only about what
@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agentkv import EngineError, EngineUnavailableError, RemotePair, Session
+from agentkv import EngineError, EngineUnavailableError, RemotePair, Session, UserError
 
 ANSWER_IDS = [12095, 30, 2]  # any ids: the session only needs them back exactly
 
@@ -53,15 +53,23 @@ def _handle(tokens: int) -> dict[str, Any]:
 
 
 class ScriptedServer:
-    """A scripted vLLM P or D server on a free local port (``agentkv`` trailer or stock behaviour)."""
+    """A scripted vLLM P or D server on a free local port: agentkv's server, or stock vLLM (``agentkv=False``).
 
-    def __init__(self, role: str, *, trailer: bool = True, token_ids: bool = True) -> None:
+    Requests without ``kv_transfer_params`` are the pair's probes (kept in `probes`); P's
+    streamed requests are pin releases (in `releases`); the rest are steps (in `bodies`).
+    """
+
+    def __init__(self, role: str, *, agentkv: bool = True, token_ids: bool = True, handle: bool = True) -> None:
         self.role = role
-        self.trailer = trailer
+        self.agentkv = agentkv
         self.token_ids = token_ids
+        self.handle = handle
+        """D returns a handle (off: a decode server without ``bidirectional_kv_xfer``)."""
         self.failures: list[int] = []
-        """Status codes to answer the next completions with, before answering normally."""
+        """Status codes to answer the next step requests with, before answering normally."""
         self.bodies: list[dict[str, Any]] = []
+        self.probes: list[dict[str, Any]] = []
+        self.releases: list[dict[str, Any]] = []
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -93,20 +101,27 @@ class ScriptedServer:
 
     async def _completions(self, request: Request) -> Response:
         body = await request.json()
-        self.bodies.append(body)
-        if self.failures:
-            return JSONResponse({"error": {"message": "scripted failure"}}, status_code=self.failures.pop(0))
-        prompt_tokens = len(body["prompt"])
+        params = body.get("kv_transfer_params")
+        if params is None:
+            self.probes.append(body)
+        elif self.role == "prefill" and body.get("stream"):
+            self.releases.append(body)
+            return StreamingResponse(self._stream(None), media_type="text/event-stream")
+        else:
+            self.bodies.append(body)
+            if self.failures:
+                return JSONResponse({"error": {"message": "scripted failure"}}, status_code=self.failures.pop(0))
         if self.role == "prefill":
             choice = {"index": 0, "text": "x", "finish_reason": "length", "token_ids": [7]}
-            return JSONResponse(self._completion([choice], kv_transfer_params=_prefill_result()))
-        handle = _handle(prompt_tokens + len(ANSWER_IDS) - 1)
+            result = _prefill_result() if params is not None else None
+            return JSONResponse(self._completion([choice], kv_transfer_params=result))
+        handle = _handle(len(body["prompt"]) + len(ANSWER_IDS) - 1) if params is not None and self.handle else None
         if not body.get("stream"):
             choice = {"index": 0, "text": "Paris.", "finish_reason": "stop", "token_ids": ANSWER_IDS}
             return JSONResponse(self._completion([choice], kv_transfer_params=handle))
         return StreamingResponse(self._stream(handle), media_type="text/event-stream")
 
-    async def _stream(self, handle: dict[str, Any]) -> AsyncIterator[str]:
+    async def _stream(self, handle: dict[str, Any] | None) -> AsyncIterator[str]:
         for index, (token, text) in enumerate(zip(ANSWER_IDS, ("Par", "is", "."), strict=True)):
             finish = "stop" if index == len(ANSWER_IDS) - 1 else None
             choice = {
@@ -116,12 +131,12 @@ class ScriptedServer:
                 "token_ids": [token] if self.token_ids else None,
             }
             yield f"data: {json.dumps(self._completion([choice]))}\n\n"
-        if self.trailer:
-            yield f"data: {json.dumps(self._completion([], kv_transfer_params=handle, agentkv={}))}\n\n"
+        if self.agentkv:  # agentkv's server ends a stream with the handle and its extras
+            yield f"data: {json.dumps(self._completion([], kv_transfer_params=handle))}\n\n"
         yield "data: [DONE]\n\n"
 
-    @staticmethod
-    def _completion(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    def _completion(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        extras = {"agentkv": {"prefill": None, "seconds": {}}} if self.agentkv else {}
         return {
             "id": "cmpl-1",
             "object": "text_completion",
@@ -129,6 +144,7 @@ class ScriptedServer:
             "model": "scripted",
             "choices": choices,
             **extra,
+            **extras,
         }
 
 
@@ -150,31 +166,61 @@ def test_the_handle_from_the_stream_is_pushed_back(servers: tuple[ScriptedServer
     assert [_sent_handle(body) for body in p.bodies] == [False, True]
     assert all(body["prompt"] and body["return_token_ids"] for body in p.bodies + d.bodies)
     assert d.bodies[1]["prompt"][: len(d.bodies[0]["prompt"])] == d.bodies[0]["prompt"]  # token-exact history
+    assert [_sent_handle(body) for body in p.releases] == [True]  # the pin the closed session gave up
+    assert p.releases[0]["kv_transfer_params"]["remote_num_tokens"] == 0  # P reads none of it, D frees it
 
 
-def test_a_stock_server_without_the_handle_in_streams_turns_push_back_off(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    with ScriptedServer("prefill") as p, ScriptedServer("decode", trailer=False) as d:
-        with caplog.at_level(logging.WARNING, logger="agentkv"), RemotePair(p.url, d.url) as pair:
-            assert pair.handle_in_stream is False and not pair.info.push_back
-            with Session(engine=pair, max_tokens=8) as session:
-                assert session.mode == "disaggregated"
-                session.run_sync("Capital of France?")
-                assert session.run_sync("And of Italy?").steps[0].stats.miss_reason == "push_back_off"
-        assert "push-back is OFF" in caplog.text
-        assert pair.server_kind == "vllm"
+def test_the_servers_are_probed_once_at_open_without_kv(servers: tuple[ScriptedServer, ScriptedServer]) -> None:
+    p, d = servers
+    pair = RemotePair(p.url, d.url, warmup=False)
+    assert pair.server_kind is None and pair.handle_in_stream is None and pair.capabilities is None
+    with pair, Session(engine=pair, max_tokens=8) as session:
+        assert pair.server_kind == "agentkv" and pair.handle_in_stream is True
+        assert not p.bodies and not d.bodies  # decided before any step
+        session.run_sync("Capital of France?")
+        session.run_sync("And of Italy?")
+    assert len(p.probes) == len(d.probes) == 1  # once, not per step
+    assert not p.probes[0].get("stream") and d.probes[0]["stream"]  # D's stream is what is checked
+    assert p.probes[0]["max_tokens"] == d.probes[0]["max_tokens"] == 1
 
 
-def test_a_stock_server_keeps_push_back_without_token_streaming() -> None:
-    with ScriptedServer("prefill") as p, ScriptedServer("decode", trailer=False) as d:
-        with RemotePair(p.url, d.url, decode_streaming=False, warmup=False) as pair:
-            with Session(engine=pair, max_tokens=8) as session:
-                session.run_sync("Capital of France?")
-                session.run_sync("And of Italy?")
-            assert pair.info.push_back
+def test_a_stock_decode_server_is_refused_for_streaming_at_open() -> None:
+    """A stock D streams no handle, and with bidirectional transfer pins KV nobody can free: refused, plainly."""
+    with ScriptedServer("prefill", agentkv=False) as p, ScriptedServer("decode", agentkv=False) as d:
+        pair = RemotePair(p.url, d.url)
+        with pytest.raises(UserError, match="stock vLLM") as refused:
+            pair.__enter__()
+        assert "agentkv serve --role decode" in str(refused.value) and "decode_streaming=False" in str(refused.value)
+        assert not pair.is_open
+        assert not p.bodies and not d.bodies  # no step ran, so nothing was pinned
+
+
+def test_a_stock_server_keeps_push_back_without_token_streaming(caplog: pytest.LogCaptureFixture) -> None:
+    with ScriptedServer("prefill", agentkv=False) as p, ScriptedServer("decode", agentkv=False) as d:
+        with caplog.at_level(logging.WARNING, logger="agentkv"):
+            with RemotePair(p.url, d.url, decode_streaming=False, warmup=False) as pair:
+                assert pair.server_kind == "vllm" and pair.handle_in_stream is False and pair.info.push_back
+                with Session(engine=pair, max_tokens=8) as session:
+                    session.run_sync("Capital of France?")
+                    second = session.run_sync("And of Italy?")
+                assert pair.info.push_back
         assert [_sent_handle(body) for body in p.bodies] == [False, True]
+        assert second.steps[0].stats.handle_forwarded
         assert not any(body.get("stream") for body in d.bodies)
+        assert "reported as local_hit_tokens" in caplog.text  # a stock P gives no split: said once, at open
+
+
+def test_what_the_pair_decided_at_open_never_changes(servers: tuple[ScriptedServer, ScriptedServer]) -> None:
+    """A step whose D returns no handle costs the next step its push-back, not the pair's capabilities."""
+    p, d = servers
+    d.handle = False
+    with RemotePair(p.url, d.url, warmup=False) as pair, Session(engine=pair, max_tokens=8) as session:
+        before = pair.capabilities
+        session.run_sync("Capital of France?")
+        second = session.run_sync("And of Italy?")
+        assert pair.capabilities == before and pair.info.push_back and pair.handle_in_stream is True
+    assert second.steps[0].stats.miss_reason == "no_handle"
+    d.handle = True
 
 
 def test_transient_errors_are_retried(servers: tuple[ScriptedServer, ScriptedServer]) -> None:
@@ -219,9 +265,9 @@ def test_an_unreachable_server_is_a_clear_error() -> None:
 
 
 def test_a_server_that_returns_no_token_ids_is_refused() -> None:
-    """Text alone cannot extend the token history exactly (DESIGN.md section 6): the step fails plainly."""
+    """Text alone cannot extend the token history exactly (DESIGN.md section 6): the pair refuses at open."""
     with ScriptedServer("prefill") as p, ScriptedServer("decode", token_ids=False) as d:
-        with RemotePair(p.url, d.url, warmup=False) as pair, Session(engine=pair, max_tokens=8) as session:
-            with pytest.raises(EngineError, match="without token ids"):
-                session.run_sync("Capital of France?")
-            assert session.messages == []
+        pair = RemotePair(p.url, d.url, warmup=False)
+        with pytest.raises(EngineError, match="no token ids"):
+            pair.__enter__()
+        assert not pair.is_open and not d.bodies

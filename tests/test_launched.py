@@ -75,11 +75,13 @@ def test_a_remote_pair_drives_servers_it_did_not_start(launched: LaunchedPair) -
         RemotePair(prefill_url, decode_url, warmup=False) as remote,
         Session(engine=remote, system=SYSTEM, max_tokens=MAX_TOKENS) as session,
     ):
-        results = _run(session, QUESTIONS[:2])
-        assert remote.info.push_back and remote.server_kind == "agentkv"
-    second = results[1].steps[0].stats
-    assert second.pulled_tokens > 0 and second.miss_reason is None
-    assert second.kv_bytes is None  # not exclusive: the servers' NIXL totals may include other clients'
+        assert remote.server_kind == "agentkv" and remote.handle_in_stream is True  # probed at open
+        results = _run(session)
+        assert remote.info.push_back
+    for later in results[1:]:
+        step = later.steps[0].stats
+        assert step.pulled_tokens > 0 and step.miss_reason is None
+        assert step.kv_bytes is None  # not exclusive: the servers' NIXL totals may include other clients'
 
 
 def test_a_server_that_dies_mid_step_is_restarted_and_the_conversation_kept(launched: LaunchedPair) -> None:

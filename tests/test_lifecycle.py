@@ -11,9 +11,10 @@ import textwrap
 import threading
 import time
 
+import anyio
 import pytest
 
-from agentkv import EmbeddedPair, EngineDeadError, Session
+from agentkv import EmbeddedPair, EngineDeadError, EngineState, EventLoopHome, Session, SessionClosedError, UserError
 from agentkv._engines._system import alive, listening_ports
 from agentkv.testing import ScriptedEngine
 
@@ -125,3 +126,154 @@ def test_launched_servers_do_not_outlive_a_killed_parent() -> None:
         time.sleep(0.2)
     assert alive(pids) == set()
     assert not ports & listening_ports()
+
+
+# ----------------------------------------------------------------- one lifecycle (unit tests, scripted engine)
+
+
+class _SlowEngine(ScriptedEngine):
+    """A scripted engine whose start and stop take time (as a real pair's do); it records its stop."""
+
+    def __init__(self, *, start_s: float = 0.0, stop_s: float = 0.0) -> None:
+        super().__init__(["Paris.", "Rome."])
+        self._start_s, self._stop_s = start_s, stop_s
+        self.stopped = False
+
+    async def _start(self) -> None:
+        await super()._start()
+        await anyio.sleep(self._start_s)
+
+    async def _stop(self) -> None:
+        await anyio.sleep(self._stop_s)  # cancelled at once unless the cleanup is shielded
+        self.stopped = True
+
+
+def _loop_threads() -> int:
+    return sum(thread.name == "agentkv-loop" for thread in threading.enumerate())
+
+
+def test_two_sessions_on_a_users_engine_neither_close_it_nor_take_its_loop() -> None:
+    engine = ScriptedEngine(["Paris.", "Rome.", "Madrid."])
+    first, second = Session(engine=engine), Session(engine=engine)  # made before the engine opens
+    threads = _loop_threads()
+    with engine:
+        home = engine.home
+        with first, second:
+            first.run_sync("Capital of France?")
+            first.close()
+            assert engine.is_open and engine.home is home  # the user's engine: not closed, same loop
+            assert second.run_sync("Capital of Italy?").text == "Rome."
+        assert engine.is_open
+        with Session(engine=engine) as third:
+            assert third.run_sync("Capital of Spain?").text == "Madrid."
+    assert engine.state is EngineState.CLOSED
+    assert _loop_threads() == threads  # the engine's loop thread ended with it
+
+
+def test_a_session_owns_only_an_engine_it_opened() -> None:
+    engine = ScriptedEngine(["Paris."])
+    with Session(engine=engine) as session:  # unopened when the session opened: the session's own
+        assert engine.is_open and engine.home is session.home
+        session.run_sync("Capital of France?")
+    assert engine.state is EngineState.CLOSED
+    with pytest.raises(SessionClosedError), Session(engine=engine):
+        pass  # a closed engine cannot serve a new session
+
+
+@pytest.mark.anyio
+async def test_open_takes_its_event_loop_home_and_a_closed_object_stays_closed() -> None:
+    engine = ScriptedEngine(["Paris."])
+    home = EventLoopHome.current()
+    await engine.open(home=home)
+    assert engine.home is home and engine.is_open
+    with pytest.raises(UserError, match="already open"):
+        await engine.open()
+    await engine.aclose()
+    await engine.aclose()  # twice is fine
+    with pytest.raises(SessionClosedError, match="cannot be opened again"):
+        await engine.open()
+    with pytest.raises(SessionClosedError):
+        engine.check_open()
+
+
+@pytest.mark.anyio
+async def test_context_managers_return_the_subclass() -> None:
+    async with ScriptedEngine(["Paris."]) as engine, Session(engine=engine) as session:
+        assert type(engine) is ScriptedEngine and type(session) is Session
+        assert (await session.run("Capital of France?")).text == "Paris."
+        engine.assert_complete()  # a ScriptedEngine method: `async with` gave the subclass
+
+
+@pytest.mark.anyio
+async def test_a_timeout_around_an_opening_session_still_stops_its_engine() -> None:
+    engine = _SlowEngine(start_s=30, stop_s=0.05)
+    with anyio.move_on_after(0.2):
+        async with Session(engine=engine):
+            pass
+    assert engine.stopped and engine.state is EngineState.CLOSED
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_scope_around_a_session_still_closes_its_engine() -> None:
+    engine = _SlowEngine(stop_s=0.05)
+    with anyio.move_on_after(0.2):
+        async with Session(engine=engine) as session:
+            await session.run("Capital of France?")
+            await anyio.sleep(30)
+    assert engine.stopped and engine.state is EngineState.CLOSED and not session.is_open
+
+
+def test_ctrl_c_while_an_engine_starts_stops_it_and_its_loop() -> None:
+    engine = _SlowEngine(start_s=30, stop_s=0.05)
+    threads = _loop_threads()
+    gc.collect()
+    gc.disable()  # see test_ctrl_c_during_a_turn_cancels_it_and_keeps_the_conversation
+    try:
+        threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt), Session(engine=engine):
+            pass
+    finally:
+        gc.enable()
+    assert engine.stopped and engine.state is EngineState.CLOSED
+    assert _loop_threads() == threads
+
+
+def test_a_fork_of_a_session_that_owns_its_engine_closes_with_it() -> None:
+    with Session(engine=ScriptedEngine(["Paris.", "Rome."])) as session:
+        session.run_sync("Capital of France?")
+        fork = session.fork()
+        grandchild = fork.fork()
+        assert fork.is_open and grandchild.is_open
+    assert not fork.is_open and not grandchild.is_open
+    for closed in (fork, grandchild):
+        with pytest.raises(SessionClosedError):
+            closed.run_sync("Capital of Italy?")
+        closed.close()  # still safe
+    assert [m.content for m in fork.messages] == ["Capital of France?", "Paris."]  # readable after close
+
+
+def test_a_fork_on_a_shared_engine_outlives_its_parent() -> None:
+    with ScriptedEngine(["Paris.", "Rome."]) as engine:
+        with Session(engine=engine) as session:
+            session.run_sync("Capital of France?")
+            fork = session.fork()
+        assert fork.is_open and fork.run_sync("And Italy?").text == "Rome."
+        fork.close()
+        assert engine.is_open
+
+
+def test_close_before_open_and_async_only_objects_say_what_to_do() -> None:
+    never = Session(engine=ScriptedEngine([]))
+    never.close()
+    assert never.state is EngineState.CLOSED
+    with pytest.raises(SessionClosedError):
+        never.run_sync("hi")
+
+
+@pytest.mark.anyio
+async def test_blocking_close_of_an_async_opened_engine_is_a_user_error() -> None:
+    async with ScriptedEngine([]) as engine:
+        with pytest.raises(UserError, match="await"):
+            engine.close()
+        with pytest.raises(UserError, match="async with"), Session(engine=engine):
+            pass

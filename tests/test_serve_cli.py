@@ -29,3 +29,11 @@ def test_serve_runs_agentkvs_server_with_the_pair_settings(monkeypatch: pytest.M
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.1" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-2,5"
     assert env["AGENTKV_PARKED_KV_POLL_MS"]  # idle servers sleep, as launched ones do
+
+
+@pytest.mark.parametrize("cores", ["0-x", ",", "0-2,3-1"])
+def test_a_bad_core_list_is_a_usage_error(cores: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--role", "decode", "--nixl-host", "10.0.0.1", "--cores", cores])
+    assert exited.value.code == 2
+    assert "--cores" in capsys.readouterr().err

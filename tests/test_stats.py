@@ -1,7 +1,8 @@
-"""Stats models: the invariant and the exports."""
+"""Stats models: the invariant, the exports, the plots, and stats as the leaf the others read."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from agentkv import SessionStats, StepStats, TurnStats, plot_stats
+import agentkv
+from agentkv import SessionStats, StepStats, TurnStats, UserError, plot_stats
+from agentkv._stats import text_table
 
 
 def _step(turn: int, **changes: Any) -> StepStats:
@@ -44,7 +47,10 @@ def test_aggregates_and_exports() -> None:
     data = json.loads(stats.to_json())
     assert data["turns"][1]["steps"][0]["pulled_tokens"] == 30
     assert stats.to_csv().splitlines()[0].startswith("mode,turn,step,ttft_s")
-    assert "no_handle" in stats.table()
+    header, rule, first_row, second_row = stats.table().splitlines()
+    assert header.split() == ["turn", "step", "prompt", "local", "pulled", "computed", "out", "ttft_s", "miss"]
+    assert first_row.split() == ["1", "1", "100", "0", "0", "100", "5", "0.500", "no_handle"]
+    assert second_row.split()[-1] == "-" and set(rule) == {"-"}
     assert "<table>" in stats._repr_html_()
 
 
@@ -58,5 +64,38 @@ def test_one_call_plots_ttft_and_reuse_per_turn(tmp_path: Path) -> None:
     assert (tmp_path / "session.png").read_bytes().startswith(b"\x89PNG")
     both = plot_stats(bidirectional, SessionStats(mode="colocated", turns=turns[:2]))
     assert [line.get_label() for line in both.axes[0].lines] == ["bidirectional", "colocated"]
-    with pytest.raises(ValueError, match="one label per session"):
+    with pytest.raises(UserError, match="one label per session"):
         plot_stats(bidirectional, labels=["a", "b"])
+    with pytest.raises(UserError, match="share a label"):  # one line would hide the other
+        plot_stats(bidirectional, bidirectional)
+    with pytest.raises(UserError, match="at least one"):
+        plot_stats()
+    labelled = plot_stats(bidirectional, bidirectional, labels=["before", "after"])
+    assert [line.get_label() for line in labelled.axes[0].lines] == ["before", "after"]
+
+
+def test_a_text_table_aligns_labels_left_and_numbers_right() -> None:
+    table = text_table(("mode", "ttft"), [("bidirectional", "0.5"), ("raw", "12.25")], left_columns=1)
+    assert table.splitlines() == [
+        "mode            ttft",
+        "--------------------",
+        "bidirectional    0.5",
+        "raw            12.25",
+    ]
+
+
+def _module_level_imports(module: Any) -> set[str]:
+    """What a module imports when it is imported (not inside functions), as absolute names."""
+    tree = ast.parse(Path(module.__file__).read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            names.add(("agentkv." if node.level else "") + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_stats_is_a_leaf_that_plots_read() -> None:
+    assert not {name for name in _module_level_imports(agentkv._stats) if name.startswith("agentkv")}
+    assert "agentkv._stats" in _module_level_imports(agentkv._plots)

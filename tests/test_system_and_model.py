@@ -1,4 +1,5 @@
-"""Core split, port and process helpers; the model cache never serves a half-written folder."""
+"""Core split, port and process helpers; the model cache never serves a half-written folder; the pair's
+configuration and the vLLM settings written from it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from agentkv import ModelPreparationError, prepare_model
+from agentkv import ModelPreparationError, PairConfig, UserError, prepare_model
+from agentkv._cli import main
+from agentkv._engines._launch import ServerSpec, server_command
+from agentkv._engines._pair_config import pair_engine_launch
 from agentkv._engines._system import alive, cpu_list, descendants, free_port, split_cores
 from agentkv._model import BUNDLED_MODELS, DEFAULT_MODEL
 
@@ -54,3 +58,57 @@ def test_unknown_models_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelPreparationError, match="neither a bundled model"):
         prepare_model(tmp_path / "nowhere")
     assert DEFAULT_MODEL in BUNDLED_MODELS
+
+
+def test_a_pair_config_refuses_settings_that_cannot_work() -> None:
+    for bad in (
+        {"pin_ttl_s": 10},
+        {"idle_poll_ms": 0},
+        {"recompute_threshold": -1},
+        {"kv_cache_gib": float("nan")},
+        {"kv_cache_gib": 0.25},  # vLLM's CPU backend takes whole GiB: its start failed on this
+        {"step_timeout_s": 0},
+        {"cores": ([0], [])},
+    ):
+        with pytest.raises(UserError):
+            PairConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="unknown pair setting"):
+        PairConfig.of(pin_ttl=60)
+    assert PairConfig.of(PairConfig(pin_ttl_s=60), warmup=False) == PairConfig(pin_ttl_s=60, warmup=False)
+
+
+def test_one_function_writes_each_engines_vllm_settings(tmp_path: Path) -> None:
+    config = PairConfig(prefill_prefix_cache=False, pin_ttl_s=60, recompute_threshold=32, idle_poll_ms=20)
+    launches = {
+        role: pair_engine_launch(
+            config, role, model_path=tmp_path, cores=cores, engine_id=f"e-{role}", side_channel_port=port
+        )
+        for role, cores, port in (("prefill", [0, 1], 5601), ("decode", [2], 5602))
+    }
+    p, d = launches["prefill"], launches["decode"]
+    assert p.engine_args["enable_prefix_caching"] is False and d.engine_args["enable_prefix_caching"] is True
+    assert p.engine_args["kv_transfer_config"]["kv_role"] == "kv_producer"
+    assert d.engine_args["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    extra = d.engine_args["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra == {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 32, "decoder_kv_blocks_ttl": 60}
+    assert p.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5602"
+    assert p.env["AGENTKV_PARKED_KV_POLL_MS"] == "20" and p.engine_id == "e-prefill"
+    # the launched server gets the same settings, as vLLM's flags
+    command = server_command(ServerSpec(role="prefill", launch=p, port=8000))
+    assert command[command.index("--max-model-len") + 1] == "4096"
+    assert "--no-enable-prefix-caching" in command and "--enforce-eager" in command
+    assert json.loads(command[command.index("--kv-transfer-config") + 1]) == p.engine_args["kv_transfer_config"]
+
+
+def test_agentkv_serve_uses_the_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: dict[str, list[str]] = {}
+
+    def exec_instead(file: str, args: list[str], env: dict[str, str]) -> None:
+        ran["args"] = args
+        raise SystemExit(0)
+
+    monkeypatch.setattr("os.execvpe", exec_instead)
+    with pytest.raises(SystemExit):
+        main(["serve", "--role", "decode", "--nixl-host", "10.0.0.2"])
+    kv = json.loads(ran["args"][ran["args"].index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_extra_config"]["kv_recompute_threshold"] == PairConfig().recompute_threshold

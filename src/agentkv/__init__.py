@@ -16,8 +16,11 @@ from ._engines import (
     EngineState,
     KVHandle,
     LaunchedPair,
+    PairConfig,
+    PairSettings,
     RemotePair,
     Sampling,
+    ServerCapabilities,
     StepDone,
     StepEvent,
     StepRequest,
@@ -37,6 +40,8 @@ from ._errors import (
     TemplateError,
     UserError,
 )
+from ._home import EventLoopHome
+from ._lifecycle import LifecycleState
 from ._model import DEFAULT_MODEL, prepare_model
 from ._plots import plot_stats
 from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
@@ -60,15 +65,20 @@ __all__ = [
     "EngineState",
     "EngineUnavailableError",
     "Event",
+    "EventLoopHome",
     "InvalidMessageError",
     "KVHandle",
     "LaunchedPair",
+    "LifecycleState",
     "Message",
     "MissReason",
     "Mode",
     "ModelPreparationError",
+    "PairConfig",
+    "PairSettings",
     "RemotePair",
     "Sampling",
+    "ServerCapabilities",
     "Session",
     "SessionClosedError",
     "SessionStats",

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
+
+from tqdm import tqdm
 
 from ._bench._runner import DEFAULT_MODES, MODES
+from ._bench._workloads import WORKLOADS
 from ._engines import LaunchedPair, RemotePair
-from ._errors import AgentKVError
+from ._errors import AgentKVError, UserError
 from ._model import list_models, prepare_model
-from ._session import Session
+from ._results import TextDelta
+from ._session import Mode, Session
 
 __all__ = ["main"]
 
@@ -43,27 +47,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="a multi-turn agent conversation on the real pair, with a stats table")
-    demo.add_argument("--mode", choices=("bidirectional", "disaggregated", "colocated"), default=None)
+    demo.set_defaults(run=_demo)
+    demo.add_argument("--mode", choices=get_args(Mode), default=None)
     demo.add_argument("--model", default=None, help="bundled model name or HF folder (default: bundled SmolLM2)")
     _engine_arguments(demo)
-    demo.add_argument("--turns", type=int, default=len(_DEMO_TURNS), help="number of turns (up to 4)")
+    demo.add_argument(
+        "--turns", type=int, choices=range(1, len(_DEMO_TURNS) + 1), default=len(_DEMO_TURNS), help="number of turns"
+    )
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--json", metavar="FILE", help="also write the session stats as JSON to FILE")
 
     chat = commands.add_parser("chat", help="chat with the model in the terminal (empty line to quit)")
-    chat.add_argument("--mode", choices=("bidirectional", "disaggregated", "colocated"), default=None)
+    chat.set_defaults(run=_chat)
+    chat.add_argument("--mode", choices=get_args(Mode), default=None)
     chat.add_argument("--model", default=None)
     _engine_arguments(chat)
     chat.add_argument("--system", default="You are a helpful assistant.")
     chat.add_argument("--max-tokens", type=int, default=128)
 
     bench = commands.add_parser("bench", help="one multi-turn workload under each mode, side by side, in one run")
-    bench.add_argument("--workload", default="agentic", help="agentic, coding or chat (default: agentic)")
-    bench.add_argument("--replay", metavar="FILE", help="replay the user messages of an OpenAI messages JSON file")
+    bench.set_defaults(run=_bench)
+    conversation = bench.add_mutually_exclusive_group()
+    conversation.add_argument("--workload", choices=tuple(WORKLOADS), default="agentic", help="(default: agentic)")
+    conversation.add_argument(
+        "--replay", metavar="FILE", help="replay the user messages of an OpenAI messages JSON file"
+    )
     bench.add_argument(
         "--modes",
-        default=",".join(DEFAULT_MODES),
-        help=f"comma-separated, from {', '.join(MODES)} (default: {', '.join(DEFAULT_MODES)})",
+        type=_modes,
+        default=list(DEFAULT_MODES),
+        help=f"comma-separated, from {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})",
     )
     bench.add_argument("--turns", type=int, default=4)
     bench.add_argument("--sessions", type=int, default=1, help="concurrent sessions per mode")
@@ -77,20 +90,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve = commands.add_parser(
         "serve", help="run one server of a P/D pair in the foreground (for a pair across hosts: RemotePair)"
     )
+    serve.set_defaults(run=_serve)
     serve.add_argument("--role", choices=("prefill", "decode"), required=True)
     serve.add_argument("--model", default=None, help="bundled model name or HF folder (default: bundled SmolLM2)")
     serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
     serve.add_argument("--port", type=int, default=8100)
     serve.add_argument("--nixl-host", required=True, help="this host's address as the peer server reaches it")
     serve.add_argument("--nixl-port", type=int, default=5600, help="NIXL side-channel port")
-    serve.add_argument("--cores", default=None, help="cores for the engine, e.g. 0-3 (default: all available)")
+    serve.add_argument(
+        "--cores", type=_cores, default=None, help="cores for the engine, e.g. 0-3,6 (default: all available)"
+    )
     serve.add_argument("--max-model-len", type=int, default=4096)
     serve.add_argument("--kv-cache-gib", type=float, default=4.0)
     serve.add_argument("--pin-ttl-s", type=float, default=480.0)
     serve.add_argument("--no-push-back", action="store_true", help="standard disaggregated (no bidirectional)")
-    serve.add_argument("--no-prefix-cache", action="store_true")
+    serve.add_argument("--no-prefix-cache", action="store_true", help="a prefill server without its own prefix cache")
 
     models = commands.add_parser("models", help="list the bundled models, or prepare one")
+    models.set_defaults(run=_models)
     models.add_argument("action", nargs="?", choices=("list", "prepare"), default="list")
     models.add_argument("name", nargs="?", default=None)
 
@@ -100,20 +117,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("agentkv").setLevel(logging.INFO)  # start-up progress is shown
     try:
-        if args.command == "demo":
-            return _demo(args)
-        if args.command == "chat":
-            return _chat(args)
-        if args.command == "bench":
-            return _bench(args)
-        if args.command == "serve":
-            return _serve(args)
-        return _models(args)
+        code: int = args.run(args)
+        return code
+    except UserError as exc:  # a mistake in the command line: say which, like argparse does
+        print(f"agentkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except AgentKVError as exc:
-        print(f"agentkv: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"agentkv {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _modes(text: str) -> list[str]:
+    """``--modes``: ``"bidirectional,raw"`` -> ``["bidirectional", "raw"]``, each a known mode."""
+    modes = [mode.strip() for mode in text.split(",") if mode.strip()]
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODES)}"
+        )
+    return modes
+
+
+def _cores(text: str) -> list[int]:
+    """``--cores``: ``"0-2,5"`` -> ``[0, 1, 2, 5]``."""
+    cores: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        try:
+            span = range(int(first), int(last or first) + 1)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a core list like 0-3,6") from None
+        if not span:
+            raise argparse.ArgumentTypeError(f"{part!r} in {text!r} names no core")
+        cores.extend(span)
+    return cores
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,7 +174,7 @@ def _session(args: argparse.Namespace, **options: Any) -> Session:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    turns = _DEMO_TURNS[: max(1, min(args.turns, len(_DEMO_TURNS)))]
+    turns = _DEMO_TURNS[: args.turns]
     with _session(args, system=_DEMO_SYSTEM, max_tokens=args.max_tokens) as session:
         for number, message in enumerate(turns, start=1):
             print(f"\n[turn {number}] user: {message}")
@@ -160,47 +199,44 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-class _ProgressBar:
-    """One line on stderr, redrawn in place on a terminal, one line per update elsewhere (CI logs)."""
+class _BenchProgress:
+    """The bench's progress bar on stderr (tqdm), fed by `run_bench`'s progress calls."""
 
     def __init__(self) -> None:
-        self._tty = sys.stderr.isatty()
-        self._started = time.monotonic()
+        self._bar: Any = None
 
     def __call__(self, label: str, done: int, total: int) -> None:
-        width = 24
-        filled = round(width * done / total) if total else width
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps  {time.monotonic() - self._started:5.0f} s  {label}"
-        if self._tty:
-            print(f"\r{line:<100}", end="" if done < total else "\n", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
+        if self._bar is None:
+            self._bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+        self._bar.set_description_str(label, refresh=False)
+        self._bar.update(done - self._bar.n)
+        if done >= total:
+            self._bar.close()
+
+    @staticmethod
+    def log(line: str) -> None:
+        """A line of its own above the bar."""
+        tqdm.write(line, file=sys.stderr)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from ._bench import load_replay, make_workload, plot, run_bench_sync, table
 
-    try:
-        if args.replay:
-            workload = load_replay(args.replay, max_tokens=args.max_tokens or 64, turns=args.turns)
-        else:
-            workload = make_workload(args.workload, turns=args.turns, scale=args.scale, seed=args.seed)
-            if args.max_tokens:
-                workload = dataclasses.replace(workload, max_tokens=args.max_tokens)
-        modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
-        report = run_bench_sync(
-            workload,
-            modes=modes,
-            sessions=args.sessions,
-            max_model_len=args.max_model_len,
-            progress=_ProgressBar(),
-            log=lambda line: print(line, file=sys.stderr, flush=True),
-        )
-    except ValueError as exc:
-        print(f"agentkv bench: {exc}", file=sys.stderr)
-        return 2
+    if args.replay:
+        workload = load_replay(args.replay, max_tokens=args.max_tokens or 64, turns=args.turns)
+    else:
+        workload = make_workload(args.workload, turns=args.turns, scale=args.scale, seed=args.seed)
+        if args.max_tokens:
+            workload = dataclasses.replace(workload, max_tokens=args.max_tokens)
+    progress = _BenchProgress()
+    report = run_bench_sync(
+        workload,
+        modes=args.modes,
+        sessions=args.sessions,
+        max_model_len=args.max_model_len,
+        progress=progress,
+        log=progress.log,
+    )
     print(
         f"\nworkload: {workload.name} ({workload.description}); {report.turns} turns, {report.sessions} session(s) per mode"
     )
@@ -241,9 +277,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _print_delta(event: object) -> None:
-    text = getattr(event, "text", None)
-    if getattr(event, "kind", None) == "text_delta" and text:
-        print(text, end="", flush=True)
+    if isinstance(event, TextDelta):
+        print(event.text, end="", flush=True)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -251,39 +286,31 @@ def _serve(args: argparse.Namespace) -> int:
     import uuid
 
     from ._engines._launch import ServerSpec, server_command, server_env
-    from ._engines._pair import connector_config
+    from ._engines._pair_config import PairConfig, pair_engine_launch
 
-    spec = ServerSpec(
-        role=args.role,
-        model_path=prepare_model(args.model, progress=print),
-        host=args.host,
-        port=args.port,
-        nixl_host=args.nixl_host,
-        side_channel_port=args.nixl_port,
-        engine_id=f"agentkv-{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}",
-        cores=_parse_cores(args.cores) if args.cores else None,
+    config = PairConfig(
+        bidirectional=not args.no_push_back,
+        prefill_prefix_cache=not args.no_prefix_cache,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
-        prefix_caching=not args.no_prefix_cache,
-        connector_options=connector_config(
-            bidirectional=not args.no_push_back, recompute_threshold=16, pin_ttl_s=args.pin_ttl_s, options={}
-        ),
+        pin_ttl_s=args.pin_ttl_s,
     )
+    launch = pair_engine_launch(
+        config,
+        args.role,
+        model_path=prepare_model(args.model, progress=print),
+        cores=args.cores,
+        engine_id=f"agentkv-{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}",
+        side_channel_port=args.nixl_port,
+        nixl_host=args.nixl_host,
+    )
+    spec = ServerSpec(role=args.role, launch=launch, host=args.host, port=args.port)
     command = server_command(spec)
     print(
         f"agentkv serve: {args.role} server on http://{args.host}:{args.port}, NIXL at {args.nixl_host}:{args.nixl_port}"
     )
     sys.stdout.flush()
     os.execvpe(command[0], command, {**os.environ, **server_env(spec)})
-
-
-def _parse_cores(text: str) -> list[int]:
-    """``"0-2,5"`` -> ``[0, 1, 2, 5]``."""
-    cores: list[int] = []
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cores.extend(range(int(first), int(last or first) + 1))
-    return cores
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -9,7 +9,9 @@ messages follow (so that no token-exact delta exists) raises `TemplateError`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +26,14 @@ Role = Literal["system", "user", "assistant", "tool"]
 # Placeholder contents for the fixed rendering context; never sent to a model.
 _USER_PLACEHOLDER = "\x00agentkv-user\x00"
 _ASSISTANT_PLACEHOLDER = "\x00agentkv-assistant\x00"
+_CONTENT_MARKER = re.compile("\x00agentkv-content-(\\d+)\x00")
+
+_TOKENIZER_LOCK = threading.Lock()
+"""Guards the tokenizer's shared ``split_special_tokens`` switch (sessions on several loop threads share one)."""
+
+
+def _content_marker(index: int) -> str:
+    return f"\x00agentkv-content-{index}\x00"
 
 
 class Message(BaseModel):
@@ -67,6 +77,7 @@ class ChatRenderer:
         self.assistant_suffix = self._base[len(prompt) + len(_ASSISTANT_PLACEHOLDER) :]
         """What the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
         self._special_ids = set(getattr(tokenizer, "all_special_ids", ()))
+        self._special_texts = [str(t) for t in getattr(tokenizer, "all_special_tokens", ()) if t]
 
     def with_system(self, system: Message | None) -> ChatRenderer:
         """A renderer for the same tokenizer with another system message."""
@@ -81,7 +92,15 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special tokens in it are recognised; no BOS added)."""
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        with _TOKENIZER_LOCK:
+            return list(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` as plain text: ``<|im_end|>`` written in it is not a control token."""
+        with _TOKENIZER_LOCK:
+            ids = list(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+            self._tokenizer.encode("", add_special_tokens=False, split_special_tokens=False)  # reset the shared flag
+            return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` without special tokens."""
@@ -89,18 +108,49 @@ class ChatRenderer:
 
     def initial(self, messages: Sequence[Message]) -> list[int]:
         """Tokens of a whole conversation start, ending with the generation prompt."""
-        return self.encode(self._render(messages, generation_prompt=True))
+        return self._encode_messages(lambda shown: self._render(shown, generation_prompt=True), messages)
 
     def after_assistant(self, generated: Sequence[int], messages: Sequence[Message]) -> list[int]:
         """Tokens to append after an assistant output ``generated``: its closing tail, the
         messages, and the next generation prompt."""
-        full = self._render([*self._after_assistant, *messages], generation_prompt=True)
-        if not full.startswith(self._base):
-            raise TemplateError(
-                "the chat template renders an assistant message differently once more messages "
-                "follow; token-exact deltas are impossible with it"
+        tail = self._closing_tail(generated)
+
+        def render(shown: Sequence[Message]) -> str:
+            full = self._render([*self._after_assistant, *shown], generation_prompt=True)
+            if not full.startswith(self._base):
+                raise TemplateError(
+                    "the chat template renders an assistant message differently once more messages "
+                    "follow; token-exact deltas are impossible with it"
+                )
+            return tail + full[len(self._base) :]
+
+        return self._encode_messages(render, messages)
+
+    def _encode_messages(self, render: Callable[[Sequence[Message]], str], messages: Sequence[Message]) -> list[int]:
+        """Tokens of ``render(messages)``, with message contents as plain text (never control tokens).
+
+        The template's own markup keeps its special tokens. Contents without special-token text
+        are tokenized with the markup, as a full render would be; otherwise the render is split
+        at the contents (rendered with markers) and each content is tokenized as plain text.
+        """
+        text = render(messages)
+        if not any(self._has_special_text(m.content) for m in messages):
+            return self.encode(text)
+        marked = render([m.model_copy(update={"content": _content_marker(i)}) for i, m in enumerate(messages)])
+        parts = _CONTENT_MARKER.split(marked)  # markup, index, markup, index, ..., markup
+        contents = [messages[int(index)].content for index in parts[1::2]]
+        if "".join(p if i % 2 == 0 else contents[i // 2] for i, p in enumerate(parts)) != text:
+            raise InvalidMessageError(
+                "a message contains the model's special-token text, and this chat template does not "
+                "render message contents verbatim, so it cannot be kept as plain text"
             )
-        return self.encode(self._closing_tail(generated) + full[len(self._base) :])
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            ids += self.encode(part) if i % 2 == 0 else self.encode_text(contents[i // 2])
+        return ids
+
+    def _has_special_text(self, text: str) -> bool:
+        return any(special in text for special in self._special_texts)
 
     def _closing_tail(self, generated: Sequence[int]) -> str:
         """The part of the template's assistant suffix the model did not generate itself."""
@@ -144,11 +194,6 @@ class Conversation:
         """Every message, the system message first when there is one."""
         head = [self.system] if self.system is not None else []
         return head + [m for segment in self._segments for m in segment.messages]
-
-    @property
-    def last_output(self) -> tuple[int, ...] | None:
-        """The last assistant output's token ids, if the conversation ends with one."""
-        return self._segments[-1].generated if self._segments else None
 
     # ----------------------------------------------------------------- appending
 
@@ -227,7 +272,7 @@ class Conversation:
             if change is not None and number == 0:
                 messages[change[0]] = messages[change[0]].model_copy(update={"content": change[1]})
                 if generated is not None:  # an edited answer is no longer what the model generated
-                    generated = tuple(self._renderer.encode(change[1]))
+                    generated = tuple(self._renderer.encode_text(change[1]))
             if generated is not None:
                 self.add_output(generated, messages[0].content)
             else:

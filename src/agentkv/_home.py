@@ -21,15 +21,20 @@ from anyio.from_thread import BlockingPortal
 
 from ._errors import UserError
 
-__all__ = ["LoopHome"]
+__all__ = ["EventLoopHome"]
 
 T = TypeVar("T")
 
 _CANCEL_GRACE_S = 60.0
 
 
-class LoopHome:
-    """An asyncio loop, and the portal thread that runs it when it is agentkv's own."""
+class EventLoopHome:
+    """The asyncio event loop an engine or a session lives on, and the thread that runs it when it is agentkv's own.
+
+    ``EventLoopHome.current()`` is the caller's running loop (``async with``);
+    ``EventLoopHome.start_thread()`` starts a loop in a thread of its own (``with``, ``start()``).
+    Pass one to ``open(home=...)`` to open an engine or a session on it; read it back from ``.home``.
+    """
 
     def __init__(
         self,
@@ -40,14 +45,15 @@ class LoopHome:
         self.loop = loop
         self._portal = portal
         self._thread = thread
+        self._spawned: set[asyncio.Task[Any]] = set()
 
     @classmethod
-    def current(cls) -> LoopHome:
+    def current(cls) -> EventLoopHome:
         """The running loop of the calling task."""
         return cls(asyncio.get_running_loop())
 
     @classmethod
-    def start_thread(cls) -> LoopHome:
+    def start_thread(cls) -> EventLoopHome:
         """A new loop in a daemon thread, reached through a blocking portal.
 
         A daemon thread, unlike anyio's ``start_blocking_portal``: Python joins non-daemon
@@ -129,9 +135,31 @@ class LoopHome:
             future.cancel()
             raise
 
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Start ``fn(*args)`` on this loop and return at once, from any thread (fire and forget).
+
+        For best-effort background work (releasing a pin): ``fn`` handles its own errors. Does
+        nothing once the loop is closed.
+        """
+
+        def create() -> None:
+            task = self.loop.create_task(_awaited(fn, *args))
+            self._spawned.add(task)
+            task.add_done_callback(self._spawned.discard)
+
+        if self.is_current():
+            create()
+        elif not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed in between
+                self.loop.call_soon_threadsafe(create)
+
     def stop(self) -> None:
         """Stop the loop thread (no-op for a borrowed loop)."""
         if self._portal is not None and self._thread is not None:
             portal, thread, self._portal, self._thread = self._portal, self._thread, None, None
             portal.call(portal.stop)
             thread.join(timeout=_CANCEL_GRACE_S)
+
+
+async def _awaited(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    return await fn(*args)

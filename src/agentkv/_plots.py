@@ -1,4 +1,8 @@
-"""TTFT and reuse per turn, one line per mode (matplotlib, from the ``plot`` extra)."""
+"""TTFT and reuse per turn, one line per mode (matplotlib, from the ``plot`` extra).
+
+Plots read stats, never the reverse: this module imports `._stats`; `._stats` imports no
+agentkv module at import time (`SessionStats.plot` loads this one when it is called).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._errors import UserError
+from ._stats import SessionStats
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-    from ._stats import SessionStats
 
 __all__ = ["TurnPoint", "plot_stats", "plot_turns"]
 
@@ -58,8 +63,12 @@ def plot_stats(*stats: SessionStats, labels: Sequence[str] | None = None, path: 
     Each session is labelled with its mode unless ``labels`` are given. Returns the
     matplotlib ``Figure`` (a notebook shows it); ``path`` also saves it as PNG.
     """
+    if not stats:
+        raise UserError("plot_stats needs at least one SessionStats")
     names = list(labels) if labels is not None else [s.mode for s in stats]
     if len(names) != len(stats):
-        raise ValueError("one label per session")
+        raise UserError(f"one label per session: {len(stats)} session(s), {len(names)} label(s)")
+    if len(set(names)) != len(names):
+        raise UserError(f"two sessions would share a label ({', '.join(names)}): pass labels=[...], one per session")
     series = {name: [(t.turn, t.ttft_s, t.reuse_ratio) for t in s.turns] for name, s in zip(names, stats, strict=True)}
     return plot_turns(series, title="agentkv: " + ", ".join(names), path=path)

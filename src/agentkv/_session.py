@@ -1,57 +1,43 @@
-"""`Session`: a conversation pinned to its KV on an engine, run turn by turn."""
+"""`Session`: a conversation pinned to its KV on an engine, run turn by turn.
+
+A turn works on a copy of the conversation and is committed only when it ended well (and,
+with ``run(on_event=...)``, once the callback took the `TurnEnd`); a turn that fails, is
+cancelled or abandoned never shows in `messages` or `stats`. The session prepares a turn
+(`_begin_turn`), runs its steps (`agentkv._turn`: model step, tool round, finish) and
+commits it (`_commit`) or drops it (`_end_turn`).
+"""
 
 from __future__ import annotations
 
-import enum
+import contextlib
 import functools
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from types import TracebackType
-from typing import Any, Literal
+import threading
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from contextlib import aclosing
+from typing import Any
 
 import anyio.to_thread
 
 from ._conversation import ChatRenderer, Conversation, Message
-from ._engines import Colocated, EmbeddedPair, Engine, EngineState, Sampling, StepDone, StepRequest, TokenDelta
-from ._errors import ContextLengthError, InvalidMessageError, SessionClosedError, UserError
-from ._home import LoopHome
-from ._notebook import StartsInCells
-from ._pinning import Pin, choose_handle, miss_after_step
-from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
-from ._stats import SessionStats, StepStats, TurnStats
-from ._tools import (
-    Tool,
-    ToolCall,
-    ToolChoice,
-    ToolFormat,
-    ToolResult,
-    check_tools,
-    instructions,
-    output_schema,
-    parse_native_output,
-    parse_output,
-    result_message,
-    run_tool_calls,
-    template_tools,
-)
+from ._engines import Colocated, EmbeddedPair, Engine, EngineState, KVHandle
+from ._errors import SessionClosedError, UserError
+from ._home import EventLoopHome
+from ._lifecycle import Lifecycle, LifecycleState
+from ._pinning import Pin
+from ._results import Event, TurnEnd, TurnResult
+from ._session_config import Mode, SessionConfig, check_count, check_message
+from ._stats import SessionStats, TurnStats
+from ._tools import Tool, ToolChoice, ToolFormat, template_tools
+from ._turn import StepContext, Turn, turn_events
 
 __all__ = ["Mode", "Session"]
 
 logger = logging.getLogger("agentkv")
 
-Mode = Literal["bidirectional", "disaggregated", "colocated"]
-_MODES: tuple[Mode, ...] = ("bidirectional", "disaggregated", "colocated")
 
-
-class _State(enum.Enum):
-    UNOPENED = "unopened"
-    OPEN = "open"
-    CLOSED = "closed"
-
-
-class Session(StartsInCells):
+class Session(Lifecycle):
     """A multi-turn conversation on an engine, with its KV pinned between steps.
 
     Use it as a context manager: ``async with Session() as s`` on your event loop, or
@@ -59,9 +45,10 @@ class Session(StartsInCells):
     event loop of its own, and both ``s.run_sync(...)`` and ``await s.run(...)`` work).
 
     Args:
-        engine: the engine to run on. An open one is shared (other sessions may use it; its
-            owner closes it); an unopened one (``Session(engine=LaunchedPair())``) becomes the
-            session's own: it opens with the session and closes with it.
+        engine: the engine to run on. Whether the session owns it is decided when the session
+            opens: an engine that is open then is shared (other sessions may use it; whoever
+            opened it closes it); an unopened one (``Session(engine=LaunchedPair())``) is opened
+            by the session and becomes its own: it closes with the session.
             Default: the session starts its own engine for ``mode`` and closes it on exit.
         model: the model of the session's own engine: a bundled name or an HF folder.
         mode: ``"bidirectional"`` (default: D's KV pushed back every step), ``"disaggregated"``
@@ -75,14 +62,16 @@ class Session(StartsInCells):
             ``"native"`` (the model's chat template renders the tools; Hermes-style calls parsed).
         max_steps: the most model calls per turn; the last one is made to answer.
         max_tokens: the most tokens one model call may generate.
-        temperature: sampling temperature (0: greedy).
+        temperature: sampling temperature (0: greedy; not negative).
         seed: sampling seed.
-        expiry_margin_s: a pin that expires within this many seconds is not pushed back.
+        expiry_margin_s: a pin that expires within this many seconds is not pushed back (not negative).
         cache_salt: keep this session's cached KV apart: blocks cached under one salt never
             serve a request with another (vLLM ``cache_salt``), on P, D or a colocated engine.
             For tenants that must not share KV, and for measurements that must not help
             each other. Default: none (sessions with equal prefixes share blocks).
         engine_options: keyword arguments for the session's own engine (e.g. ``max_model_len``).
+
+    Mistakes in these arguments raise `UserError` (`InvalidMessageError` for the system text).
     """
 
     def __init__(
@@ -103,137 +92,105 @@ class Session(StartsInCells):
         cache_salt: str | None = None,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if mode is not None and mode not in _MODES:
-            raise UserError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
+        if engine is not None and not isinstance(engine, Engine):
+            raise UserError(f"engine must be an agentkv Engine, not {type(engine).__name__}")
         if engine is not None and (model is not None or engine_options):
             raise UserError("model= and engine_options= configure the session's own engine; not with engine=")
-        if max_tokens < 1:
-            raise UserError("max_tokens must be at least 1")
-        if system is not None and not isinstance(system, str):
-            raise InvalidMessageError(f"system must be a string, not {type(system).__name__}")
-        if max_steps < 1:
-            raise UserError("max_steps must be at least 1")
-        self._tools = check_tools(tools)
-        _check_choice(tool_choice, self._tools)
-        self._tool_choice = tool_choice
-        self._max_steps = max_steps
-        if tool_format not in ("schema", "native"):
-            raise UserError(f"tool_format must be 'schema' or 'native', not {tool_format!r}")
-        if tool_format == "native" and tool_choice != "auto":
-            raise UserError(
-                "with tool_format='native' the model decides (tool_choice='auto'); "
-                "forced calls need tool_format='schema'"
-            )
-        self._tool_format = tool_format
-        if self._tools and tool_format == "schema":
-            system = (system or "") + instructions(self._tools)
-        self._engine = engine
-        self._owns_engine = engine is None or engine.state is EngineState.UNOPENED
-        self._engine_given = engine is not None
-        self._model = model
-        self._requested_mode = mode
-        self._engine_options = dict(engine_options or {})
-        self._system = Message(role="system", content=system) if system is not None else None
-        self._sampling = Sampling(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        self._expiry_margin_s = expiry_margin_s
-        self._cache_salt = cache_salt
-        self._state = _State.UNOPENED
-        self._home: LoopHome | None = None
+        config = SessionConfig.build(
+            model=model,
+            mode=mode,
+            system=system,
+            tools=tools,
+            tool_choice=tool_choice,
+            tool_format=tool_format,
+            max_steps=max_steps,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            expiry_margin_s=expiry_margin_s,
+            cache_salt=cache_salt,
+            engine_options=engine_options,
+        )
+        self._setup(config, engine)
+
+    def _setup(self, config: SessionConfig, engine: Engine | None) -> None:
+        super().__init__()
+        self._config = config
+        self._given_engine = engine
+        self._engine: Engine | None = engine
+        self._owns_engine = False
+        """Whether this session opened its engine (and so closes it); decided by `open`."""
         self._conversation: Conversation | None = None
         self._pin: Pin | None = None
         self._turns: list[TurnStats] = []
-        self._busy = False
-        self.mode: Mode = mode or "bidirectional"
+        """One per turn of the conversation, in order (kept aligned through rewinds and forks)."""
+        self._active: Turn | None = None
+        self._lock = threading.RLock()
+        """Guards the committed state (conversation, pin, stats, active turn) against other threads."""
+        self._releases: list[KVHandle] = []
+        self._forks: weakref.WeakSet[Session] = weakref.WeakSet()
+        """Forks (and forks of forks) that run on this session's own engine: they close with it."""
+        self._engine_owner: Session | None = None
+        """For a fork: the session whose own engine it runs on (None: a shared engine)."""
+        self.mode: Mode = config.mode or "bidirectional"
 
     # ----------------------------------------------------------------- lifecycle
 
-    async def open(self) -> None:
-        """Start the session (and its own engine). Prefer ``async with``."""
-        if self._state is not _State.UNOPENED:
-            raise SessionClosedError(f"the session is {self._state.value}; create a new one")
-        try:
-            engine = self._engine if self._engine is not None else self._make_engine()
-            self._engine = engine
-            if self._owns_engine:
-                engine.home = self._home
-                await engine.open()
-            elif engine.state is not EngineState.OPEN:
-                raise SessionClosedError(
-                    f"the engine given to this session is {engine.state.value}; give an open or a new one"
-                )
-            self._home = engine.home
-            self.mode = self._resolve_mode(engine)
-            tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
-            native_tools = template_tools(self._tools) if self._tools and self._tool_format == "native" else None
-            renderer = ChatRenderer(tokenizer, system=self._system, tools=native_tools)
-            self._conversation = Conversation(renderer, system=self._system)
-        except BaseException:
-            self._state = _State.CLOSED
-            if self._owns_engine and self._engine is not None:
-                await self._engine.aclose()
-            raise
-        self._state = _State.OPEN
+    def _blocking_home(self) -> tuple[EventLoopHome, bool]:
+        engine = self._given_engine
+        if engine is not None and engine.state is EngineState.OPEN:
+            if engine.home is None or not engine.home.owns_thread:
+                raise UserError("this engine was opened with `async with`: use `async with Session(...)` too")
+            return engine.home, False  # a shared engine's loop, which its owner stops
+        return super()._blocking_home()
 
-    async def aclose(self) -> None:
-        """Close the session, and its engine if it started one. Safe to call twice."""
-        if self._state is _State.CLOSED:
-            return
-        self._state = _State.CLOSED
+    async def _open_resources(self) -> None:
+        engine = self._given_engine if self._given_engine is not None else self._make_engine()
+        self._engine = engine
+        if engine.state is EngineState.UNOPENED:
+            self._owns_engine = True
+            await engine.open(home=self.home)
+        elif engine.state is EngineState.OPEN:
+            self._home = engine.home  # a shared engine: the session runs its turns on the engine's loop
+        else:
+            raise SessionClosedError(
+                f"the engine given to this session is {engine.state.value}; give an open or a new one"
+            )
+        self.mode = self._resolve_mode(engine)
+        tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
+        config = self._config
+        native_tools = template_tools(config.tools) if config.tools and config.format == "native" else None
+        text = config.system_text(config.system)
+        system = Message(role="system", content=text) if text is not None else None
+        renderer = ChatRenderer(tokenizer, system=system, tools=native_tools)
+        self._conversation = Conversation(renderer, system=system)
+
+    async def _close_resources(self) -> None:
+        if self._owns_engine:  # the forks run on this session's engine, which closes now
+            for fork in list(self._forks):
+                await fork.aclose()
+        with self._lock:
+            if self._pin is not None:
+                self._releases.append(self._pin.handle)
+                self._pin = None
+        await self._release_pins()
         if self._owns_engine and self._engine is not None:
             await self._engine.aclose()
 
-    async def __aenter__(self) -> Session:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    def __enter__(self) -> Session:
-        if self._engine is not None and not self._owns_engine:
-            if self._engine.home is None or not self._engine.home.owns_thread:
-                raise UserError("this engine was opened with `async with`: use `async with Session(...)` too")
-            self._engine.home.call(self.open)
-            return self
-        self._home = LoopHome.start_thread()
-        self._home.call_or_stop(self.open)
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    @property
-    def is_open(self) -> bool:
-        """Whether the session takes turns (open, and not closed)."""
-        return self._state is _State.OPEN
-
-    def close(self) -> None:
-        """Blocking `aclose`."""
-        if self._state is _State.CLOSED:
-            return
-        home = self._require_home()
-        home.call(self.aclose)
-        if self._owns_engine:
-            home.stop()
-
     def _make_engine(self) -> Engine:
-        mode = self._requested_mode or "bidirectional"
-        options = dict(self._engine_options)
+        mode = self._config.mode or "bidirectional"
+        options = dict(self._config.engine_options)
         if mode == "colocated":
-            return Colocated(self._model, **options)
+            return Colocated(self._config.model, **options)
         options.setdefault("bidirectional", mode == "bidirectional")
-        return EmbeddedPair(self._model, **options)
+        return EmbeddedPair(self._config.model, **options)
 
     def _resolve_mode(self, engine: Engine) -> Mode:
         info = engine.info
         natural: Mode = (
             "colocated" if info.kind == "colocated" else ("bidirectional" if info.push_back else "disaggregated")
         )
-        wanted = self._requested_mode or natural
+        wanted = self._config.mode or natural
         if wanted == "bidirectional" and not info.push_back:
             raise UserError(f"mode='bidirectional' needs an engine with push-back; this one is {natural}")
         if (wanted == "colocated") != (info.kind == "colocated") and info.kind != "scripted":
@@ -251,17 +208,17 @@ class Session(StartsInCells):
 
     @property
     def messages(self) -> list[Message]:
-        """The conversation so far (readable after close too)."""
+        """The conversation so far: finished turns only (readable after close too)."""
         return self._readable_conversation().messages
 
     @property
     def token_ids(self) -> list[int]:
-        """The conversation as the model sees it (a copy; readable after close too)."""
+        """The conversation as the model sees it (a copy; finished turns only; readable after close too)."""
         return list(self._readable_conversation().tokens)
 
     @property
     def stats(self) -> SessionStats:
-        """Statistics of every turn so far."""
+        """Statistics of every turn of the conversation."""
         return SessionStats(mode=self.mode, turns=list(self._turns))
 
     # ----------------------------------------------------------------- running
@@ -269,261 +226,210 @@ class Session(StartsInCells):
     async def run(self, message: str, *, on_event: Callable[[Event], None] | None = None) -> TurnResult:
         """Send a user message; return the answer and every step's stats.
 
-        If anything fails (bad input, an engine error, cancellation) the conversation is
-        left as it was before the call.
+        If anything fails (bad input, an engine error, cancellation, ``on_event`` raising) the
+        conversation and the stats are left as they were before the call.
         """
         home = self._require_home()
         if not home.is_current():
             return await home.call_async(self._run, message, on_event)
         return await self._run(message, on_event)
 
-    async def _run(self, message: str, on_event: Callable[[Event], None] | None) -> TurnResult:
-        result: TurnResult | None = None
-        async for event in self._turn(message):
-            if on_event is not None:
-                on_event(event)
-            if isinstance(event, TurnEnd):
-                result = event.result
-        assert result is not None
-        return result
-
     def run_sync(self, message: str, *, on_event: Callable[[Event], None] | None = None) -> TurnResult:
         """Blocking `run`, for a session opened with ``with``. Ctrl-C cancels the turn cleanly."""
         return self._require_home().call(self._run, message, on_event)
 
-    async def stream(self, message: str) -> AsyncIterator[Event]:
-        """`run`, as events: text deltas and step ends as they happen, then the turn end."""
+    def stream(self, message: str) -> AsyncIterator[Event]:
+        """`run`, as events: text deltas and step ends as they happen, then the turn end.
+
+        The turn is kept once the `TurnEnd` was yielded. A consumer that stops before (``break``,
+        an exception) abandons the turn: it is dropped, and the next turn or edit may start at
+        once. ``async with contextlib.aclosing(s.stream(...))`` also stops the engine's step then.
+        """
+        consumer: list[weakref.ref[Any]] = []
+        events = self._stream(message, consumer)
+        consumer.append(weakref.ref(events))
+        return events
+
+    async def _run(self, message: str, on_event: Callable[[Event], None] | None) -> TurnResult:
+        turn = await self._begin_turn(message)
+        try:
+            async with aclosing(turn_events(turn, self._step_context())) as events:
+                async for event in events:
+                    if on_event is not None:
+                        on_event(event)  # may raise, also at TurnEnd: then the turn is not kept
+            assert turn.result is not None
+            self._commit(turn)
+            return turn.result
+        finally:
+            self._end_turn(turn)
+
+    async def _stream(self, message: str, consumer: list[weakref.ref[Any]]) -> AsyncGenerator[Event]:
         if not self._require_home().is_current():
             raise UserError("stream() runs on the session's own event loop; use run(on_event=...) here")
-        async for event in self._turn(message):
-            yield event
-
-    async def _turn(self, message: str) -> AsyncIterator[Event]:
-        conversation = self._require_conversation()
-        _check_message(message)
-        if self._busy:
-            raise UserError("a turn is already running in this session; sessions take one turn at a time")
-        self._busy = True
-        checkpoint = conversation.checkpoint()
-        started = time.perf_counter()
-        turn = len(self._turns) + 1
+        turn = await self._begin_turn(message, consumer=consumer[0] if consumer else None)
         try:
-            await self._ensure_engine()
-            conversation.add_messages([Message(role="user", content=message)])
-            steps: list[Step] = []
-            choice = self._tool_choice
-            answer: str | None = None
-            for number in range(1, self._max_steps + 1):
-                forced_answer = number == self._max_steps
-                schema = None
-                if self._tools and self._tool_format == "schema":
-                    schema = output_schema(self._tools, "none" if forced_answer else choice)
-                step: Step | None = None
-                async for event in self._model_step(turn, number, schema):
-                    if isinstance(event, Step):
-                        step = event
-                    else:
-                        yield event
-                assert step is not None
-                if not self._tools:
-                    steps.append(step)
-                    answer = step.text
-                    break
-                calls, answer, error = self._parse_calls(step.text, f"t{turn}s{number}", last=forced_answer)
-                if answer is not None:
-                    steps.append(step)
-                    yield StepEnd(step=step)
-                    break
-                for call in calls:
-                    yield ToolCallEvent(turn=turn, step=number, call=call)
-                tools_started = time.perf_counter()
-                results = (
-                    await run_tool_calls(calls, self._tools)
-                    if error is None
-                    else [
-                        ToolResult(
-                            call_id=f"t{turn}s{number}",
-                            name="agentkv",
-                            content=f"error: {error}",
-                            error="malformed_output",
-                        )
-                    ]
-                )
-                for result in results:
-                    yield ToolResultEvent(turn=turn, step=number, result=result)
-                step = step.model_copy(
-                    update={
-                        "tool_calls": calls,
-                        "tool_results": results,
-                        "stats": step.stats.model_copy(update={"tool_s": time.perf_counter() - tools_started}),
-                    }
-                )
-                steps.append(step)
-                yield StepEnd(step=step)
-                conversation.add_messages(
-                    [Message(role="tool", name=r.name, content=self._tool_message(r)) for r in results]
-                )
-                choice = "auto" if choice != "none" else choice  # a forced call is forced once per turn
-            if not self._tools:
-                yield StepEnd(step=steps[-1])
-            assert answer is not None
-            stats = TurnStats(turn=turn, steps=[s.stats for s in steps], wall_s=time.perf_counter() - started)
-            bounded = bool(self._tools) and self._max_steps > 1 and len(steps) == self._max_steps
-            stop_reason: Literal["answer", "max_steps"] = "max_steps" if bounded else "answer"
-            turn_result = TurnResult(text=answer, steps=steps, stats=stats, stop_reason=stop_reason)
-            self._turns.append(stats)
-        except BaseException:
-            conversation.restore(checkpoint)
-            raise
+            async with aclosing(turn_events(turn, self._step_context())) as events:
+                async for event in events:
+                    if isinstance(event, TurnEnd):
+                        self._commit(turn)
+                    yield event
         finally:
-            self._busy = False
-        yield TurnEnd(result=turn_result)
+            self._end_turn(turn)
 
-    def _parse_calls(self, text: str, call_prefix: str, *, last: bool) -> tuple[list[ToolCall], str | None, str | None]:
-        """(tool calls, answer, error) from a step's output, in the session's tool format."""
-        parse = parse_output if self._tool_format == "schema" else parse_native_output
-        calls, answer, error = parse(text, call_prefix=call_prefix)
-        if last and answer is None:  # the step bound: whatever the last step said is the answer; no calls run
-            return [], text.strip(), None
-        return calls, answer, error
+    async def _begin_turn(self, message: str, *, consumer: weakref.ref[Any] | None = None) -> Turn:
+        """Prepare a turn: claim the session, copy the conversation, append the user message."""
+        check_message(message)
+        with self._lock:
+            conversation = self._require_conversation()
+            self._drop_abandoned_turn()
+            if self._active is not None:
+                raise UserError("a turn is already running in this session; sessions take one turn at a time")
+            turn = Turn(len(self._turns) + 1, conversation.copy(), self._pin, self._pin, consumer)
+            self._pin, self._active = None, turn
+        try:
+            await self._release_pins()
+            await self._ensure_engine(turn)
+            turn.conversation.add_messages([Message(role="user", content=message)])
+        except BaseException:
+            self._end_turn(turn)
+            raise
+        return turn
 
-    def _tool_message(self, result: ToolResult) -> str:
-        """A tool result as the model reads it: raw content for native templates, JSON for schema mode."""
-        return result.content if self._tool_format == "native" else result_message(result)
+    def _step_context(self) -> StepContext:
+        return StepContext(self.engine, self._config, self.mode == "bidirectional", self._discard_pin)
 
-    async def _model_step(
-        self, turn: int, number: int, json_schema: dict[str, Any] | None
-    ) -> AsyncIterator[TextDelta | Step]:
-        conversation = self._require_conversation()
-        engine = self.engine
-        prompt = list(conversation.tokens)
-        max_model_len = engine.info.max_model_len
-        if len(prompt) >= max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens; the model's context is {max_model_len}",
-                prompt_tokens=len(prompt),
-                max_model_len=max_model_len,
-            )
-        sampling = Sampling(
-            max_tokens=min(self._sampling.max_tokens, max_model_len - len(prompt)),
-            temperature=self._sampling.temperature,
-            seed=self._sampling.seed,
-            top_p=self._sampling.top_p,
-            json_schema=json_schema,
-        )
-        handle, reason = choose_handle(
-            self._pin, prompt, push_back=self.mode == "bidirectional", expiry_margin_s=self._expiry_margin_s
-        )
-        self._pin = None  # a handle is single-use, and an unforwarded pin is no longer ours to use
-        request = StepRequest(
-            request_id=f"agentkv-{uuid.uuid4().hex}",
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            handle=handle,
-            cache_salt=self._cache_salt,
-        )
-        done: StepDone | None = None
-        async for event in engine.step(request):
-            if isinstance(event, TokenDelta):
-                yield TextDelta(turn=turn, step=number, text=event.text, token_ids=list(event.token_ids))
-            else:
-                done = event
-        assert done is not None
-        conversation.add_output(done.token_ids, done.text)
-        if done.handle is not None:
-            self._pin = Pin(done.handle, prompt + list(done.token_ids), done.handle_deadline)
-        timings = done.timings
-        stats = StepStats(
-            turn=turn,
-            step=number,
-            ttft_s=timings.ttft_s,
-            prefill_s=timings.prefill_s,
-            kv_wait_s=timings.kv_wait_s,
-            decode_s=timings.decode_s,
-            prompt_tokens=len(prompt),
-            local_hit_tokens=timings.local_hit_tokens,
-            pulled_tokens=timings.pulled_tokens,
-            computed_tokens=timings.computed_tokens,
-            output_tokens=len(done.token_ids),
-            handoff_tokens=timings.handoff_tokens,
-            kv_bytes=timings.kv_bytes,
-            kv_transfer_s=timings.kv_transfer_s,
-            handle_forwarded=handle is not None,
-            miss_reason=miss_after_step(
-                handle,
-                reason,
-                prompt_tokens=len(prompt),
-                local_hit_tokens=timings.local_hit_tokens,
-                pulled_tokens=timings.pulled_tokens,
-                declined=timings.pullback_declined,
-            ),
-        )
-        yield Step(text=done.text, token_ids=list(done.token_ids), finish_reason=done.finish_reason, stats=stats)
+    def _commit(self, turn: Turn) -> None:
+        """Make a finished turn part of the session: its conversation, its pin, its stats."""
+        with self._lock:
+            if turn.ended or self._active is not turn or turn.result is None:
+                raise UserError("this turn was abandoned and cannot be kept")
+            self._conversation = turn.conversation
+            self._pin, turn.pin = turn.pin, None
+            self._turns.append(turn.result.stats)
+            turn.ended = True
+            self._active = None
 
-    async def _ensure_engine(self) -> None:
-        """Replace the session's own engine if it died; a shared engine is the caller's to replace."""
+    def _end_turn(self, turn: Turn) -> None:
+        """Drop a turn that was not committed (failed, cancelled, abandoned). Safe to call twice."""
+        with self._lock:
+            if turn.ended:
+                return
+            turn.ended = True
+            if self._active is turn:
+                self._active = None
+            pin, turn.pin = turn.pin, None
+            if pin is not None and pin is turn.taken_pin and self._pin is None:
+                self._pin = pin  # never forwarded, and the conversation is unchanged: still good
+            elif pin is not None:
+                self._discard_pin(pin)
+
+    def _drop_abandoned_turn(self) -> None:
+        """End the running turn if its `stream` consumer is gone (called with the lock held)."""
+        if self._active is not None and self._active.abandoned():
+            logger.debug("agentkv: dropping turn %d, whose stream was abandoned", self._active.number)
+            self._end_turn(self._active)
+
+    async def _ensure_engine(self, turn: Turn) -> None:
+        """Replace the session's own engine if it died; a shared or given engine is the caller's to replace."""
         engine = self.engine
         if not engine.is_dead:
             return
-        if not self._owns_engine or self._engine_given:  # only an engine the session made is remade
+        if not self._owns_engine or self._given_engine is not None:  # only an engine the session made is remade
             engine.check_open()
         logger.warning("agentkv: the session's engine died; starting a new one (the conversation is kept)")
-        self._pin = None
+        turn.pin = turn.taken_pin = None
+        await engine.aclose()
         replacement = self._make_engine()
-        replacement.home = self._home
-        try:
-            await replacement.open()
-        except BaseException:
-            await replacement.aclose()
-            raise
+        await replacement.open(home=self.home)
         self._engine = replacement
+
+    # ----------------------------------------------------------------- pins
+
+    def _discard_pin(self, pin: Pin) -> None:
+        """Give a pin up: D is asked (soon, on the session's loop) to drop its blocks."""
+        with self._lock:
+            self._releases.append(pin.handle)
+        if self.home is not None:
+            self.home.spawn(self._release_pins)
+
+    async def _release_pins(self) -> None:
+        """Ask the engine to drop the pins given up so far (on the engine's loop; best effort)."""
+        home = self.home
+        if home is not None and not home.is_current():  # e.g. `await s.aclose()` from another loop
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await home.call_async(self._release_pins)
+            return
+        with self._lock:
+            handles, self._releases = self._releases, []
+        engine = self._engine
+        if not handles or engine is None or not engine.is_open or engine.is_dead:
+            return
+        with anyio.CancelScope(shield=True):
+            for handle in handles:
+                try:
+                    await engine.release(handle)
+                except Exception:  # best effort: an unreleased pin expires on D
+                    logger.debug("agentkv: releasing a pin failed", exc_info=True)
 
     # ----------------------------------------------------------------- editing
 
     def rewind(self, turns: int = 1) -> None:
         """Drop the last ``turns`` turns from the conversation (and their stats)."""
-        self._require_idle().rewind(turns)
-        del self._turns[len(self._turns) - turns :]
+        check_count(turns, "turns")
+        with self._lock:
+            conversation = self._require_idle()
+            conversation.rewind(turns)
+            del self._turns[len(conversation.turn_starts()) :]
+            self._drop_pin()
 
     def replace_message(self, index: int, content: str) -> None:
         """Replace the content of message ``index`` of `messages`; later messages are kept.
 
         The tokens after the edit are re-rendered, so the next step's prompt no longer
-        extends D's pin: the handle is not pushed back (``miss_reason="prefix_mismatch"``).
+        extends D's pin: the pin is released. Replacing the system message keeps the
+        instructions that schema-format tools append to it.
         """
-        _check_message(content)
-        self._require_idle().replace(index, content)
+        check_count(index, "index")
+        check_message(content)
+        with self._lock:
+            conversation = self._require_idle()
+            if index == 0 and conversation.system is not None:
+                content = self._config.system_text(content) or content
+            conversation.replace(index, content)
+            self._drop_pin()
 
     def fork(self) -> Session:
-        """A new open session on the same engine with a copy of this conversation.
+        """A new open session on the same engine with a copy of this conversation (and its stats).
 
-        The fork has no pin (handles are single-use); its first step reuses the engine's
-        prefix cache. Closing the fork leaves the engine running.
+        The fork has the same configuration and no pin (handles are single-use); its first
+        step reuses the engine's prefix cache. Closing the fork leaves the engine running;
+        closing this session closes the fork too when this session's engine closes with it.
         """
-        conversation = self._require_idle()
-        twin = Session(
-            engine=self.engine,
-            mode=self.mode,
-            tools=list(self._tools.values()),
-            tool_choice=self._tool_choice,
-            max_steps=self._max_steps,
-            max_tokens=self._sampling.max_tokens,
-            temperature=self._sampling.temperature,
-            seed=self._sampling.seed,
-            cache_salt=self._cache_salt,
-            expiry_margin_s=self._expiry_margin_s,
-        )
-        twin._system = conversation.system
-        twin._home = self._home
-        twin._conversation = conversation.copy()
-        twin._state = _State.OPEN
+        with self._lock:
+            conversation = self._require_idle()
+            twin = Session.__new__(Session)
+            twin._setup(self._config, self._engine)
+            twin.mode = self.mode
+            twin._home = self._home
+            twin._conversation = conversation.copy()
+            twin._turns = list(self._turns)
+            twin._state = LifecycleState.OPEN
+            twin._engine_owner = self if self._owns_engine else self._engine_owner
+            if twin._engine_owner is not None:
+                twin._engine_owner._forks.add(twin)
         return twin
+
+    def _drop_pin(self) -> None:
+        """Release the session's pin (called with the lock held, after an edit)."""
+        if self._pin is not None:
+            pin, self._pin = self._pin, None
+            self._discard_pin(pin)
 
     # ----------------------------------------------------------------- guards
 
     def _require_conversation(self) -> Conversation:
-        if self._state is not _State.OPEN or self._conversation is None:
-            raise SessionClosedError(f"the session is {self._state.value}; open it with `with` or `async with`")
+        self._require_open()
+        assert self._conversation is not None
         return self._conversation
 
     def _readable_conversation(self) -> Conversation:
@@ -532,29 +438,17 @@ class Session(StartsInCells):
         return self._conversation
 
     def _require_idle(self) -> Conversation:
+        """The conversation, for an edit (called with the lock held): no turn may be running."""
         conversation = self._require_conversation()
-        if self._busy:
-            raise UserError("the conversation cannot change while a turn runs")
+        self._drop_abandoned_turn()
+        if self._active is not None:
+            raise UserError("the conversation cannot change while a turn runs; rewind, edit or fork once it ended")
         return conversation
 
-    def _require_home(self) -> LoopHome:
+    def _require_home(self) -> EventLoopHome:
         self._require_conversation()
         assert self._home is not None
         return self._home
-
-
-def _check_choice(choice: ToolChoice, tools: dict[str, Tool]) -> None:
-    if choice not in ("auto", "required", "none") and choice not in tools:
-        raise UserError(f"tool_choice {choice!r} is neither auto, required, none nor one of the tools")
-    if choice == "required" and not tools:
-        raise UserError("tool_choice='required' needs tools")
-
-
-def _check_message(message: object) -> None:
-    if not isinstance(message, str):
-        raise InvalidMessageError(f"a message must be a string, not {type(message).__name__}")
-    if not message.strip():
-        raise InvalidMessageError("a message must not be empty")
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,4 +1,8 @@
-"""Per-step, per-turn and per-session statistics (pydantic models; this module imports no other layer).
+"""Per-step, per-turn and per-session statistics (pydantic models).
+
+A leaf: this module imports no other agentkv module at import time; the layers above build
+these models (the session) or read them (plots, the benchmark). `SessionStats.plot` loads the
+drawing module, and matplotlib with it, only when it is called (both are optional).
 
 Where each number comes from is documented on its field. Invariant on every step:
 ``local_hit_tokens + pulled_tokens + computed_tokens == prompt_tokens``.
@@ -10,12 +14,13 @@ import csv
 import html
 import io
 import statistics
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 
-__all__ = ["MissReason", "SessionStats", "StepStats", "TurnStats"]
+__all__ = ["MissReason", "SessionStats", "StepStats", "TurnStats", "text_table"]
 
 MissReason = Literal["no_handle", "push_back_off", "expired", "prefix_mismatch", "declined", "below_threshold"]
 """Why a step reused no KV from D:
@@ -176,30 +181,29 @@ class SessionStats(BaseModel):
     def table(self) -> str:
         """A plain-text table, one line per step."""
         header = ("turn", "step", "prompt", "local", "pulled", "computed", "out", "ttft_s", "miss")
-        lines = [header]
-        for s in self.steps:
-            lines.append(
-                (
-                    str(s.turn),
-                    str(s.step),
-                    str(s.prompt_tokens),
-                    str(s.local_hit_tokens),
-                    str(s.pulled_tokens),
-                    str(s.computed_tokens),
-                    str(s.output_tokens),
-                    f"{s.ttft_s:.3f}",
-                    s.miss_reason or "-",
-                )
+        rows = (
+            (
+                str(s.turn),
+                str(s.step),
+                str(s.prompt_tokens),
+                str(s.local_hit_tokens),
+                str(s.pulled_tokens),
+                str(s.computed_tokens),
+                str(s.output_tokens),
+                f"{s.ttft_s:.3f}",
+                s.miss_reason or "-",
             )
-        widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-        return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in lines)
+            for s in self.steps
+        )
+        return text_table(header, rows)
 
     def plot(self, *, path: str | Path | None = None) -> Any:
         """TTFT and reuse per turn as a matplotlib ``Figure`` (shown by a notebook; PNG if ``path``).
 
-        To compare sessions (say, one per mode) in one figure: ``agentkv.plot_stats(a.stats, b.stats)``.
+        The same as ``agentkv.plot_stats(self)``, which also compares sessions (say, one per mode)
+        in one figure: ``agentkv.plot_stats(a.stats, b.stats)``.
         """
-        from ._plots import plot_stats
+        from ._plots import plot_stats  # on call: plots read stats, and matplotlib is optional
 
         return plot_stats(self, path=path)
 
@@ -215,3 +219,23 @@ class SessionStats(BaseModel):
             for s in self.steps
         )
         return f"<table><caption>agentkv session ({html.escape(self.mode)})</caption><tr>{head}</tr>{body}</table>"
+
+
+def text_table(header: Sequence[str], rows: Iterable[Sequence[str]], *, left_columns: int = 0) -> str:
+    """Cells padded to their column's widest, a rule under the header; numbers align right.
+
+    The first ``left_columns`` columns (labels) align left. A dozen lines of our own rather than
+    a table library: agentkv's two tables (this one and the benchmark's) need nothing more.
+    """
+    lines = [tuple(header), *(tuple(row) for row in rows)]
+    widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
+
+    def render(line: Sequence[str]) -> str:
+        cells = [
+            cell.ljust(width) if column < left_columns else cell.rjust(width)
+            for column, (cell, width) in enumerate(zip(line, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    rule = "-" * len(render(lines[0]))
+    return "\n".join([render(lines[0]), rule, *(render(line) for line in lines[1:])])

@@ -7,10 +7,12 @@ import logging
 import os
 import platform
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import anyio
 
 from .._engines import Engine
+from .._errors import UserError
 from ._records import BenchReport, ModeSummary, StepRecord, summarize
 from ._report import plot, table
 from ._runner import DEFAULT_MODES, MODES, Progress, run_modes
@@ -64,12 +66,12 @@ async def run_bench(
     """
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:
-        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        raise UserError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     if sessions < 1:
-        raise ValueError("sessions must be at least 1")
+        raise UserError("sessions must be at least 1")
     homes = {id(engine.home): engine.home for engine in (engines or {}).values() if engine.home is not None}
     if len(homes) > 1:
-        raise ValueError("the given engines live on different event loops; open them on one")
+        raise UserError("the given engines live on different event loops; open them on one")
     measure = functools.partial(
         run_modes,
         workload,
@@ -112,6 +114,6 @@ def _answers_agree(records: Sequence[StepRecord]) -> dict[str, bool]:
     }
 
 
-def run_bench_sync(workload: Workload, **options: object) -> BenchReport:
-    """`run_bench` from synchronous code (the CLI)."""
-    return anyio.run(lambda: run_bench(workload, **options))  # type: ignore[arg-type]
+def run_bench_sync(workload: Workload, **options: Any) -> BenchReport:
+    """`run_bench` from synchronous code (the CLI); ``options`` are `run_bench`'s."""
+    return anyio.run(functools.partial(run_bench, workload, **options))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .._plots import plot_turns
+from .._stats import text_table
 from ._records import BenchReport, ModeSummary, StepRecord
 
 __all__ = ["per_turn", "plot", "table"]
@@ -20,24 +21,54 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _megabytes(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.2f}"
+
+
+_COLUMNS = (
+    "mode",
+    "ttft mean",
+    "p50",
+    "p90",
+    "vs bidi",
+    "itl p50",
+    "itl p90",
+    "reuse",
+    "pulled",
+    "computed",
+    "MB moved",
+    "xfer s",
+    "tok/s",
+    "floor",
+    "/floor",
+    "sdk ovh",
+)
+
+
 def table(summaries: Sequence[ModeSummary]) -> str:
     """One row per mode: turns 2+ of every session."""
-    header = (
-        f"{'mode':<22} {'ttft mean':>9} {'p50':>7} {'p90':>7} {'vs bidi':>7} {'itl p50':>7} {'itl p90':>7} "
-        f"{'reuse':>6} {'pulled':>7} {'computed':>8} {'MB moved':>8} {'xfer s':>7} {'tok/s':>6} "
-        f"{'floor':>6} {'/floor':>6} {'sdk ovh':>7}"
-    )
-    lines = [header, "-" * len(header)]
-    for s in summaries:
-        lines.append(
-            f"{s.mode:<22} {_seconds(s.ttft_mean_s):>9} {_seconds(s.ttft_p50_s):>7} {_seconds(s.ttft_p90_s):>7} "
-            f"{_ratio(s.ttft_vs_bidirectional):>7} {_seconds(s.itl_p50_s):>7} {_seconds(s.itl_p90_s):>7} "
-            f"{s.reuse_ratio:>6.0%} {s.pulled_tokens:>7} {s.computed_tokens:>8} "
-            f"{'-' if s.kv_bytes is None else f'{s.kv_bytes / 1e6:.2f}':>8} "
-            f"{_seconds(s.kv_transfer_s):>7} {s.output_tokens_per_s:>6.1f} {_seconds(s.floor_mean_s):>6} "
-            f"{_ratio(s.ttft_over_floor):>6} {_seconds(s.overhead_vs_raw_s):>7}"
+    rows = (
+        (
+            s.mode,
+            _seconds(s.ttft_mean_s),
+            _seconds(s.ttft_p50_s),
+            _seconds(s.ttft_p90_s),
+            _ratio(s.ttft_vs_bidirectional),
+            _seconds(s.itl_p50_s),
+            _seconds(s.itl_p90_s),
+            f"{s.reuse_ratio:.0%}",
+            str(s.pulled_tokens),
+            str(s.computed_tokens),
+            _megabytes(s.kv_bytes),
+            _seconds(s.kv_transfer_s),
+            f"{s.output_tokens_per_s:.1f}",
+            _seconds(s.floor_mean_s),
+            _ratio(s.ttft_over_floor),
+            _seconds(s.overhead_vs_raw_s),
         )
-    return "\n".join(lines)
+        for s in summaries
+    )
+    return text_table(_COLUMNS, rows, left_columns=1)
 
 
 def per_turn(records: Sequence[StepRecord]) -> dict[str, list[tuple[int, float, float]]]:

@@ -17,7 +17,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
 
@@ -25,18 +24,27 @@ from .._conversation import ChatRenderer, Conversation, Message
 from .._engines import Colocated, EmbeddedPair, Engine, LaunchedPair
 from .._engines._base import Sampling, StepDone, StepRequest, TokenDelta
 from .._engines._handle import KVHandle
+from .._engines._netns import two_hosts
+from .._errors import UserError
 from .._results import TextDelta
-from .._session import Session, load_tokenizer
-from ..testing import two_hosts
+from .._session import Mode, Session, load_tokenizer
 from ._records import FloorFit, StepRecord
 from ._workloads import Workload
 
 __all__ = ["DEFAULT_MODES", "MODES", "Progress", "measure_floor", "run_modes"]
 
+_SESSION_MODES: dict[str, Mode] = {
+    "bidirectional": "bidirectional",
+    "disaggregated": "disaggregated",
+    "disaggregated-nocache": "disaggregated",
+    "colocated": "colocated",
+    "launched": "bidirectional",
+    "netns": "bidirectional",
+}
+"""The `Session` mode of each bench mode that runs sessions (``raw`` drives the engine by hand)."""
 MODES = ("bidirectional", "disaggregated", "disaggregated-nocache", "colocated", "raw", "launched", "netns")
 DEFAULT_MODES = MODES[:5]
 """What ``agentkv bench`` runs unless told: the modes of one embedded pair and the colocated engine."""
-_PAIR_OVER_HTTP = ("launched", "netns")
 
 Progress = Callable[[str, int, int], None]
 """Called with (what is running, steps done, steps in all)."""
@@ -162,7 +170,7 @@ async def _engines(
     if given is not None:
         missing = [mode for mode in modes if mode not in given]
         if missing:
-            raise ValueError(f"no engine given for mode(s) {', '.join(missing)}")
+            raise UserError(f"no engine given for mode(s) {', '.join(missing)}")
         yield {mode: given[mode] for mode in modes}
         return
     async with contextlib.AsyncExitStack() as stack:
@@ -226,12 +234,11 @@ async def run_modes(
 ) -> tuple[list[StepRecord], dict[str, float], FloorFit | None]:
     """Replay the workload in every mode; return the records, each mode's round wall time, the floor."""
     async with _engines(modes, given=engines, max_model_len=max_model_len, progress=log) as by_mode:
-        engines = by_mode
         floor = None
-        if "colocated" in engines:
+        if "colocated" in by_mode:
             log("agentkv bench: measuring the floor (prefill of fresh tokens on the colocated engine)")
-            floor = await measure_floor(engines["colocated"])
-        lanes = await _open_lanes(workload, engines, sessions)
+            floor = await measure_floor(by_mode["colocated"])
+        lanes = await _open_lanes(workload, by_mode, sessions)
         records: list[StepRecord] = []
         walls = dict.fromkeys(modes, 0.0)
         total = len(workload.turns) * len(modes) * sessions
@@ -264,19 +271,17 @@ async def _open_lanes(workload: Workload, engines: dict[str, Engine], sessions: 
     lanes = []
     for mode, engine in engines.items():
         members: list[Session | _RawConversation] = []
+        if mode == "raw":
+            tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
         for index in range(sessions):
             salt = f"agentkv-bench-{run}-{mode}-{index}"
             if mode == "raw":
-                tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
                 renderer = ChatRenderer(tokenizer, system=None)
                 members.append(_RawConversation(engine, renderer, workload.system, workload.max_tokens, salt))
             else:
-                session_mode: Any = "disaggregated" if mode.startswith("disaggregated") else mode
-                if mode in _PAIR_OVER_HTTP:
-                    session_mode = "bidirectional"
                 session = Session(
                     engine=engine,
-                    mode=session_mode,
+                    mode=_SESSION_MODES[mode],
                     system=workload.system,
                     max_tokens=workload.max_tokens,
                     cache_salt=salt,

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._errors import UserError
+
 __all__ = ["WORKLOADS", "Workload", "load_replay", "make_workload"]
 
 
@@ -106,9 +108,11 @@ WORKLOADS: dict[str, Callable[[int, float, random.Random], Workload]] = {
 def make_workload(name: str, *, turns: int, scale: float = 1.0, seed: int = 0) -> Workload:
     """A named workload with ``turns`` turns; ``scale`` multiplies its sizes (prompt or answer)."""
     if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+        raise UserError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if turns < 2:
-        raise ValueError("a workload needs at least 2 turns (TTFT is compared from turn 2)")
+        raise UserError("a workload needs at least 2 turns (TTFT is compared from turn 2)")
+    if not scale > 0:
+        raise UserError(f"scale must be a positive number, not {scale!r}")
     return WORKLOADS[name](turns, scale, random.Random(seed))
 
 
@@ -117,12 +121,17 @@ def load_replay(path: str | Path, *, max_tokens: int = 64, turns: int | None = N
 
     The file's assistant messages are not replayed: the model answers each user message itself.
     """
-    data = json.loads(Path(path).read_text())
-    messages = data["messages"] if isinstance(data, dict) else data
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+        raise UserError(f"{path}: cannot read a conversation from it ({exc})") from exc
+    messages = data.get("messages") if isinstance(data, dict) else data
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
+        raise UserError(f'{path}: expected a list of messages with "role" and "content", or {{"messages": [...]}}')
     system = next((m["content"] for m in messages if m.get("role") == "system"), "You are a helpful assistant.")
     users = tuple(str(m["content"]) for m in messages if m.get("role") == "user")[:turns]
     if len(users) < 2:
-        raise ValueError(f"{path}: a replay needs at least 2 user messages")
+        raise UserError(f"{path}: a replay needs at least 2 user messages")
     return Workload(
         name=f"replay:{Path(path).name}",
         system=system,

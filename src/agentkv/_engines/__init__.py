@@ -3,8 +3,10 @@
 from ._base import Engine, EngineInfo, EngineState, Sampling, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
 from ._colocated import Colocated
 from ._handle import KVHandle
+from ._http_capabilities import ServerCapabilities
 from ._launched import LaunchedPair
 from ._pair import EmbeddedPair
+from ._pair_config import PairConfig, PairSettings
 from ._remote import RemotePair
 
 __all__ = [
@@ -15,8 +17,11 @@ __all__ = [
     "EngineState",
     "KVHandle",
     "LaunchedPair",
+    "PairConfig",
+    "PairSettings",
     "RemotePair",
     "Sampling",
+    "ServerCapabilities",
     "StepDone",
     "StepEvent",
     "StepRequest",

@@ -1,23 +1,20 @@
 """The engine contract: token ids and a handle in; token deltas, then tokens, a handle and timings out.
 
 Engines know nothing of sessions, tools or chat messages. An engine is an async context
-manager with an explicit lifecycle (unopened -> open -> closed); `Engine.step` is the one
-method an implementation must provide.
+manager with the lifecycle of `agentkv._lifecycle` (unopened -> open -> closed); an
+implementation provides `Engine.info` and `Engine.step`, and `_start`/`_stop` for its processes.
 """
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
-from .._errors import EngineDeadError, SessionClosedError
-from .._home import LoopHome
-from .._notebook import StartsInCells
+from .._errors import EngineDeadError
+from .._lifecycle import Lifecycle, LifecycleState
 from ._handle import KVHandle
 
 __all__ = [
@@ -111,6 +108,9 @@ class StepDone:
     handle_deadline: float | None = None
     """The handle's expiry in this process's ``time.perf_counter()`` clock, when D's clock is another
     host's (None: D shares this host's monotonic clock, and ``remote_blocks_expiry_time`` is it)."""
+    handle_error: str | None = None
+    """Why D's handle was dropped (it was malformed; `handle` is then None): the step's answer stands,
+    the next step cannot push back."""
 
 
 StepEvent = TokenDelta | StepDone
@@ -128,27 +128,21 @@ class EngineInfo:
     extra: dict[str, Any] = field(default_factory=dict[str, Any])
 
 
-class EngineState(enum.Enum):
-    """Lifecycle of an engine."""
-
-    UNOPENED = "unopened"
-    OPEN = "open"
-    CLOSED = "closed"
+EngineState = LifecycleState
+"""Lifecycle of an engine (the same states as a session's: unopened, open, closed)."""
 
 
-class Engine(StartsInCells, ABC):
-    """An inference backend for sessions. Subclasses implement `step`, `_start` and `_stop`."""
+class Engine(Lifecycle, ABC):
+    """An inference backend for sessions. Subclasses implement `info`, `step`, `_start` and `_stop`.
+
+    The lifecycle (``open(home=...)``, ``aclose``, ``async with``, ``with``, ``start()``,
+    ``close()``) comes from `Lifecycle`: an engine opens once, on the event loop given to
+    ``open`` (a session passes its own), and "not open" raises `SessionClosedError`.
+    """
 
     def __init__(self) -> None:
-        self._state = EngineState.UNOPENED
+        super().__init__()
         self._dead: BaseException | None = None
-        self.home: LoopHome | None = None
-        """The event loop the engine lives on (set when it opens)."""
-
-    @property
-    def state(self) -> EngineState:
-        """The engine's lifecycle state."""
-        return self._state
 
     @property
     @abstractmethod
@@ -159,6 +153,15 @@ class Engine(StartsInCells, ABC):
     def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         """Run one model call, yielding `TokenDelta`s and then exactly one `StepDone`."""
 
+    async def release(self, handle: KVHandle) -> None:
+        """Let D drop the blocks ``handle`` pins: the session will never forward it.
+
+        Called by sessions for a pin they give up (closed, rewound, edited, not forwarded, or
+        from a turn that did not finish), so D's cache does not fill with pins that wait for
+        their expiry. Best effort and optional: the default does nothing (the pin expires).
+        Must not raise; an engine that is closed or dead ignores it.
+        """
+
     async def _start(self) -> None:
         """Start the engine's processes. Called once, by `open`."""
 
@@ -166,74 +169,24 @@ class Engine(StartsInCells, ABC):
         """Serve first requests before users do (called once by `open`, the engine already open)."""
 
     async def _stop(self) -> None:
-        """Stop every process the engine started. Called once, by `aclose`; must not raise."""
+        """Stop every process the engine started. Called once, by `aclose` (or a failed `open`); must not raise."""
 
-    async def open(self) -> None:
-        """Start the engine. Raises `SessionClosedError` if it was closed before."""
-        if self._state is EngineState.OPEN:
-            return
-        if self._state is EngineState.CLOSED:
-            raise SessionClosedError(f"{type(self).__name__} was closed; an engine cannot be reopened")
-        if self.home is None:
-            self.home = LoopHome.current()
-        try:
-            await self._start()
-            self._state = EngineState.OPEN
-            await self._warm_up()
-        except BaseException:
-            self._state = EngineState.CLOSED
-            await self._stop()
-            raise
+    async def _open_resources(self) -> None:
+        await self._start()
 
-    async def aclose(self) -> None:
-        """Stop the engine and every process it started. Safe to call twice."""
-        if self._state is EngineState.CLOSED:
-            return
-        self._state = EngineState.CLOSED
+    async def _when_open(self) -> None:
+        await self._warm_up()
+
+    async def _close_resources(self) -> None:
         await self._stop()
 
     def check_open(self) -> None:
         """Raise the right error when the engine cannot serve a step."""
         if self._dead is not None:
             raise EngineDeadError(f"{type(self).__name__} died: {self._dead}") from self._dead
-        if self._state is not EngineState.OPEN:
-            raise SessionClosedError(f"{type(self).__name__} is {self._state.value}, not open")
+        self._require_open()
 
     @property
     def is_dead(self) -> bool:
         """Whether an engine process died; a dead engine serves no more steps."""
         return self._dead is not None
-
-    def __enter__(self) -> Engine:
-        """Open the engine on an event loop of its own (for scripts and notebooks)."""
-        if self._state is not EngineState.UNOPENED:
-            raise SessionClosedError(f"{type(self).__name__} is {self._state.value}; use a new engine")
-        self.home = LoopHome.start_thread()
-        self.home.call_or_stop(self.open)
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    @property
-    def is_open(self) -> bool:
-        """Whether the engine is open (it may still have died: see `is_dead`)."""
-        return self._state is EngineState.OPEN
-
-    def close(self) -> None:
-        """Blocking `aclose` for an engine opened with ``with``."""
-        if self.home is None or not self.home.owns_thread:
-            raise SessionClosedError(f"{type(self).__name__} was not opened with `with`; use `await aclose()`")
-        self.home.call(self.aclose)
-        self.home.stop()
-
-    async def __aenter__(self) -> Engine:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
 import anyio.to_thread
 
-from .._errors import EngineDeadError, EngineError, UserError
+from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
 from .._model import prepare_model
-from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings
+from ._base import Engine, EngineInfo, StepDone, StepEvent, StepRequest, StepTimings
+from ._pair import run_warmup_steps
+from ._pair_config import engine_launch
 from ._system import available_cores
-from ._vllm import DecodeStream, VLLMEngine, VLLMSettings, engine_seconds, vllm_sampling
+from ._vllm import DecodeStream, VLLMEngine, engine_seconds, vllm_sampling
 
 __all__ = ["Colocated"]
 
@@ -60,7 +62,7 @@ class Colocated(Engine):
     @property
     def info(self) -> EngineInfo:
         if self._info is None:
-            raise EngineError("Colocated is not open")
+            raise SessionClosedError(f"the {type(self).__name__} is not open")
         return self._info
 
     @property
@@ -72,11 +74,13 @@ class Colocated(Engine):
         model_path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
         cores = self._cores or available_cores()
         self._engine = VLLMEngine(
-            name="colocated",
-            cores=cores,
-            settings=VLLMSettings(
-                model_path=model_path, max_model_len=self._max_model_len, kv_cache_gib=self._kv_cache_gib
-            ),
+            engine_launch(
+                name="colocated",
+                model_path=model_path,
+                cores=cores,
+                max_model_len=self._max_model_len,
+                kv_cache_gib=self._kv_cache_gib,
+            )
         )
         await self._engine.start_async(self._progress)
         self._info = EngineInfo(
@@ -89,13 +93,7 @@ class Colocated(Engine):
 
     async def _warm_up(self) -> None:
         if self._warmup:
-            request = StepRequest(
-                request_id=f"agentkv-warmup-{uuid.uuid4().hex}",
-                prompt_token_ids=[1] + [28] * 300,
-                sampling=Sampling(max_tokens=4),
-            )
-            async for _ in self.step(request):
-                pass
+            await run_warmup_steps(self, push_back=False)
 
     async def _stop(self) -> None:
         if self._engine is not None:
@@ -118,8 +116,9 @@ class Colocated(Engine):
             cache_salt=request.cache_salt,
         )
         try:
-            async for delta in stream:
-                yield delta
+            async with contextlib.aclosing(aiter(stream)) as deltas:  # a caller leaving early closes it now
+                async for delta in deltas:
+                    yield delta
         except EngineDeadError as exc:
             self._dead = exc
             await self.aclose()

@@ -3,36 +3,58 @@
 vLLM's NIXL connector trusts whatever ``kv_transfer_params`` it is given: a dict missing
 one key killed a decode engine on this machine (DESIGN.md section 4). So every dict that
 agentkv receives from an engine is parsed here before it is kept or forwarded, and every
-dict agentkv sends is built from a parsed one.
+dict agentkv sends is built from the parsed fields only.
+
+Unknown keys are ignored (``extra="ignore"``), not refused: a key that a vLLM 0.32.x
+patch release adds to its reply must not turn every handle into a malformed one (that
+would quietly switch push-back off), and since only the fields modelled here are ever
+sent on, nothing unvalidated reaches the other engine either way.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .._errors import EngineError
 
-__all__ = ["SERVER_EXTRAS_FIELD", "KVHandle", "PrefillResult", "parse_handle", "parse_prefill_result", "prefill_params"]
+__all__ = [
+    "SERVER_EXTRAS_FIELD",
+    "KVHandle",
+    "PrefillResult",
+    "parse_handle",
+    "parse_prefill_result",
+    "prefill_params",
+    "release_params",
+]
 
+logger = logging.getLogger("agentkv")
 
 SERVER_EXTRAS_FIELD = "agentkv"
 """The field of a ``/v1/completions`` response where agentkv's server puts what vLLM does not return."""
+
+_Name = Annotated[str, Field(pattern=r"^\S+$")]
+"""An engine id, request id or host: not empty, no whitespace."""
+_BlockIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class _RemoteBlocks(BaseModel):
     """Coordinates of blocks held by one engine, as its connector reports them."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
-    remote_block_ids: list[list[int]] = Field(min_length=1)
-    remote_engine_id: str = Field(min_length=1)
-    remote_request_id: str = Field(min_length=1)
-    remote_host: str = Field(min_length=1)
+    remote_block_ids: list[_BlockIds] = Field(min_length=1)
+    """One list of block ids per KV cache group."""
+    remote_engine_id: _Name
+    remote_request_id: _Name
+    remote_host: _Name
     remote_port: int = Field(gt=0, lt=65536)
     remote_num_tokens: int = Field(ge=1)
     tp_size: int = Field(ge=1)
+    dcp_size: int = Field(default=1, ge=1)
+    pp_size: int = Field(default=1, ge=1)
     transfer_mode: Literal["pull"] = "pull"
 
 
@@ -44,8 +66,8 @@ class KVHandle(_RemoteBlocks):
 
     do_remote_decode: Literal[True]
     do_remote_prefill: Literal[False]
-    remote_blocks_expiry_time: float
-    """Deadline of the pin, in D's ``time.perf_counter()`` clock."""
+    remote_blocks_expiry_time: float = Field(gt=0)
+    """Deadline of the pin, in D's ``time.perf_counter()`` clock (finite)."""
 
     def as_prefill_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` that ask P to prefill and to pull these blocks back."""
@@ -57,6 +79,12 @@ class PrefillResult(_RemoteBlocks):
 
     do_remote_prefill: Literal[True]
     do_remote_decode: Literal[False]
+    remote_prefill_cached_tokens: int | None = Field(default=None, ge=0)
+    """P's prefix-cache hit, which D reports as its ``num_cached_tokens`` (vLLM's scheduler adds it)."""
+
+    def as_decode_params(self) -> dict[str, Any]:
+        """The ``kv_transfer_params`` that ask D to pull these blocks and decode."""
+        return self.model_dump(exclude_none=True)
 
 
 def prefill_params(handle: KVHandle | None) -> dict[str, Any]:
@@ -66,14 +94,31 @@ def prefill_params(handle: KVHandle | None) -> dict[str, Any]:
     return handle.as_prefill_params()
 
 
-def parse_handle(raw: object) -> KVHandle | None:
-    """Parse D's returned dict; None when D returned none (bidirectional off, or aborted)."""
+def release_params(handle: KVHandle) -> dict[str, Any]:
+    """``kv_transfer_params`` that make P tell D to free ``handle``'s blocks, reading none of them.
+
+    With ``remote_num_tokens=0`` P's connector finds nothing to pull (vLLM 0.32
+    ``NixlPullConnectorScheduler.get_num_new_matched_tokens``), queues the notify-only
+    receive that a full local hit uses, and D frees the pinned blocks on that notification.
+    """
+    return {**handle.as_prefill_params(), "remote_num_tokens": 0}
+
+
+def parse_handle(raw: object) -> tuple[KVHandle | None, str | None]:
+    """Parse D's returned dict: ``(handle, None)``, ``(None, None)`` when D returned none, or
+    ``(None, why)`` when it is malformed.
+
+    A malformed handle costs the next step its push-back, never the step that produced it:
+    its answer is good. The problem is logged and returned for the caller to report.
+    """
     if raw is None:
-        return None
+        return None, None
     try:
-        return KVHandle.model_validate(raw)
+        return KVHandle.model_validate(raw), None
     except ValidationError as exc:
-        raise EngineError(f"the decode engine returned a malformed KV handle: {exc}") from exc
+        problem = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'handle'}: {e['msg']}" for e in exc.errors())
+        logger.warning("agentkv: the decode engine returned a malformed KV handle; not pushing it back (%s)", problem)
+        return None, problem
 
 
 def parse_prefill_result(raw: object) -> PrefillResult:

@@ -1,15 +1,16 @@
-"""The HTTP half of a pair: one step as two ``/v1/completions`` calls with the ``openai`` client.
+"""The HTTP pair engine: one step as two ``/v1/completions`` calls, P's then D's.
 
 Shared by `LaunchedPair` (servers agentkv starts) and `RemotePair` (servers someone else
 runs). The protocol is the embedded pair's (DESIGN.md section 5), over HTTP: P gets the
 prompt as token ids with ``max_tokens=1`` and D's handle, D streams the output (token ids
 and text) and, at the end, its new handle.
 
-Retries (tenacity, `retrying`) cover transient failures: a refused connection while a
-server starts, a dropped connection, a 5xx. A handle is single-use, so a P request that may
-have reached P is never sent again with the same handle: the retry goes without it (the
-step then reports ``miss_reason="declined"``). D is retried only when the request surely
-never arrived (connection refused): P's blocks are D's to read once.
+Three parts: the wire (`PairTransport`: clients, retries, request bodies), what the
+servers are (`ServerCapabilities`, probed once at open) and this engine, which runs steps
+with both. A handle is single use, so a P request that may have reached P is never sent
+again with the same handle: the retry goes without it (the step then reports
+``miss_reason="declined"``). D is retried only when the request surely never arrived
+(connection refused): P's blocks are D's to read once.
 """
 
 from __future__ import annotations
@@ -19,96 +20,37 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.to_thread
-import openai
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from .._errors import EngineError, EngineUnavailableError, UserError
+from .._errors import EngineError, EngineUnavailableError, SessionClosedError, UserError
 from .._model import prepare_model
 from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
-from ._handle import SERVER_EXTRAS_FIELD, KVHandle, parse_handle, parse_prefill_result, prefill_params
+from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params, release_params
+from ._http_capabilities import ServerCapabilities, ServerKind, probe_servers
+from ._http_transport import (
+    PairTransport,
+    Role,
+    ServerReply,
+    completion_body,
+    never_arrived,
+    retrying,
+    translated,
+)
 
-__all__ = ["HTTPPair", "retrying"]
+__all__ = ["HTTPPair", "stock_decode_streaming_error"]
 
 logger = logging.getLogger("agentkv")
 
-
-@contextlib.contextmanager
-def _translated(role: str) -> Iterator[None]:
-    """Turn ``openai`` errors of calls to ``role``'s server into agentkv's errors."""
-    try:
-        yield
-    except openai.APIConnectionError as exc:
-        raise EngineUnavailableError(f"the {role} server could not be reached: {exc}") from exc
-    except openai.APIStatusError as exc:
-        raise EngineError(f"the {role} server answered {exc.status_code}: {exc.message}") from exc
-
-
-def _transient(exc: BaseException) -> bool:
-    return isinstance(exc, openai.APIConnectionError) or (
-        isinstance(exc, openai.APIStatusError) and exc.status_code >= 500
-    )
-
-
-def _never_arrived(exc: BaseException) -> bool:
-    """The request surely did not reach the server (no connection was made)."""
-    if not isinstance(exc, openai.APIConnectionError) or isinstance(exc, openai.APITimeoutError):
-        return False
-    cause: BaseException | None = exc.__cause__
-    while cause is not None:  # openai's HTTP library wraps the OS error; its name differs between versions
-        if isinstance(cause, ConnectionRefusedError) or type(cause).__name__ == "ConnectError":
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
-
-
-def retrying(*, attempts: int, role: str, only: Callable[[BaseException], bool] = _transient) -> AsyncRetrying:
-    """The retry policy of one server call: exponential back-off with jitter, ``attempts`` tries."""
-
-    def log(state: RetryCallState) -> None:
-        error = state.outcome.exception() if state.outcome else None
-        logger.warning("agentkv: the %s server failed (%s); retrying (attempt %d)", role, error, state.attempt_number)
-
-    return AsyncRetrying(
-        retry=retry_if_exception(only),
-        stop=stop_after_attempt(attempts),
-        wait=wait_exponential_jitter(initial=0.2, max=2.0),
-        before_sleep=log,
-        reraise=True,
-    )
-
-
-@dataclass
-class _Reply:
-    """What one server said about one request, beyond the tokens."""
-
-    kv_transfer_params: Any = None
-    extras: dict[str, Any] | None = None
-    """agentkv's server additions (see ``_server.py``); None from a stock vLLM server."""
-    cached_tokens: int | None = None
-    received_at: float = 0.0
-
-    @classmethod
-    def of(cls, extra: dict[str, Any], *, cached_tokens: int | None = None) -> _Reply:
-        """From a reply's fields beyond OpenAI's (``model_extra``)."""
-        return cls(extra.get("kv_transfer_params"), extra.get(SERVER_EXTRAS_FIELD), cached_tokens, time.perf_counter())
-
-    def split(self) -> dict[str, int] | None:
-        prefill = self.extras.get("prefill") if self.extras else None
-        return prefill if isinstance(prefill, dict) else None
-
-    def seconds(self, name: str) -> float | None:
-        value = (self.extras or {}).get("seconds", {}).get(name)
-        return float(value) if value is not None else None
-
-    def nixl(self) -> dict[str, float] | None:
-        return (self.extras or {}).get("nixl")
+_RELEASE_MARGIN_S = 10.0
+"""A pin closer than this to its expiry is left to expire (P declines reads within 5 s of it)."""
+_RELEASE_MAX_TOKENS = 64
+"""Far more than P runs before the client's disconnect aborts the request (a finished one keeps its block leased)."""
 
 
 @dataclass
@@ -117,7 +59,7 @@ class _Baseline:
 
     totals: dict[str, dict[str, float]] = field(default_factory=dict[str, dict[str, float]])
 
-    def advance(self, role: str, reply: _Reply) -> dict[str, float] | None:
+    def advance(self, role: Role, reply: ServerReply) -> dict[str, float] | None:
         """Record ``reply``'s totals; return the difference from the previous ones."""
         now, before = reply.nixl(), self.totals.get(role)
         if now is None:
@@ -126,10 +68,21 @@ class _Baseline:
         return None if before is None else {key: now[key] - before[key] for key in now}
 
 
+def stock_decode_streaming_error(decode_url: str) -> UserError:
+    """Why a stock vLLM decode server cannot stream to a session, and what to run instead."""
+    return UserError(
+        f"the decode server at {decode_url} is a stock vLLM server: its streamed responses carry no "
+        "KV handle (vLLM 0.32 returns it only in non-streamed responses), so push-back cannot work, "
+        "and with bidirectional_kv_xfer it keeps every step's KV pinned for decoder_kv_blocks_ttl "
+        "(480 s) where nothing can free it. Run the decode server with `agentkv serve --role decode` "
+        "(streaming and push-back), or pass decode_streaming=False (push-back; each answer arrives whole)."
+    )
+
+
 class HTTPPair(Engine):
     """A P/D pair of vLLM OpenAI API servers, driven with the ``openai`` client.
 
-    Subclasses give the servers' URLs (`_start` calls `_connect`). The rest is shared.
+    Subclasses give the servers' URLs: their `_start` calls `_open_servers`. The rest is shared.
     """
 
     def __init__(
@@ -140,79 +93,107 @@ class HTTPPair(Engine):
         attempts: int,
         warmup: bool,
         progress: Callable[[str], None] | None,
+        push_back: bool = True,
+        decode_streaming: bool = True,
+        exclusive: bool = False,
     ) -> None:
         super().__init__()
         if attempts < 1:
             raise UserError("attempts must be at least 1")
         self._model = model
-        self._step_timeout_s = step_timeout_s
-        self._attempts = attempts
         self._warmup = warmup
         self._progress = progress or (lambda line: logger.info("%s", line))
-        self.decode_streaming = True
-        """Stream D's tokens (else one non-streamed reply per step: see `RemotePair`)."""
-        self._exclusive = False
+        self._transport = PairTransport(attempts=attempts, step_timeout_s=step_timeout_s)
+        self._wants_push_back = push_back
+        self._decode_streaming = decode_streaming
+        self._exclusive = exclusive
         """The pair is the servers' only client: differences of their NIXL totals are this pair's."""
-        self._clients: dict[str, openai.AsyncOpenAI] = {}
-        self._served_model = ""
         self._urls = ("", "")
+        self._capabilities: ServerCapabilities | None = None
         self._info: EngineInfo | None = None
-        self._push_back = True
-        self.handle_in_stream: bool | None = None
-        """Whether D's streamed responses carry the KV handle (agentkv's server: yes; stock vLLM 0.32: no).
-
-        None until the first streamed step."""
-        self.server_kind: str | None = None
-        """``"agentkv"`` (agentkv's entry point: exact prefill split, NIXL totals) or ``"vllm"``."""
         self._baseline = _Baseline()
         self._in_flight = 0
         self._started_steps = 0
-        self._warned_split = False
         self._retired_engines: set[str] = set()
         """Engine ids of servers that are gone: their handles are dropped, never sent to P."""
+
+    # ----------------------------------------------------------------- what it is
 
     @property
     def info(self) -> EngineInfo:
         if self._info is None:
-            raise EngineError(f"{type(self).__name__} is not open")
+            self._require_open()
+            raise SessionClosedError(f"the {type(self).__name__} is not open")
         return self._info
+
+    @property
+    def decode_streaming(self) -> bool:
+        """Whether D's tokens are streamed (else one non-streamed reply per step: see `RemotePair`)."""
+        return self._decode_streaming
 
     @property
     def urls(self) -> tuple[str, str]:
         """The URLs of P's and D's servers."""
         return self._urls
 
-    # ----------------------------------------------------------------- connecting
+    @property
+    def capabilities(self) -> ServerCapabilities | None:
+        """What the servers are, as probed when the pair opened (None before)."""
+        return self._capabilities
 
-    async def _connect(self, prefill_url: str, decode_url: str, *, push_back: bool, kind: str) -> None:
-        """Point the clients at the servers and read what they serve (model, context length)."""
-        model_path: Path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
-        timeout = openai.Timeout(self._step_timeout_s, connect=10.0)
+    @property
+    def handle_in_stream(self) -> bool | None:
+        """Whether D's streamed responses carry the KV handle (agentkv's server: yes; stock vLLM 0.32: no)."""
+        return self._capabilities.handle_in_stream if self._capabilities else None
+
+    @property
+    def server_kind(self) -> ServerKind | None:
+        """``"agentkv"`` (agentkv's entry point: exact prefill split, NIXL totals) or ``"vllm"``; None before open."""
+        return self._capabilities.server_kind if self._capabilities else None
+
+    # ----------------------------------------------------------------- opening
+
+    async def _open_servers(
+        self, prefill_url: str, decode_url: str, *, kind: str, model_path: Path | None = None
+    ) -> None:
+        """Connect to the servers, probe what they are, and decide once what the pair does.
+
+        ``model_path``: the prepared model folder, when the caller already has it.
+        """
+        if model_path is None:
+            model_path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
         self._urls = (prefill_url, decode_url)
-        for role, url in (("prefill", prefill_url), ("decode", decode_url)):
-            old = self._clients.pop(role, None)
-            if old is not None:
-                await old.close()
-            base = url.rstrip("/") + ("" if url.rstrip("/").endswith("/v1") else "/v1")
-            self._clients[role] = openai.AsyncOpenAI(
-                base_url=base, api_key=os.environ.get("AGENTKV_API_KEY", "agentkv"), timeout=timeout, max_retries=0
+        models = await self._transport.connect(self._urls)
+        capabilities = await probe_servers(self._transport, models, attempts=self._transport.attempts)
+        if self._decode_streaming and not capabilities.handle_in_stream:
+            raise stock_decode_streaming_error(decode_url)
+        if not capabilities.exact_split:
+            logger.warning(
+                "agentkv: the prefill server at %s is a stock vLLM server: it does not report where cached "
+                "tokens came from, so they are all reported as local_hit_tokens (`agentkv serve --role prefill` "
+                "reports the split)",
+                prefill_url,
             )
-        models = []
-        for role in ("prefill", "decode"):
-            with _translated(role):
-                async for attempt in retrying(attempts=self._attempts, role=role):
-                    with attempt:
-                        models.append((await self._clients[role].models.list()).data[0])
-        self._served_model = models[1].id
-        lengths = [getattr(model, "max_model_len", None) for model in models]
-        max_model_len = min(length for length in lengths if length) if any(lengths) else 4096
-        self._push_back = push_back
+        self._capabilities = capabilities
         self._info = EngineInfo(
             kind="pair",
             model_path=model_path,
-            max_model_len=max_model_len,
-            push_back=push_back,
-            extra={"transport": kind, "prefill_url": prefill_url, "decode_url": decode_url},
+            max_model_len=capabilities.max_model_len,
+            push_back=self._wants_push_back,
+            extra={
+                "transport": kind,
+                "prefill_url": prefill_url,
+                "decode_url": decode_url,
+                "server_kind": capabilities.server_kind,
+            },
+        )
+
+    async def _reconnect(self, prefill_url: str, decode_url: str) -> None:
+        """Point the clients at new URLs of the same servers (a restart): nothing is probed again."""
+        self._urls = (prefill_url, decode_url)
+        await self._transport.connect(self._urls)
+        self._info = dataclasses.replace(
+            self.info, extra={**self.info.extra, "prefill_url": prefill_url, "decode_url": decode_url}
         )
 
     async def _warm_up(self) -> None:
@@ -220,26 +201,39 @@ class HTTPPair(Engine):
             self._progress("agentkv: warming up the servers (kernels, NIXL handshakes)")
             from ._pair import run_warmup_steps
 
-            await run_warmup_steps(self, push_back=self._push_back)
-
-    def _no_handle_in_stream(self) -> None:
-        """D streamed no KV handle: say so plainly, and run without push-back from now on."""
-        self.handle_in_stream = False
-        if not self._push_back:
-            return
-        self._push_back = False
-        extra = {**self.info.extra, "push_back_off_because": "no KV handle in the decode server's streams"}
-        self._info = dataclasses.replace(self.info, push_back=False, extra=extra)
-        logger.warning(
-            "agentkv: the decode server streams no KV handle (stock vLLM 0.32 sends it only in "
-            "non-streamed responses): push-back is OFF for this pair. Serve with `agentkv serve`, "
-            "or pass decode_streaming=False to keep push-back without token streaming."
-        )
+            await run_warmup_steps(self, push_back=self.info.push_back)
 
     async def _stop(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            await client.close()
+        await self._transport.close()
+
+    # ----------------------------------------------------------------- pins
+
+    async def release(self, handle: KVHandle) -> None:
+        """Have D free the blocks ``handle`` pins now (see `EmbeddedPair.release`): P reads none of them.
+
+        P gets a one-token prompt with the handle and ``remote_num_tokens=0``, streamed; the
+        stream is closed after its first chunk, which aborts the request on P so that P keeps
+        no block leased for a D that never comes. Best effort: a failure is logged, the pin expires.
+        """
+        if not self.is_open or not self.info.push_back or handle.remote_engine_id in self._retired_engines:
+            return
+        if time.perf_counter() + _RELEASE_MARGIN_S >= handle.remote_blocks_expiry_time:
+            return  # a same-host clock is the only one this can check; another host's pin may just expire
+        assert self._capabilities is not None
+        body = completion_body(
+            model=self._capabilities.served_model,
+            prompt_token_ids=[0],
+            max_tokens=_RELEASE_MAX_TOKENS,
+            sampling=Sampling(max_tokens=_RELEASE_MAX_TOKENS),
+            kv_transfer_params=release_params(handle),
+        )
+        body["extra_body"]["ignore_eos"] = True
+        try:
+            async with contextlib.aclosing(self._transport.stream("prefill", body)) as chunks:
+                async for _ in chunks:
+                    break  # P has notified D before its first token
+        except Exception as exc:  # best effort: a pin that is not released expires on D
+            logger.debug("agentkv: releasing a pin failed: %s", exc)
 
     # ----------------------------------------------------------------- one step
 
@@ -252,7 +246,7 @@ class HTTPPair(Engine):
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
-        if request.handle is not None and not self._push_back:
+        if request.handle is not None and not self.info.push_back:
             raise UserError("this pair runs without push-back: it takes no handle")
         await self._before_step()
         self._in_flight += 1
@@ -273,12 +267,14 @@ class HTTPPair(Engine):
         started = time.perf_counter()
         p_reply, declined = await self._prefill(request)
         handoff = parse_prefill_result(p_reply.kv_transfer_params)
-        body = self._body(request, max_tokens=request.sampling.max_tokens, kv_transfer_params=handoff.model_dump())
+        body = self._body(
+            request, max_tokens=request.sampling.max_tokens, kv_transfer_params=handoff.as_decode_params()
+        )
         token_ids: list[int] = []
         texts: list[str] = []
         first_token_at: float | None = None
         finish_reason: str | None = None
-        d_reply = _Reply()
+        d_reply = ServerReply()
         async for choice, reply in self._decode(body):
             if reply is not None:
                 d_reply = reply
@@ -295,11 +291,7 @@ class HTTPPair(Engine):
                 yield TokenDelta(token_ids=ids, text=choice.text)
         if finish_reason not in ("stop", "length"):
             raise EngineError(f"the decode server ended the step with {finish_reason!r}")
-        if self.decode_streaming and d_reply.kv_transfer_params is None:
-            self._no_handle_in_stream()
-        elif self.decode_streaming:
-            self.handle_in_stream = True
-        handle = parse_handle(d_reply.kv_transfer_params) if self._push_back else None
+        handle, handle_error = parse_handle(d_reply.kv_transfer_params) if self.info.push_back else (None, None)
         p_moved, d_moved = self._baseline.advance("prefill", p_reply), self._baseline.advance("decode", d_reply)
         alone = alone_from is not None and alone_from == self._started_steps and self._exclusive
         yield StepDone(
@@ -308,6 +300,7 @@ class HTTPPair(Engine):
             finish_reason=finish_reason,
             handle=handle,
             handle_deadline=_local_deadline(handle, d_reply),
+            handle_error=handle_error,
             timings=StepTimings(
                 ttft_s=(first_token_at or time.perf_counter()) - started,
                 prefill_s=p_reply.seconds("prefill"),
@@ -316,112 +309,67 @@ class HTTPPair(Engine):
                 handoff_tokens=(d_reply.split() or {}).get("external", 0),
                 pullback_declined=declined or bool(alone and p_moved and p_moved["expired"] > 0),
                 **_moved(p_moved, d_moved, alone=alone),
-                **self._prompt_split(p_reply, len(request.prompt_token_ids)),
+                **_prompt_split(p_reply, len(request.prompt_token_ids)),
             ),
         )
 
-    async def _prefill(self, request: StepRequest) -> tuple[_Reply, bool]:
+    async def _prefill(self, request: StepRequest) -> tuple[ServerReply, bool]:
         """P's reply, and whether the handle was dropped (P declined it, or it may have been spent)."""
         handle: KVHandle | None = request.handle
         dropped = False
         if handle is not None and handle.remote_engine_id in self._retired_engines:
             handle, dropped = None, True  # the server that pinned it was restarted: its blocks are gone
-        with _translated("prefill"):
-            async for attempt in retrying(attempts=self._attempts, role="prefill"):
+        with translated("prefill"):
+            async for attempt in retrying(attempts=self._transport.attempts, role="prefill"):
                 with attempt:
                     try:
-                        reply = await self._complete("prefill", self._body(request, max_tokens=1, handle=handle))
+                        _, reply = await self._transport.complete(
+                            "prefill", self._body(request, max_tokens=1, kv_transfer_params=prefill_params(handle))
+                        )
                     except Exception as exc:
-                        if handle is not None and not _never_arrived(exc):
+                        if handle is not None and not never_arrived(exc):
                             handle, dropped = None, True  # it may have been read: never send it twice
                         raise
             if reply.kv_transfer_params is None and handle is not None:  # P could not read D's blocks
                 dropped = True
-                reply = await self._complete("prefill", self._body(request, max_tokens=1, handle=None))
+                _, reply = await self._transport.complete(
+                    "prefill", self._body(request, max_tokens=1, kv_transfer_params=prefill_params(None))
+                )
         if reply.kv_transfer_params is None:
             raise EngineError("the prefill server returned no kv_transfer_params (is it a kv_producer with NIXL?)")
         return reply, dropped
 
-    async def _complete(self, role: str, body: dict[str, Any]) -> _Reply:
-        response = await self._clients[role].completions.create(**body)
-        usage = response.usage
-        details = getattr(usage, "prompt_tokens_details", None) if usage else None
-        return _Reply.of(response.model_extra or {}, cached_tokens=getattr(details, "cached_tokens", None))
-
-    async def _decode(self, body: dict[str, Any]) -> AsyncIterator[tuple[Any, _Reply | None]]:
+    async def _decode(self, body: dict[str, Any]) -> AsyncIterator[tuple[Any, ServerReply | None]]:
         """D's output: ``(choice, None)`` per chunk, then ``(None, reply)`` with the handle when sent."""
-        client = self._clients["decode"]
-        if not self.decode_streaming:
-            with _translated("decode"):
-                response = await client.completions.create(**body)
-            yield response.choices[0], None
-            yield None, _Reply.of(response.model_extra or {})
+        if self._decode_streaming:
+            async with contextlib.aclosing(self._transport.stream("decode", body)) as chunks:
+                async for item in chunks:
+                    yield item
             return
-        stream: Any = None
-        with _translated("decode"):
-            async for attempt in retrying(attempts=self._attempts, role="decode", only=_never_arrived):
-                with attempt:
-                    stream = await client.completions.create(**body, stream=True)
-        chunks = aiter(stream)
-        try:
-            while True:
-                with anyio.fail_after(self._step_timeout_s), _translated("decode"):
-                    try:
-                        chunk = await anext(chunks)
-                    except StopAsyncIteration:
-                        break
-                extra = chunk.model_extra or {}
-                if chunk.choices:
-                    yield chunk.choices[0], None
-                elif "kv_transfer_params" in extra or SERVER_EXTRAS_FIELD in extra:
-                    yield None, _Reply.of(extra)
-        except TimeoutError as exc:
-            raise EngineError(f"the decode server sent nothing for {self._step_timeout_s} s") from exc
-        finally:
-            await stream.close()
+        with translated("decode"):
+            choice, reply = await self._transport.complete("decode", body)
+        yield choice, None
+        yield None, reply
 
-    def _body(
-        self,
-        request: StepRequest,
-        *,
-        max_tokens: int,
-        handle: KVHandle | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """A ``/v1/completions`` request: P's (``max_tokens=1``, the handle) or D's (P's transfer params)."""
-        if kv_transfer_params is None:
-            kv_transfer_params = prefill_params(handle)
-        sampling: Sampling = request.sampling
-        extra: dict[str, Any] = {"kv_transfer_params": kv_transfer_params, "return_token_ids": True}
-        if request.cache_salt is not None:
-            extra["cache_salt"] = request.cache_salt
-        if sampling.json_schema is not None and max_tokens > 1:
-            extra["structured_outputs"] = {"json": sampling.json_schema}
-        return {
-            "model": self._served_model,
-            "prompt": list(request.prompt_token_ids),
-            "max_tokens": max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "seed": sampling.seed,
-            "extra_body": extra,
-        }
+    def _body(self, request: StepRequest, *, max_tokens: int, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+        assert self._capabilities is not None
+        return completion_body(
+            model=self._capabilities.served_model,
+            prompt_token_ids=request.prompt_token_ids,
+            max_tokens=max_tokens,
+            sampling=request.sampling,
+            kv_transfer_params=kv_transfer_params,
+            cache_salt=request.cache_salt,
+        )
 
-    def _prompt_split(self, reply: _Reply, prompt_tokens: int) -> dict[str, int]:
-        split = reply.split()
-        if split is not None:
-            self.server_kind = "agentkv"
-            local, pulled = int(split["local"]), int(split["external"])
-        else:  # a stock server reports one cached count: local and pulled cannot be told apart
-            self.server_kind = "vllm"
-            if not self._warned_split:
-                self._warned_split = True
-                logger.warning(
-                    "agentkv: the prefill server does not report where cached tokens came from; "
-                    "they are all reported as local_hit_tokens (serve with `agentkv serve` for the split)"
-                )
-            local, pulled = min(reply.cached_tokens or 0, prompt_tokens), 0
-        return {"local_hit_tokens": local, "pulled_tokens": pulled, "computed_tokens": prompt_tokens - local - pulled}
+
+def _prompt_split(reply: ServerReply, prompt_tokens: int) -> dict[str, int]:
+    split = reply.split()
+    if split is not None:
+        local, pulled = int(split["local"]), int(split["external"])
+    else:  # a stock server reports one cached count: local and pulled cannot be told apart (warned at open)
+        local, pulled = min(reply.cached_tokens or 0, prompt_tokens), 0
+    return {"local_hit_tokens": local, "pulled_tokens": pulled, "computed_tokens": prompt_tokens - local - pulled}
 
 
 def _moved(p_moved: dict[str, float] | None, d_moved: dict[str, float] | None, *, alone: bool) -> dict[str, Any]:
@@ -433,7 +381,7 @@ def _moved(p_moved: dict[str, float] | None, d_moved: dict[str, float] | None, *
     }
 
 
-def _local_deadline(handle: KVHandle | None, reply: _Reply) -> float | None:
+def _local_deadline(handle: KVHandle | None, reply: ServerReply) -> float | None:
     clock = (reply.extras or {}).get("clock")
     if handle is None or clock is None:
         return None

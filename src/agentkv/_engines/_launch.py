@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -25,41 +25,26 @@ import httpx
 
 from .._errors import EngineStartError, UserError
 from . import _vllm
-from ._idle import idle_env
-from ._system import alive, cpu_list, descendants, kill_and_reap, repin_threads
-from ._vllm import gib_text, resolve_dtype
+from ._pair_config import EngineLaunch, Role
+from ._system import alive, descendants, kill_and_reap, repin_threads
 from ._watchdog import forget_pids, watch_pids
 
-__all__ = ["Role", "ServerProcess", "ServerSpec", "server_command", "server_env"]
+__all__ = ["Role", "ServerProcess", "ServerSpec", "server_command", "server_env", "vllm_flags"]
 
 logger = logging.getLogger("agentkv")
-
-Role = Literal["prefill", "decode"]
 
 SERVED_MODEL_NAME = "agentkv"
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServerSpec:
-    """Everything that defines one server of a pair."""
+    """Everything that defines one server of a pair: its engine (`engine_launch`) and how it serves."""
 
     role: Role
-    model_path: Path
+    launch: EngineLaunch
     port: int
-    side_channel_port: int
-    engine_id: str
     host: str = "127.0.0.1"
-    """The address the server listens on for HTTP (and NIXL, unless `nixl_host` is given)."""
-    nixl_host: str | None = None
-    """The address the server gives its peer for NIXL (must be reachable from the peer's host)."""
-    cores: Sequence[int] | None = None
-    max_model_len: int = 4096
-    kv_cache_gib: float = 1.0
-    prefix_caching: bool = True
-    dtype: str = "auto"
-    max_num_seqs: int = 64
-    connector_options: Mapping[str, Any] = field(default_factory=dict[str, Any])
-    idle_poll_ms: int | None = 50
+    """The address the server listens on for HTTP."""
     extra_env: Mapping[str, str] = field(default_factory=dict[str, str])
     """More environment for the server (``UCX_TLS``, ``UCX_NET_DEVICES``, ...); it wins."""
     launch_prefix: Sequence[str] = ()
@@ -71,56 +56,55 @@ class ServerSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def cores(self) -> list[int] | None:
+        return self.launch.cores
+
+    @property
+    def side_channel_port(self) -> int | None:
+        return self.launch.side_channel_port
+
+    @property
+    def engine_id(self) -> str | None:
+        return self.launch.engine_id
+
 
 def server_command(spec: ServerSpec) -> list[str]:
     """The command line that starts ``spec``'s server (agentkv's entry point over vLLM's server)."""
-    kv_transfer = {
-        "kv_connector": "NixlConnector",
-        "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
-        "kv_buffer_device": "cpu",
-        "engine_id": spec.engine_id,
-        "kv_connector_extra_config": dict(spec.connector_options),
-    }
     return [
         *spec.launch_prefix,
         sys.executable,
         "-m",
         "agentkv._engines._server",
-        "--model",
-        str(spec.model_path),
+        *vllm_flags(spec.launch.engine_args),
         "--served-model-name",
         SERVED_MODEL_NAME,
         "--host",
         spec.host,
         "--port",
         str(spec.port),
-        "--max-model-len",
-        str(spec.max_model_len),
-        "--max-num-seqs",
-        str(spec.max_num_seqs),
-        "--dtype",
-        resolve_dtype(spec.dtype),
-        "--enforce-eager",
-        "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
-        "--kv-transfer-config",
-        json.dumps(kv_transfer),
     ]
+
+
+def vllm_flags(engine_args: Mapping[str, Any]) -> list[str]:
+    """``AsyncEngineArgs`` keyword arguments as ``vllm serve`` flags (``--no-x`` for a false boolean)."""
+    flags: list[str] = []
+    for key, value in engine_args.items():
+        name = key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{name}" if value else f"--no-{name}")
+        elif isinstance(value, dict):
+            flags += [f"--{name}", json.dumps(value)]
+        else:
+            flags += [f"--{name}", str(value)]
+    return flags
 
 
 def server_env(spec: ServerSpec) -> dict[str, str]:
     """The environment variables ``spec``'s server needs on top of the caller's."""
-    env = {
-        "VLLM_CPU_KVCACHE_SPACE": gib_text(spec.kv_cache_gib),
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.nixl_host or spec.host,
-        "VLLM_CONFIGURE_LOGGING": "1",
-        **idle_env(spec.idle_poll_ms),
-    }
-    if spec.cores:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(spec.cores)
-    return {**env, **spec.extra_env}
+    return {**spec.launch.env, "VLLM_CONFIGURE_LOGGING": "1", **spec.extra_env}
 
 
 class ServerProcess:

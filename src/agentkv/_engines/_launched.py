@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import anyio
 import anyio.to_thread
@@ -17,8 +17,8 @@ import anyio.to_thread
 from .._errors import UserError
 from .._model import cache_dir, prepare_model
 from ._http import HTTPPair
-from ._launch import Role, ServerProcess, ServerSpec
-from ._pair import check_pair_options, connector_config
+from ._launch import ServerProcess, ServerSpec
+from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
 from ._system import free_port, split_cores
 
 __all__ = ["LaunchedPair"]
@@ -35,10 +35,10 @@ class LaunchedPair(HTTPPair):
     server (``python -m agentkv._engines._server``), which streams D's KV handle and reports
     the prefill split and NIXL totals (see ``docs/engines.md``).
 
-    It takes `EmbeddedPair`'s settings with the same meaning (``model``, ``bidirectional``,
-    ``prefill_prefix_cache``, ``cores``, ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``,
-    ``recompute_threshold``, ``connector_options``, ``idle_poll_ms``, ``warmup``,
-    ``step_timeout_s``, ``progress``), and these:
+    Its pair settings are `EmbeddedPair`'s: a `PairConfig` as ``config`` and/or its fields as
+    keyword arguments (``model``, ``bidirectional``, ``prefill_prefix_cache``, ``cores``,
+    ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``, ``recompute_threshold``,
+    ``connector_options``, ``idle_poll_ms``, ``warmup``, ``step_timeout_s``). And these:
 
     Args:
         hosts: the addresses P and D listen on and give each other for NIXL.
@@ -48,51 +48,39 @@ class LaunchedPair(HTTPPair):
         log_dir: where the servers' logs go (default: a new folder under agentkv's cache).
         start_timeout_s: a server not healthy after this long fails `open` with its log's tail.
         attempts: tries per server call on transient errors (refused connection, 5xx).
+        progress: called with one line per start-up stage (default: the ``agentkv`` logger).
     """
 
     def __init__(
         self,
         model: str | os.PathLike[str] | None = None,
         *,
-        bidirectional: bool = True,
-        prefill_prefix_cache: bool = True,
-        cores: tuple[Sequence[int], Sequence[int]] | None = None,
+        config: PairConfig | None = None,
         hosts: tuple[str, str] = ("127.0.0.1", "127.0.0.1"),
         launch_prefixes: tuple[Sequence[str], Sequence[str]] = ((), ()),
         server_env: Mapping[str, str] | None = None,
-        max_model_len: int = 4096,
-        kv_cache_gib: float = 1.0,
-        pin_ttl_s: float = 480.0,
-        recompute_threshold: int = 16,
-        connector_options: Mapping[str, Any] | None = None,
-        idle_poll_ms: int | None = 50,
         log_dir: str | os.PathLike[str] | None = None,
         start_timeout_s: float = 600.0,
         attempts: int = 4,
-        warmup: bool = True,
-        step_timeout_s: float = 300.0,
         progress: Callable[[str], None] | None = None,
+        **settings: Unpack[PairSettings],
     ) -> None:
-        super().__init__(model, step_timeout_s=step_timeout_s, attempts=attempts, warmup=warmup, progress=progress)
-        self._exclusive = True  # agentkv started the servers: nobody else talks to them
-        check_pair_options(pin_ttl_s=pin_ttl_s, idle_poll_ms=idle_poll_ms)
+        self.config = PairConfig.of(config, model, **settings)
+        super().__init__(
+            self.config.model,
+            step_timeout_s=self.config.step_timeout_s,
+            attempts=attempts,
+            warmup=self.config.warmup,
+            progress=progress,
+            push_back=self.config.bidirectional,
+            exclusive=True,  # agentkv started the servers: nobody else talks to them
+        )
         if len(hosts) != 2 or len(launch_prefixes) != 2:
             raise UserError("hosts and launch_prefixes take two entries: prefill's, then decode's")
-        self.bidirectional = bidirectional
-        self._cores = cores
+        self.bidirectional = self.config.bidirectional
         self._hosts = hosts
         self._prefixes = launch_prefixes
         self._server_env = dict(server_env or {})
-        self._max_model_len = max_model_len
-        self._kv_cache_gib = kv_cache_gib
-        self._idle_poll_ms = idle_poll_ms
-        self._connector = connector_config(
-            bidirectional=bidirectional,
-            recompute_threshold=recompute_threshold,
-            pin_ttl_s=pin_ttl_s,
-            options=dict(connector_options or {}),
-        )
-        self._prefill_prefix_cache = prefill_prefix_cache
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._start_timeout_s = start_timeout_s
         self._servers: dict[Role, ServerProcess] = {}
@@ -115,7 +103,7 @@ class LaunchedPair(HTTPPair):
     @property
     def ports(self) -> list[int]:
         """The HTTP and NIXL side-channel ports of both servers."""
-        return [port for s in self._servers.values() for port in (s.spec.port, s.spec.side_channel_port)]
+        return [port for s in self._servers.values() for port in (s.spec.port, s.spec.side_channel_port) if port]
 
     @property
     def log_paths(self) -> dict[str, Path]:
@@ -128,34 +116,35 @@ class LaunchedPair(HTTPPair):
         model_path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
         if self._log_dir is None:
             self._log_dir = cache_dir().parent / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self._tag}"
-        p_cores, d_cores = (list(c) for c in self._cores) if self._cores else split_cores()
+        p_cores, d_cores = (list(c) for c in self.config.cores) if self.config.cores else split_cores()
         self._servers = {
             "prefill": self._server("prefill", model_path, p_cores),
             "decode": self._server("decode", model_path, d_cores),
         }
         await self._launch(list(self._servers.values()))
-        await self._connect(
-            self._servers["prefill"].url, self._servers["decode"].url, push_back=self.bidirectional, kind="launched"
+        await self._open_servers(
+            self._servers["prefill"].url, self._servers["decode"].url, kind="launched", model_path=model_path
         )
         self._info_extra({"prefill_cores": p_cores, "decode_cores": d_cores, "log_dir": str(self._log_dir)})
 
     def _server(self, role: Role, model_path: Path, cores: Sequence[int]) -> ServerProcess:
         index = 0 if role == "prefill" else 1
+        launch = pair_engine_launch(
+            self.config,
+            role,
+            model_path=model_path,
+            cores=cores,
+            engine_id=f"agentkv-{role}-{self._tag}-{self._generation}",
+            side_channel_port=free_port(),
+            nixl_host=self._hosts[index],
+        )
         spec = ServerSpec(
             role=role,
-            model_path=model_path,
+            launch=launch,
             port=free_port(),
-            side_channel_port=free_port(),
-            engine_id=f"agentkv-{role}-{self._tag}-{self._generation}",
             host=self._hosts[index],
-            cores=list(cores),
-            prefix_caching=self._prefill_prefix_cache if role == "prefill" else True,
             launch_prefix=list(self._prefixes[index]),
             extra_env=self._server_env,
-            max_model_len=self._max_model_len,
-            kv_cache_gib=self._kv_cache_gib,
-            idle_poll_ms=self._idle_poll_ms,
-            connector_options=self._connector,
         )
         assert self._log_dir is not None
         return ServerProcess(spec, log_path=self._log_dir / f"{role}-{self._generation}.log")
@@ -213,12 +202,9 @@ class LaunchedPair(HTTPPair):
                 old = self._servers[role]
                 logger.warning("agentkv: the %s server died (code %s); restarting it", role, old.exit_code)
                 await old.stop_async()
-                self._retired_engines.add(old.spec.engine_id)
+                if old.spec.engine_id is not None:
+                    self._retired_engines.add(old.spec.engine_id)
                 self._baseline.totals.pop(role, None)  # a new server counts NIXL bytes from zero
-                self._servers[role] = self._server(role, old.spec.model_path, old.spec.cores or [])
+                self._servers[role] = self._server(role, old.spec.launch.model_path, old.spec.cores or [])
             await self._launch([self._servers[role] for role in dead])
-            extra = dict(self.info.extra)
-            await self._connect(
-                self._servers["prefill"].url, self._servers["decode"].url, push_back=self._push_back, kind="launched"
-            )
-            self._info_extra(extra)
+            await self._reconnect(self._servers["prefill"].url, self._servers["decode"].url)

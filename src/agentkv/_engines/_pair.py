@@ -7,25 +7,26 @@ decodes, pins its blocks and returns a new handle.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, Unpack
 
 import anyio
 import anyio.to_thread
 
-from .._errors import EngineDeadError, EngineError, UserError
+from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
 from .._model import prepare_model
 from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings
-from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params
-from ._idle import idle_env
+from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params, release_params
+from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
 from ._system import free_port, split_cores
-from ._vllm import DecodeStream, TransferLedger, VLLMEngine, VLLMSettings, engine_seconds, vllm_sampling
+from ._vllm import DecodeStream, TransferLedger, VLLMEngine, engine_seconds, vllm_sampling
 
-__all__ = ["EmbeddedPair", "check_pair_options", "connector_config", "run_warmup_steps"]
+__all__ = ["EmbeddedPair", "run_warmup_steps"]
 
 logger = logging.getLogger("agentkv")
 
@@ -33,67 +34,53 @@ logger = logging.getLogger("agentkv")
 class EmbeddedPair(Engine):
     """Two vLLM engines (P, D) in the calling process, NIXL between them, push-back on by default.
 
+    Its settings are a `PairConfig`: pass one as ``config``, or its fields as keyword
+    arguments (``EmbeddedPair(max_model_len=2048, pin_ttl_s=60)``), or both (the keywords
+    replace the config's fields). ``model`` is the config's ``model``.
+
     Args:
         model: a bundled model name or a local HF folder (default: the bundled SmolLM2-135M).
-        bidirectional: D pins each step's KV and P can pull it back (vLLM ``bidirectional_kv_xfer``).
-            Off, the pair is standard disaggregated inference.
-        prefill_prefix_cache: P's own prefix cache (off reproduces the source's baseline).
-        cores: the core sets of P and D; default: the available cores split in two halves.
-        max_model_len: context length of both engines.
-        kv_cache_gib: KV cache per engine (``VLLM_CPU_KVCACHE_SPACE``).
-        pin_ttl_s: how long D pins a step's blocks (``decoder_kv_blocks_ttl``).
-        recompute_threshold: P recomputes instead of pulling fewer tokens than this.
-        connector_options: more ``kv_connector_extra_config`` for vLLM's NIXL connector (they win).
-        idle_poll_ms: how often an engine with nothing to run checks its parked KV (reads
-            finished, pins expired) and NIXL's progress thread polls when no event wakes it.
-            New requests wake the engine at once. ``None`` keeps vLLM's and NIXL's busy loops:
-            about a core per engine while KV is parked.
-        warmup: run two short steps at start so first-call costs (kernels, NIXL handshakes)
-            do not land on the user's first turn.
-        step_timeout_s: a step that makes no progress for this long fails with `EngineError`.
+        config: the pair's settings (default: `PairConfig`'s defaults).
         progress: called with one line per start-up stage (default: the ``agentkv`` logger).
+        **settings: `PairConfig` fields (``bidirectional``, ``prefill_prefix_cache``, ``cores``,
+            ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``, ``recompute_threshold``,
+            ``connector_options``, ``idle_poll_ms``, ``warmup``, ``step_timeout_s``).
     """
 
     def __init__(
         self,
         model: str | os.PathLike[str] | None = None,
         *,
-        bidirectional: bool = True,
-        prefill_prefix_cache: bool = True,
-        cores: tuple[Sequence[int], Sequence[int]] | None = None,
-        max_model_len: int = 4096,
-        kv_cache_gib: float = 1.0,
-        pin_ttl_s: float = 480.0,
-        recompute_threshold: int = 16,
-        connector_options: Mapping[str, Any] | None = None,
-        idle_poll_ms: int | None = 50,
-        warmup: bool = True,
-        step_timeout_s: float = 300.0,
+        config: PairConfig | None = None,
         progress: Callable[[str], None] | None = None,
+        **settings: Unpack[PairSettings],
     ) -> None:
         super().__init__()
-        check_pair_options(pin_ttl_s=pin_ttl_s, idle_poll_ms=idle_poll_ms)
-        self._model = model
-        self.bidirectional = bidirectional
-        self.prefill_prefix_cache = prefill_prefix_cache
-        self._cores = cores
-        self._max_model_len = max_model_len
-        self._kv_cache_gib = kv_cache_gib
-        self.pin_ttl_s = pin_ttl_s
-        self._recompute_threshold = recompute_threshold
-        self._connector_options = dict(connector_options or {})
-        self._idle_poll_ms = idle_poll_ms
-        self._warmup = warmup
-        self._step_timeout_s = step_timeout_s
+        self.config = PairConfig.of(config, model, **settings)
         self._progress = progress or (lambda line: logger.info("%s", line))
         self._p: VLLMEngine | None = None
         self._d: VLLMEngine | None = None
         self._info: EngineInfo | None = None
 
     @property
+    def bidirectional(self) -> bool:
+        """Whether D pins KV and P can pull it back."""
+        return self.config.bidirectional
+
+    @property
+    def pin_ttl_s(self) -> float:
+        """How long D pins a step's blocks."""
+        return self.config.pin_ttl_s
+
+    @property
+    def prefill_prefix_cache(self) -> bool:
+        """Whether P has its own prefix cache."""
+        return self.config.prefill_prefix_cache
+
+    @property
     def info(self) -> EngineInfo:
         if self._info is None:
-            raise EngineError("EmbeddedPair is not open")
+            raise SessionClosedError(f"the {type(self).__name__} is not open")
         return self._info
 
     @property
@@ -109,38 +96,22 @@ class EmbeddedPair(Engine):
     # ----------------------------------------------------------------- lifecycle
 
     async def _start(self) -> None:
-        model_path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
-        p_cores, d_cores = (list(c) for c in self._cores) if self._cores else split_cores()
-        settings = VLLMSettings(
-            model_path=model_path, max_model_len=self._max_model_len, kv_cache_gib=self._kv_cache_gib
-        )
+        config = self.config
+        model_path = await anyio.to_thread.run_sync(lambda: prepare_model(config.model, progress=self._progress))
+        p_cores, d_cores = (list(c) for c in config.cores) if config.cores else split_cores()
         tag = uuid.uuid4().hex[:8]
-        extra = connector_config(
-            bidirectional=self.bidirectional,
-            recompute_threshold=self._recompute_threshold,
-            pin_ttl_s=self.pin_ttl_s,
-            options=self._connector_options,
-        )
-        for name, role, cores, prefix in (
-            ("prefill", "kv_producer", p_cores, self.prefill_prefix_cache),
-            ("decode", "kv_consumer", d_cores, True),
-        ):
-            engine = VLLMEngine(
-                name=name,
+        roles: tuple[tuple[Role, list[int]], ...] = (("prefill", p_cores), ("decode", d_cores))
+        for role, cores in roles:
+            launch = pair_engine_launch(
+                config,
+                role,
+                model_path=model_path,
                 cores=cores,
-                settings=settings,
-                prefix_caching=prefix,
+                engine_id=f"agentkv-{role}-{tag}",
                 side_channel_port=free_port(),
-                extra_env=idle_env(self._idle_poll_ms),
-                kv_transfer={
-                    "kv_connector": "NixlConnector",
-                    "kv_role": role,
-                    "kv_buffer_device": "cpu",
-                    "engine_id": f"agentkv-{name}-{tag}",
-                    "kv_connector_extra_config": extra,
-                },
             )
-            if name == "prefill":
+            engine = VLLMEngine(launch)
+            if role == "prefill":
                 self._p = engine
             else:
                 self._d = engine
@@ -148,18 +119,18 @@ class EmbeddedPair(Engine):
         self._info = EngineInfo(
             kind="pair",
             model_path=model_path,
-            max_model_len=self._max_model_len,
-            push_back=self.bidirectional,
+            max_model_len=config.max_model_len,
+            push_back=config.bidirectional,
             extra={
                 "prefill_cores": p_cores,
                 "decode_cores": d_cores,
-                "pin_ttl_s": self.pin_ttl_s,
-                "prefill_prefix_cache": self.prefill_prefix_cache,
+                "pin_ttl_s": config.pin_ttl_s,
+                "prefill_prefix_cache": config.prefill_prefix_cache,
             },
         )
 
     async def _warm_up(self) -> None:
-        if self._warmup:
+        if self.config.warmup:
             self._progress("agentkv: warming up (kernels, NIXL handshakes)")
             await run_warmup_steps(self, push_back=self.bidirectional)
         for engine in self._engines():
@@ -177,13 +148,14 @@ class EmbeddedPair(Engine):
         if request.handle is not None and not self.bidirectional:
             raise UserError("this pair runs without bidirectional transfer: it takes no handle")
         try:
-            async for event in self._step(request):
-                yield event
+            async with contextlib.aclosing(self._step(request)) as events:  # a caller leaving early closes it now
+                async for event in events:
+                    yield event
         except EngineDeadError as exc:
             await self._mark_dead(exc)
             raise
 
-    async def _step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
+    async def _step(self, request: StepRequest) -> AsyncGenerator[StepEvent, None]:
         p, d = self._engines()
         started = time.perf_counter()
         declined = False
@@ -195,17 +167,18 @@ class EmbeddedPair(Engine):
         if p_out is None:
             raise EngineError("the prefill engine failed the request")
         handoff = parse_prefill_result(p_out.kv_transfer_params)
-        params = vllm_sampling(request.sampling, kv_transfer_params=handoff.model_dump(), stream=True)
+        params = vllm_sampling(request.sampling, kv_transfer_params=handoff.as_decode_params(), stream=True)
         stream = DecodeStream(
             d,
             request.prompt_token_ids,
             params,
             f"{request.request_id}-d",
-            idle_timeout_s=self._step_timeout_s,
+            idle_timeout_s=self.config.step_timeout_s,
             cache_salt=request.cache_salt,
         )
-        async for delta in stream:
-            yield delta
+        async with contextlib.aclosing(aiter(stream)) as deltas:
+            async for delta in deltas:
+                yield delta
         d_out, d_stats, d_ledger = stream.result()
         completion = d_out.outputs[0]
         if completion.finish_reason not in ("stop", "length"):
@@ -222,11 +195,13 @@ class EmbeddedPair(Engine):
             **_transfer(p_ledger, d_ledger),
             **_prompt_split(p_stats, len(request.prompt_token_ids), p_out.num_cached_tokens),
         )
+        handle, handle_error = parse_handle(d_out.kv_transfer_params) if self.bidirectional else (None, None)
         yield StepDone(
             token_ids=stream.token_ids,
             text=stream.text,
             finish_reason=completion.finish_reason,
-            handle=parse_handle(d_out.kv_transfer_params) if self.bidirectional else None,
+            handle=handle,
+            handle_error=handle_error,
             timings=timings,
         )
 
@@ -236,18 +211,58 @@ class EmbeddedPair(Engine):
         """Run P to completion; the output is None when P failed (e.g. declined an expired read)."""
         params = vllm_sampling(Sampling(max_tokens=1), kv_transfer_params=prefill_params(handle), stream=False)
         request_id = f"{request.request_id}-p{'h' if handle else ''}"
-        final: Any = None
-        with anyio.fail_after(self._step_timeout_s):
-            async for output in p.generate(request.prompt_token_ids, params, request_id, cache_salt=request.cache_salt):
-                final = output
-        stats, ledger = p.finish(request_id)
+        final, stats, ledger = await p.run(
+            request.prompt_token_ids,
+            params,
+            request_id,
+            timeout_s=self.config.step_timeout_s,
+            cache_salt=request.cache_salt,
+        )
         if final is None or final.outputs[0].finish_reason == "error" or final.kv_transfer_params is None:
             return None, stats, ledger
         return final, stats, ledger
 
+    # ----------------------------------------------------------------- pins
+
+    async def release(self, handle: KVHandle) -> None:
+        """Have D free the blocks ``handle`` pins, now rather than at their expiry.
+
+        vLLM 0.32 has no call that frees a pin. What frees one is P's notification after a
+        read, and P also sends it when it finds nothing to read (a full local hit). So P gets
+        a one-token request carrying the handle with ``remote_num_tokens=0``: P reads
+        nothing, notifies D, and D frees the blocks. The request is aborted after its first
+        token, so that P does not keep its own block leased for a D that never comes. A pin
+        within 10 s of its expiry is left to expire (D counts a notification that comes after
+        expiry as an error).
+        """
+        if not self.is_open or self.is_dead or not self.bidirectional or self._p is None:
+            return
+        if time.perf_counter() + _RELEASE_MARGIN_S >= handle.remote_blocks_expiry_time:
+            return
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=_RELEASE_MAX_TOKENS,
+            ignore_eos=True,
+            temperature=0.0,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": release_params(handle)},
+        )
+        outputs = self._p.generate([_RELEASE_TOKEN], params, f"agentkv-release-{uuid.uuid4().hex}", in_ledger=False)
+        try:
+            with anyio.fail_after(self.config.step_timeout_s):
+                await anext(outputs)  # P has notified D before its first token
+        except Exception as exc:  # best effort: a pin that is not released expires on D
+            logger.debug("agentkv: releasing a pin failed: %s", exc)
+        finally:
+            await outputs.aclose()  # aborts the rest
+
+    # ----------------------------------------------------------------- engines
+
     def _engines(self) -> tuple[VLLMEngine, VLLMEngine]:
         if self._p is None or self._d is None:
-            raise EngineError("EmbeddedPair is not open")
+            raise SessionClosedError(f"the {type(self).__name__} is not open")
         for engine in (self._p, self._d):
             if engine.errored:
                 raise EngineDeadError(f"the {engine.name} engine died")
@@ -258,6 +273,13 @@ class EmbeddedPair(Engine):
             logger.error("agentkv: an engine of the pair died; stopping the pair: %s", exc)
             self._dead = exc
             await self.aclose()
+
+
+_RELEASE_MARGIN_S = 10.0
+"""A pin closer than this to its expiry is left to expire (P declines reads within 5 s of it)."""
+_RELEASE_TOKEN = 0
+_RELEASE_MAX_TOKENS = 64
+"""Far more than P runs before the abort arrives (a finished request would keep its block leased)."""
 
 
 def _prompt_split(stats: Any, prompt_tokens: int, num_cached_tokens: int | None) -> dict[str, int]:
@@ -283,37 +305,31 @@ def _transfer(*ledgers: TransferLedger) -> dict[str, Any]:
 
 
 async def run_warmup_steps(pair: Engine, *, push_back: bool) -> None:
-    """Two short steps (one pushing the first one's handle back): kernels and NIXL handshakes run now."""
+    """Two short steps (the second pushing the first one's handle back): kernels and NIXL handshakes run now.
+
+    The second prompt extends exactly what D holds (the first prompt and its output), and the
+    handle goes through `choose_handle`, the rule every session step obeys. The last pin is
+    released: nothing of the warm-up stays parked on D.
+    """
+    from .._pinning import Pin, choose_handle
+
     prompt = [1] + [28] * 300  # two CPU blocks of one repeated token: shapes and handshakes only
-    handle: KVHandle | None = None
-    for index in range(2 if push_back else 1):
+    pin: Pin | None = None
+    for _ in range(2 if push_back else 1):
+        handle, _reason = choose_handle(pin, prompt, push_back=push_back, expiry_margin_s=_RELEASE_MARGIN_S)
         request = StepRequest(
             request_id=f"agentkv-warmup-{uuid.uuid4().hex}",
             prompt_token_ids=prompt,
             sampling=Sampling(max_tokens=4),
             handle=handle,
         )
+        done: StepDone | None = None
         async for event in pair.step(request):
             if isinstance(event, StepDone):
-                handle = event.handle
-        prompt = prompt + [28] * (40 + index)
-
-
-def check_pair_options(*, pin_ttl_s: float, idle_poll_ms: int | None) -> None:
-    """Reject pair settings that cannot work, before anything starts."""
-    if pin_ttl_s <= 10:
-        raise UserError("pin_ttl_s must exceed 10 s: P declines reads within 5 s of expiry")
-    if idle_poll_ms is not None and idle_poll_ms < 1:
-        raise UserError("idle_poll_ms must be at least 1 ms (or None for the busy loops)")
-
-
-def connector_config(
-    *, bidirectional: bool, recompute_threshold: int, pin_ttl_s: float, options: Mapping[str, Any]
-) -> dict[str, Any]:
-    """``kv_connector_extra_config`` of both engines of a pair (``options`` win)."""
-    return {
-        "bidirectional_kv_xfer": bidirectional,
-        "kv_recompute_threshold": recompute_threshold,
-        "decoder_kv_blocks_ttl": pin_ttl_s,
-        **options,
-    }
+                done = event
+        assert done is not None
+        held = prompt + list(done.token_ids)
+        pin = Pin(done.handle, held, done.handle_deadline) if done.handle is not None else None
+        prompt = held + [28] * 40
+    if pin is not None:
+        await pair.release(pin.handle)

@@ -17,14 +17,15 @@ class RemotePair(HTTPPair):
     ``bidirectional_kv_xfer`` for push-back) on the model named by ``model``: the session
     tokenizes locally and sends token ids.
 
-    What the session gets depends on the servers, and the pair says which
-    (`server_kind`, `handle_in_stream`, ``info.push_back``):
+    What the session gets depends on the servers. The pair asks each server for one token
+    when it opens (`capabilities`, `server_kind`, `handle_in_stream`) and decides then:
 
     * servers started with ``agentkv serve``: token streaming **and** push-back, the exact
       prefill split, NIXL bytes (with ``exclusive=True``);
-    * stock vLLM 0.32 servers stream no KV handle: push-back is turned off (a warning says
-      so) unless ``decode_streaming=False``, which keeps push-back and gives up token
-      streaming (the answer arrives in one piece); cached tokens are reported as local.
+    * stock vLLM 0.32 servers: only with ``decode_streaming=False`` (push-back, each answer
+      arrives whole; cached tokens are reported as local). A stock decode server streams no
+      KV handle, so opening with ``decode_streaming=True`` raises `UserError` saying what to
+      run instead (see ``docs/engines.md``).
 
     Args:
         prefill_url: P's base URL (``http://host:port``).
@@ -36,7 +37,7 @@ class RemotePair(HTTPPair):
         exclusive: this pair is the servers' only client, so differences of their NIXL
             totals between two replies are this session's (``kv_bytes``); otherwise None.
         attempts: tries per server call on transient errors (refused connection, 5xx).
-        warmup: run two short steps at open (NIXL handshakes, and the stream check).
+        warmup: run two short steps at open (kernels, NIXL handshakes).
         step_timeout_s: a server that sends nothing for this long fails the step.
         progress: called with one line per stage (default: the ``agentkv`` logger).
     """
@@ -55,11 +56,17 @@ class RemotePair(HTTPPair):
         step_timeout_s: float = 300.0,
         progress: Callable[[str], None] | None = None,
     ) -> None:
-        super().__init__(model, step_timeout_s=step_timeout_s, attempts=attempts, warmup=warmup, progress=progress)
-        self.decode_streaming = decode_streaming
-        self._exclusive = exclusive
+        super().__init__(
+            model,
+            step_timeout_s=step_timeout_s,
+            attempts=attempts,
+            warmup=warmup,
+            progress=progress,
+            push_back=push_back,
+            decode_streaming=decode_streaming,
+            exclusive=exclusive,
+        )
         self._urls = (prefill_url, decode_url)
-        self._wants_push_back = push_back
 
     async def _start(self) -> None:
-        await self._connect(*self._urls, push_back=self._wants_push_back, kind="remote")
+        await self._open_servers(*self._urls, kind="remote")

@@ -1,7 +1,7 @@
 """agentkv's vLLM server: vLLM's own OpenAI API server, plus what a stateful client needs.
 
 Run as ``python -m agentkv._engines._server <vllm serve arguments>`` (``LaunchedPair`` and
-``agentkv serve`` build that command). It is vLLM's server unchanged, with one addition:
+``agentkv serve`` build that command). It is vLLM's server unchanged, with one addition (made in ``_vllm_patches.py``):
 every ``/v1/completions`` response carries an ``agentkv`` object, and a streamed response
 ends with one more chunk (no choices) that carries it and the ``kv_transfer_params``.
 
@@ -23,10 +23,8 @@ responses takes the difference. ``clock`` lets a client on another host turn D's
 from __future__ import annotations
 
 import collections
-import json
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,74 +84,17 @@ def _extras(output: Any) -> dict[str, Any]:
     }
 
 
-def _patch_engine_construction() -> None:
-    """Give the server's ``AsyncLLM`` the read-outs: prefill split per request, NIXL totals."""
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from ._vllm import keep_prefill_stats, transfer_stat_logger
-
-    original = AsyncLLM.from_vllm_config.__func__  # type: ignore[attr-defined]
-
-    def from_vllm_config(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        kwargs["stat_loggers"] = [*(kwargs.get("stat_loggers") or []), transfer_stat_logger(_TOTALS.add)]
-        llm = original(cls, *args, **kwargs)
-        keep_prefill_stats(llm, _PREFILL_STATS)
-        return llm
-
-    AsyncLLM.from_vllm_config = classmethod(from_vllm_config)  # type: ignore[method-assign,assignment]
-
-
-def _patch_completions() -> None:
-    """Add the ``agentkv`` object to completions, and the handle to the end of streams."""
-    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-
-    stream_original = OpenAIServingCompletion.completion_stream_generator
-    response_original = OpenAIServingCompletion.request_output_to_completion_response
-
-    async def completion_stream_generator(
-        self: Any,
-        request: Any,
-        engine_inputs: Any,
-        result_generator: AsyncIterator[Any],
-        request_id: str,
-        *args: Any,
-        **kwargs: Any,
-    ) -> AsyncGenerator[str, None]:
-        last: list[Any] = []
-
-        async def watched() -> AsyncIterator[Any]:
-            async for prompt_index, output in result_generator:
-                last[:] = [output]
-                yield prompt_index, output
-
-        async for chunk in stream_original(self, request, engine_inputs, watched(), request_id, *args, **kwargs):
-            if chunk.startswith("data: [DONE]") and last and last[0].finished:
-                trailer = {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": 0,
-                    "model": request.model or "",
-                    "choices": [],
-                    "kv_transfer_params": last[0].kv_transfer_params,
-                    SERVER_EXTRAS_FIELD: _extras(last[0]),
-                }
-                yield f"data: {json.dumps(trailer)}\n\n"
-            yield chunk
-
-    def request_output_to_completion_response(self: Any, final_res_batch: list[Any], *args: Any, **kwargs: Any) -> Any:
-        response = response_original(self, final_res_batch, *args, **kwargs)
-        if len(final_res_batch) == 1:
-            setattr(response, SERVER_EXTRAS_FIELD, _extras(final_res_batch[0]))
-        return response
-
-    OpenAIServingCompletion.completion_stream_generator = completion_stream_generator  # type: ignore[method-assign,assignment]
-    OpenAIServingCompletion.request_output_to_completion_response = request_output_to_completion_response  # type: ignore[method-assign]
-
-
 def main() -> None:
     """Run vLLM's OpenAI API server (arguments from ``sys.argv``) with agentkv's additions."""
-    _patch_engine_construction()
-    _patch_completions()
+    from ._vllm import transfer_stat_logger
+    from ._vllm_patches import add_server_readouts
+
+    add_server_readouts(
+        extras_field=SERVER_EXTRAS_FIELD,
+        extras=_extras,
+        stat_logger=transfer_stat_logger(_TOTALS.add),
+        prefill_stats=_PREFILL_STATS,
+    )
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
 
     vllm_main()

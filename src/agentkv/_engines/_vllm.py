@@ -16,9 +16,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -26,14 +25,16 @@ import anyio.to_thread
 
 from .._errors import EngineDeadError, EngineError, EngineStartError, UserError
 from ._base import Sampling, TokenDelta
+from ._pair_config import EngineLaunch
 from ._system import cpu_list, descendants, is_helper, kill_and_reap, repin_threads
-from ._watchdog import forget_pids, watch_pids
+from ._vllm_patches import check_vllm_version, keep_prefill_stats, stop_output_handler
+from ._watchdog import forget_pids, stop_watching, watch_pids
 
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["TransferLedger", "VLLMEngine", "VLLMSettings"]
+__all__ = ["TransferLedger", "VLLMEngine"]
 
 logger = logging.getLogger("agentkv")
 
@@ -45,32 +46,22 @@ _START_LOCK = threading.Lock()
 # starts a real engine by accident.
 ALLOW_REAL_ENGINES = True
 
+# How long an engine core may take to stop before vLLM kills it (vLLM's default: 5 s). Its
+# workers alone took 2-3 s to exit on a loaded 2-core machine, and a core killed before it
+# finishes leaves its shared memory and semaphores behind (docs/vllm-patches.md).
+_SHUTDOWN_TIMEOUT_S = 30.0
+
 # Engines still running at interpreter exit are stopped then, while the interpreter is whole
-# (left to vLLM's __del__, shutdown fails and workers are force-killed).
+# (left to vLLM's __del__, shutdown fails and workers are force-killed). The one exit hook
+# of agentkv: after it, the watchdog (which covers deaths that skip exit hooks) is let go.
 _RUNNING: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
 
 
 @atexit.register
-def _stop_running_engines() -> None:
+def _at_exit() -> None:
     for engine in list(_RUNNING):
         engine.shutdown()
-
-
-@dataclass(frozen=True, kw_only=True)
-class VLLMSettings:
-    """Engine arguments shared by the engines agentkv embeds."""
-
-    model_path: Path
-    max_model_len: int = 4096
-    kv_cache_gib: float = 1.0
-    """``VLLM_CPU_KVCACHE_SPACE`` per engine, in GiB."""
-    enforce_eager: bool = True
-    """Skip torch.compile: start-up ~20 s instead of ~75 s on CPU."""
-    dtype: str = "auto"
-    """``"auto"``: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else float32.
-
-    On a CPU without native bf16 (e.g. AVX2-only EPYC) vLLM emulates it: prefill ran ~10x slower."""
-    max_num_seqs: int = 64
+    stop_watching()
 
 
 @dataclass
@@ -93,24 +84,11 @@ class _Readouts:
 class VLLMEngine:
     """One ``AsyncLLM`` with its own cores, port and process tree."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        cores: Sequence[int],
-        settings: VLLMSettings,
-        prefix_caching: bool = True,
-        kv_transfer: dict[str, Any] | None = None,
-        side_channel_port: int | None = None,
-        extra_env: Mapping[str, str] | None = None,
-    ) -> None:
-        self.name = name
-        self.cores = list(cores)
-        self.settings = settings
-        self.prefix_caching = prefix_caching
-        self.kv_transfer = kv_transfer
-        self.side_channel_port = side_channel_port
-        self.extra_env = dict(extra_env or {})
+    def __init__(self, launch: EngineLaunch) -> None:
+        self.launch = launch
+        self.name = launch.name
+        self.cores = list(launch.cores or [])
+        self.side_channel_port = launch.side_channel_port
         self.pids: set[int] = set()
         self._llm: AsyncLLM | None = None
         self._readouts = _Readouts()
@@ -124,18 +102,11 @@ class VLLMEngine:
                 "real engines are blocked here (agentkv.testing.block_real_engines); "
                 "use agentkv.testing.ScriptedEngine or mark the test as needing the pair"
             )
+        check_vllm_version()
         with _START_LOCK:
             before = descendants(os.getpid())
-            env = {
-                "VLLM_CPU_OMP_THREADS_BIND": cpu_list(self.cores),
-                "VLLM_CPU_KVCACHE_SPACE": gib_text(self.settings.kv_cache_gib),
-                **self.extra_env,
-            }
-            if self.side_channel_port is not None:
-                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
-                env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
             try:
-                with _environ(env):
+                with _environ(self.launch.env):
                     self._llm = self._build()
             except Exception as exc:
                 raise EngineStartError(f"the {self.name} engine did not start: {exc}") from exc
@@ -143,7 +114,7 @@ class VLLMEngine:
                 self.pids = {pid for pid in descendants(os.getpid()) - before if not is_helper(pid)}
         _RUNNING.add(self)
         watch_pids(self.pids)
-        self._hook_prefill_stats()
+        keep_prefill_stats(self.llm, self._readouts.prefill_stats)
         self.repin()
         logger.info("agentkv: %s engine up on cores %s (pids %s)", self.name, cpu_list(self.cores), sorted(self.pids))
 
@@ -152,17 +123,11 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kv_config = KVTransferConfig(**self.kv_transfer) if self.kv_transfer is not None else None
-        args = AsyncEngineArgs(
-            model=str(self.settings.model_path),
-            dtype=resolve_dtype(self.settings.dtype),  # pyright: ignore[reportArgumentType]
-            max_model_len=self.settings.max_model_len,
-            enable_prefix_caching=self.prefix_caching,
-            enforce_eager=self.settings.enforce_eager,
-            max_num_seqs=self.settings.max_num_seqs,
-            kv_transfer_config=kv_config,
-            disable_log_stats=False,  # request metrics (RequestStateStats) need stats on
-        )
+        settings = dict(self.launch.engine_args)
+        if (kv_transfer := settings.pop("kv_transfer_config", None)) is not None:
+            settings["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
+        # request metrics (RequestStateStats) need stats on
+        args = AsyncEngineArgs(**settings, disable_log_stats=False)
         return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
 
     async def start_async(self, progress: Callable[[str], None]) -> None:
@@ -194,7 +159,8 @@ class VLLMEngine:
         _RUNNING.discard(self)
         if llm is not None:
             try:
-                llm.shutdown()
+                stop_output_handler(llm)
+                llm.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
             except Exception:  # a dead engine may fail to shut down cleanly; its processes are reaped below
                 logger.debug("agentkv: %s engine shutdown raised", self.name, exc_info=True)
             del llm
@@ -218,19 +184,35 @@ class VLLMEngine:
     # ----------------------------------------------------------------- requests
 
     async def generate(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str, *, cache_salt: str | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+        in_ledger: bool = True,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream ``RequestOutput``s for one request, with errors translated to agentkv's."""
+        """Stream ``RequestOutput``s for one request, with errors translated to agentkv's.
+
+        A request that runs to its end keeps its read-outs for `finish`; one that ends any
+        other way (error, timeout, cancellation, the caller leaving early) drops them, so
+        that it is not counted as in flight beside later requests. A request that moves no
+        KV of a step (``in_ledger=False``: a pin's release) is not counted at all.
+        """
         from vllm.inputs import TokensPrompt
 
         llm = self.llm
-        self._readouts.in_flight[request_id] = TransferLedger()
+        if in_ledger:
+            self._readouts.in_flight[request_id] = TransferLedger()
+        ran_to_end = False
         try:
             prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
-            async for output in llm.generate(prompt, params, request_id):
-                yield output
+            async with contextlib.aclosing(llm.generate(prompt, params, request_id)) as outputs:
+                async for output in outputs:  # closing vLLM's generator early aborts the request
+                    yield output
+            ran_to_end = True
         except Exception as exc:
             if isinstance(exc, EngineError):
                 raise
@@ -239,6 +221,32 @@ class VLLMEngine:
             if llm.errored or isinstance(exc, VLLMEngineDeadError):  # the flag can lag the error
                 raise EngineDeadError(f"the {self.name} engine died: {exc}") from exc
             raise EngineError(f"the {self.name} engine failed a request: {exc}") from exc
+        finally:
+            if not ran_to_end:
+                self.forget(request_id)
+
+    async def run(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        timeout_s: float,
+        cache_salt: str | None = None,
+    ) -> tuple[RequestOutput | None, Any, TransferLedger]:
+        """Run a request to its end: (final output or None, ``PrefillStats`` or None, transfer ledger).
+
+        A request not done within ``timeout_s`` is aborted and raises `EngineError`.
+        """
+        final: RequestOutput | None = None
+        try:
+            with anyio.fail_after(timeout_s):
+                async for output in self.generate(prompt_token_ids, params, request_id, cache_salt=cache_salt):
+                    final = output
+        except TimeoutError as exc:
+            raise EngineError(f"the {self.name} engine did not finish a request within {timeout_s} s") from exc
+        stats, ledger = self.finish(request_id)
+        return final, stats, ledger
 
     def finish(self, request_id: str) -> tuple[Any, TransferLedger]:
         """Take a finished request's prefill stats (or None) and its transfer ledger."""
@@ -252,30 +260,9 @@ class VLLMEngine:
 
     # ----------------------------------------------------------------- read-outs
 
-    def _hook_prefill_stats(self) -> None:
-        keep_prefill_stats(self.llm, self._readouts.prefill_stats)
-
     def _stat_logger_factory(self) -> Callable[..., Any]:
         readouts = self._readouts
         return transfer_stat_logger(lambda data: _attribute(readouts, data))
-
-
-def keep_prefill_stats(llm: Any, store: dict[str, Any]) -> None:
-    """Keep each request's ``EngineCoreOutput.prefill_stats`` in ``store`` by request id.
-
-    vLLM 0.32 computes the local/external prefix-cache split per request but does not return it.
-    """
-    processor = llm.output_processor
-    original = processor.process_outputs
-
-    def process_outputs(engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        for output in engine_core_outputs:
-            if output.prefill_stats is not None:
-                # the engine core knows the request as "<our id>-<8 hex>" (InputProcessor.assign_request_id)
-                store[output.request_id.rsplit("-", 1)[0]] = output.prefill_stats
-        return original(engine_core_outputs, *args, **kwargs)
-
-    processor.process_outputs = process_outputs
 
 
 def transfer_stat_logger(on_stats: Callable[[dict[str, Any]], None]) -> Callable[..., Any]:
@@ -348,22 +335,6 @@ def engine_seconds(output: RequestOutput) -> tuple[float | None, float, float | 
     return prefill, wait, decode
 
 
-def resolve_dtype(dtype: str) -> str:
-    """``"auto"`` -> bfloat16 if the CPU has native bf16 instructions, else float32."""
-    if dtype != "auto":
-        return dtype
-    try:
-        with open("/proc/cpuinfo") as handle:
-            flags = next((line for line in handle if line.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
-
-
-def gib_text(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
-
-
 @contextlib.contextmanager
 def _environ(values: dict[str, str]) -> Any:
     saved = {key: os.environ.get(key) for key in values}
@@ -411,7 +382,7 @@ class DecodeStream:
         """The output text so far."""
         return "".join(self._text)
 
-    async def __aiter__(self) -> AsyncIterator[TokenDelta]:
+    async def __aiter__(self) -> AsyncGenerator[TokenDelta, None]:
         outputs = self._engine.generate(self._prompt, self._params, self._request_id, cache_salt=self._cache_salt)
         try:
             while True:
@@ -431,9 +402,7 @@ class DecodeStream:
         except TimeoutError as exc:
             raise EngineError(f"the {self._engine.name} engine made no progress for {self._idle_timeout_s} s") from exc
         finally:
-            await outputs.aclose()
-            if self._final is None or not self._final.finished:
-                self._engine.forget(self._request_id)
+            await outputs.aclose()  # a request left early is aborted, and its read-outs dropped
         stats, ledger = self._engine.finish(self._request_id)
         self._result = (self._final, stats, ledger)
 

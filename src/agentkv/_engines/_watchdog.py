@@ -1,7 +1,7 @@
 """A watchdog process that stops engine processes if this process dies without closing them.
 
-``atexit`` covers a normal exit and Ctrl-C, but not SIGTERM or SIGKILL of the Python process
-that embeds the engines; vLLM's engine cores then keep running as orphans. The watchdog is
+agentkv's exit hook (``_vllm.py``) covers a normal exit and Ctrl-C, but not SIGTERM or SIGKILL
+of the Python process that embeds the engines; vLLM's engine cores then keep running as orphans. The watchdog is
 a small process that holds the read end of a pipe from this process: it learns the engine
 pids as they start and stop, and when the pipe closes (this process is gone, however it
 ended) it terminates every pid still registered.
@@ -9,7 +9,6 @@ ended) it terminates every pid still registered.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import subprocess
@@ -17,7 +16,7 @@ import sys
 import threading
 from collections.abc import Iterable
 
-__all__ = ["forget_pids", "watch_pids"]
+__all__ = ["forget_pids", "stop_watching", "watch_pids"]
 
 logger = logging.getLogger("agentkv")
 
@@ -66,8 +65,10 @@ def forget_pids(pids: Iterable[int]) -> None:
         _send(f"-{pid}\n" for pid in pids)
 
 
-@atexit.register
-def _close() -> None:  # a normal exit: engines were stopped already; let the watchdog go
-    if _process is not None and _process.stdin is not None:
-        with contextlib.suppress(OSError):
-            _process.stdin.close()
+def stop_watching() -> None:
+    """Let the watchdog go (agentkv's exit hook, once the engines are stopped): it ends the pids
+    still registered, if any, and exits."""
+    with _lock:
+        if _process is not None and _process.stdin is not None:
+            with contextlib.suppress(OSError):
+                _process.stdin.close()

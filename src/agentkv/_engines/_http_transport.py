@@ -1,0 +1,221 @@
+"""The wire of an HTTP pair: two ``openai`` clients, the retry policy, request bodies, replies.
+
+Knows ``/v1/completions`` with token ids and vLLM's ``kv_transfer_params``; knows nothing of
+sessions, handles' meaning or capabilities. Errors of the ``openai`` client leave here as
+agentkv's (`EngineUnavailableError`, `EngineError`).
+
+Retries (tenacity, `retrying`) cover transient failures: a refused connection while a
+server starts, a dropped connection, a 5xx. Which calls may be retried is the caller's
+choice (`transient` or `never_arrived`): a KV handle is single use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+import openai
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random,
+)
+
+from .._errors import EngineError, EngineUnavailableError
+from ._base import Sampling
+from ._handle import SERVER_EXTRAS_FIELD
+
+__all__ = [
+    "PairTransport",
+    "Role",
+    "ServerReply",
+    "completion_body",
+    "never_arrived",
+    "retrying",
+    "transient",
+    "translated",
+]
+
+logger = logging.getLogger("agentkv")
+
+Role = Literal["prefill", "decode"]
+
+
+@contextlib.contextmanager
+def translated(role: Role) -> Iterator[None]:
+    """Turn ``openai`` errors of calls to ``role``'s server into agentkv's errors."""
+    try:
+        yield
+    except openai.APIConnectionError as exc:
+        raise EngineUnavailableError(f"the {role} server could not be reached: {exc}") from exc
+    except openai.APIStatusError as exc:
+        raise EngineError(f"the {role} server answered {exc.status_code}: {exc.message}") from exc
+
+
+def transient(exc: BaseException) -> bool:
+    """A failure worth another try: no connection, a dropped one, or a 5xx."""
+    return isinstance(exc, openai.APIConnectionError) or (
+        isinstance(exc, openai.APIStatusError) and exc.status_code >= 500
+    )
+
+
+def never_arrived(exc: BaseException) -> bool:
+    """The request surely did not reach the server (no connection was made)."""
+    if not isinstance(exc, openai.APIConnectionError) or isinstance(exc, openai.APITimeoutError):
+        return False
+    cause: BaseException | None = exc.__cause__
+    while cause is not None:  # openai's HTTP library wraps the OS error; its name differs between versions
+        if isinstance(cause, ConnectionRefusedError) or type(cause).__name__ == "ConnectError":
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def retrying(*, attempts: int, role: str, only: Callable[[BaseException], bool] = transient) -> AsyncRetrying:
+    """The retry policy of one server call: exponential back-off with jitter, ``attempts`` tries."""
+
+    def log(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        logger.warning("agentkv: the %s server failed (%s); retrying (attempt %d)", role, error, state.attempt_number)
+
+    return AsyncRetrying(
+        retry=retry_if_exception(only),
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=0.2, max=2.0) + wait_random(0, 0.2),  # back-off with jitter
+        before_sleep=log,
+        reraise=True,
+    )
+
+
+@dataclass(frozen=True)
+class ServerReply:
+    """What one server said about one request, beyond the tokens."""
+
+    kv_transfer_params: Any = None
+    extras: dict[str, Any] | None = None
+    """agentkv's server additions (see ``_server.py``); None from a stock vLLM server."""
+    cached_tokens: int | None = None
+    received_at: float = 0.0
+
+    @classmethod
+    def of(cls, extra: dict[str, Any], *, cached_tokens: int | None = None) -> ServerReply:
+        """From a reply's fields beyond OpenAI's (``model_extra``)."""
+        return cls(extra.get("kv_transfer_params"), extra.get(SERVER_EXTRAS_FIELD), cached_tokens, time.perf_counter())
+
+    def split(self) -> dict[str, int] | None:
+        prefill = self.extras.get("prefill") if self.extras else None
+        return prefill if isinstance(prefill, dict) else None
+
+    def seconds(self, name: str) -> float | None:
+        value = (self.extras or {}).get("seconds", {}).get(name)
+        return float(value) if value is not None else None
+
+    def nixl(self) -> dict[str, float] | None:
+        return (self.extras or {}).get("nixl")
+
+
+def completion_body(
+    *,
+    model: str,
+    prompt_token_ids: Sequence[int],
+    max_tokens: int,
+    sampling: Sampling,
+    kv_transfer_params: dict[str, Any] | None,
+    cache_salt: str | None = None,
+) -> dict[str, Any]:
+    """A ``/v1/completions`` request with token ids (``kv_transfer_params=None``: a plain request, no KV transfer)."""
+    extra: dict[str, Any] = {"return_token_ids": True}
+    if kv_transfer_params is not None:
+        extra["kv_transfer_params"] = kv_transfer_params
+    if cache_salt is not None:
+        extra["cache_salt"] = cache_salt
+    if sampling.json_schema is not None and max_tokens > 1:
+        extra["structured_outputs"] = {"json": sampling.json_schema}
+    return {
+        "model": model,
+        "prompt": list(prompt_token_ids),
+        "max_tokens": max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "extra_body": extra,
+    }
+
+
+class PairTransport:
+    """The ``openai`` clients of a pair's two servers, and the calls a step makes on them."""
+
+    def __init__(self, *, attempts: int, step_timeout_s: float) -> None:
+        self.attempts = attempts
+        self.step_timeout_s = step_timeout_s
+        self._clients: dict[Role, openai.AsyncOpenAI] = {}
+
+    async def connect(self, urls: tuple[str, str]) -> list[Any]:
+        """Point the clients at P's and D's servers (replacing old ones); return what each serves (``/v1/models``)."""
+        await self.close()
+        timeout = openai.Timeout(self.step_timeout_s, connect=10.0)
+        roles: tuple[Role, Role] = ("prefill", "decode")
+        for role, url in zip(roles, urls, strict=True):
+            base = url.rstrip("/") + ("" if url.rstrip("/").endswith("/v1") else "/v1")
+            self._clients[role] = openai.AsyncOpenAI(
+                base_url=base, api_key=os.environ.get("AGENTKV_API_KEY", "agentkv"), timeout=timeout, max_retries=0
+            )
+        models = []
+        for role in roles:
+            with translated(role):
+                async for attempt in retrying(attempts=self.attempts, role=role):
+                    with attempt:
+                        models.append((await self._clients[role].models.list()).data[0])
+        return models
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()
+
+    async def complete(self, role: Role, body: dict[str, Any]) -> tuple[Any, ServerReply]:
+        """One non-streamed completion (no retry, no translation: the caller decides): its choice and reply."""
+        response = await self._clients[role].completions.create(**body)
+        usage = response.usage
+        details = getattr(usage, "prompt_tokens_details", None) if usage else None
+        reply = ServerReply.of(response.model_extra or {}, cached_tokens=getattr(details, "cached_tokens", None))
+        return response.choices[0], reply
+
+    async def stream(self, role: Role, body: dict[str, Any]) -> AsyncGenerator[tuple[Any, ServerReply | None]]:
+        """A streamed completion: ``(choice, None)`` per chunk, then ``(None, reply)`` when the server sends one.
+
+        Retried only when the request surely never arrived. A server that sends nothing for
+        ``step_timeout_s`` fails the call with `EngineError`.
+        """
+        client = self._clients[role]
+        stream: Any = None
+        with translated(role):
+            async for attempt in retrying(attempts=self.attempts, role=role, only=never_arrived):
+                with attempt:
+                    stream = await client.completions.create(**body, stream=True)
+        chunks = aiter(stream)
+        try:
+            while True:
+                with anyio.fail_after(self.step_timeout_s), translated(role):
+                    try:
+                        chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
+                extra = chunk.model_extra or {}
+                if chunk.choices:
+                    yield chunk.choices[0], None
+                elif "kv_transfer_params" in extra or SERVER_EXTRAS_FIELD in extra:
+                    yield None, ServerReply.of(extra)
+        except TimeoutError as exc:
+            raise EngineError(f"the {role} server sent nothing for {self.step_timeout_s} s") from exc
+        finally:
+            await stream.close()

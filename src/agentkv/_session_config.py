@@ -1,0 +1,118 @@
+"""A session's configuration, validated once and frozen: what the constructor checks and `fork` copies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ._errors import InvalidMessageError, UserError
+from ._tools import Tool, ToolChoice, ToolFormat, check_tools, instructions
+
+__all__ = ["Mode", "SessionConfig", "check_count", "check_message", "check_text"]
+
+Mode = Literal["bidirectional", "disaggregated", "colocated"]
+
+
+class SessionConfig(BaseModel):
+    """Everything a session is made with, except the engine (see `Session` for each field)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid", arbitrary_types_allowed=True)
+
+    model: str | None = None
+    mode: Mode | None = None
+    """The mode asked for; None: what the engine supports."""
+    system: str | None = None
+    """The system message as given (without tool instructions)."""
+    tools: dict[str, Tool] = Field(default_factory=dict[str, Tool])
+    tool_choice: str = "auto"
+    tool_format: Literal["schema", "native"] = "schema"
+    max_steps: int = Field(default=8, ge=1)
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    seed: int | None = None
+    expiry_margin_s: float = Field(default=10.0, ge=0.0, allow_inf_nan=False)
+    cache_salt: str | None = None
+    engine_options: dict[str, Any] = Field(default_factory=dict[str, Any])
+
+    @classmethod
+    def build(
+        cls, *, tools: Sequence[Tool | Callable[..., Any]], engine_options: Mapping[str, Any] | None, **fields: Any
+    ) -> SessionConfig:
+        """Validate the constructor's arguments; every mistake is a `UserError`."""
+        if fields.get("system") is not None:
+            check_text(fields["system"], "the system message")
+        if isinstance(tools, str | bytes) or not isinstance(tools, Sequence):
+            raise UserError(f"tools must be a list of tools, not {type(tools).__name__}")
+        try:
+            return cls(tools=check_tools(tools), engine_options=dict(engine_options or {}), **fields)
+        except ValidationError as exc:
+            raise UserError(_describe(exc)) from None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SessionConfig:
+        choice = self.tool_choice
+        if choice not in ("auto", "required", "none") and choice not in self.tools:
+            raise UserError(f"tool_choice {choice!r} is neither auto, required, none nor one of the tools")
+        if choice == "required" and not self.tools:
+            raise UserError("tool_choice='required' needs tools")
+        if self.tool_format == "native" and choice != "auto":
+            raise UserError(
+                "with tool_format='native' the model decides (tool_choice='auto'); forced calls need tool_format='schema'"
+            )
+        return self
+
+    @property
+    def choice(self) -> ToolChoice:
+        """`tool_choice`, typed."""
+        return self.tool_choice  # type: ignore[return-value]
+
+    @property
+    def format(self) -> ToolFormat:
+        """`tool_format`, typed."""
+        return self.tool_format
+
+    @property
+    def tool_instructions(self) -> str:
+        """What schema-format tools append to the system message ("" otherwise)."""
+        return instructions(self.tools) if self.tools and self.tool_format == "schema" else ""
+
+    def system_text(self, system: str | None) -> str | None:
+        """The system message the model reads: ``system`` with the tool instructions appended once."""
+        extra = self.tool_instructions
+        if not extra or (system is not None and system.endswith(extra)):
+            return system
+        return (system or "") + extra
+
+
+def _describe(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "argument"
+    return f"{where}: {first['msg']} (got {first.get('input')!r})"
+
+
+def check_text(text: object, what: str) -> str:
+    """``text`` if it is a string the tokenizer can take, else `InvalidMessageError`."""
+    if not isinstance(text, str):
+        raise InvalidMessageError(f"{what} must be a string, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it
+        raise InvalidMessageError(f"{what} is not valid Unicode text ({exc.reason} at {exc.start})") from None
+    return text
+
+
+def check_message(message: object) -> str:
+    """A user message or an edit: a non-empty string of valid Unicode text."""
+    text = check_text(message, "a message")
+    if not text.strip():
+        raise InvalidMessageError("a message must not be empty")
+    return text
+
+
+def check_count(value: object, what: str) -> int:
+    """A whole number given by the caller (not a bool, not a string), else `UserError`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{what} must be an int, not {type(value).__name__}")
+    return value

@@ -1,0 +1,253 @@
+"""One turn, as named steps: model step, tool round, finish (the session prepares and commits it).
+
+A `Turn` works on its own copy of the conversation and of the pin; nothing here touches the
+session. `model_step` is one engine call on a turn's conversation and runs no tools, so a
+step over caller-made messages (client-run tools) can use it as it is.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from ._conversation import Conversation, Message
+from ._engines import Engine, KVHandle, Sampling, StepDone, StepRequest, TokenDelta
+from ._errors import ContextLengthError
+from ._pinning import Pin, choose_handle, miss_after_step
+from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
+from ._session_config import SessionConfig
+from ._stats import MissReason, StepStats, TurnStats
+from ._tools import (
+    ToolCall,
+    ToolResult,
+    output_schema,
+    parse_native_output,
+    parse_output,
+    result_message,
+    run_tool_calls,
+)
+
+__all__ = ["Turn", "model_step", "turn_events"]
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Turn:
+    """A turn in progress: its own copy of the conversation and of the pin, committed at the end."""
+
+    number: int
+    conversation: Conversation
+    pin: Pin | None
+    """The pin this turn's next step may forward (taken from the session; single use)."""
+    taken_pin: Pin | None
+    """The pin the turn took from the session (given back if the turn ends without using it)."""
+    consumer: weakref.ref[Any] | None = None
+    """For `Session.stream`: the caller's iterator; once it is gone, the turn is abandoned."""
+    started: float = field(default_factory=time.perf_counter)
+    steps: list[Step] = field(default_factory=list[Step])
+    result: TurnResult | None = None
+    ended: bool = False
+
+    def abandoned(self) -> bool:
+        return self.consumer is not None and self.consumer() is None
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a model step needs besides the turn: the engine, the configuration, the pin rule."""
+
+    engine: Engine
+    config: SessionConfig
+    push_back: bool
+    discard_pin: Callable[[Pin], None]
+    """Called with a pin that is not forwarded (it is of use to no one any more)."""
+
+
+async def turn_events(turn: Turn, context: StepContext) -> AsyncGenerator[Event]:
+    """The steps of a turn, as events, ending with the `TurnEnd` (nothing is committed here).
+
+    Model step, then either the answer or a tool round and the next model step. Without
+    tools every step is the last: the first one answers.
+    """
+    config = context.config
+    choice = config.choice
+    forces_json = bool(config.tools) and config.format == "schema"
+    for number in range(1, config.max_steps + 1):
+        last = number == config.max_steps or not config.tools
+        schema = output_schema(config.tools, "none" if last else choice) if forces_json else None
+        step: Step | None = None
+        async with aclosing(model_step(turn, number, context, json_schema=schema)) as step_events:
+            async for step_event in step_events:
+                if isinstance(step_event, Step):
+                    step = step_event
+                else:
+                    yield step_event
+        assert step is not None
+        calls, answer, error = read_step(config, step.text, f"t{turn.number}s{number}", last=last)
+        if answer is not None:
+            turn.steps.append(step)
+            yield StepEnd(step=step)
+            yield TurnEnd(result=finish(turn, config, answer))
+            return
+        async with aclosing(tool_round(turn, number, config, step, calls, error)) as round_events:
+            async for event in round_events:
+                yield event
+        choice = "auto" if choice != "none" else choice  # a forced call is forced once per turn
+
+
+async def model_step(
+    turn: Turn, number: int, context: StepContext, *, json_schema: dict[str, Any] | None
+) -> AsyncGenerator[TextDelta | Step]:
+    """One engine call on the turn's conversation: text deltas, then the `Step`.
+
+    The prompt is the turn's conversation; the output is appended to it, and the turn's pin
+    is replaced by D's new handle.
+    """
+    conversation, engine, config = turn.conversation, context.engine, context.config
+    prompt = list(conversation.tokens)
+    max_model_len = engine.info.max_model_len
+    if len(prompt) >= max_model_len:
+        raise ContextLengthError(
+            f"the prompt has {len(prompt)} tokens; the model's context is {max_model_len}",
+            prompt_tokens=len(prompt),
+            max_model_len=max_model_len,
+        )
+    sampling = Sampling(
+        max_tokens=min(config.max_tokens, max_model_len - len(prompt)),
+        temperature=config.temperature,
+        seed=config.seed,
+        json_schema=json_schema,
+    )
+    handle, reason = choose_handle(
+        turn.pin, prompt, push_back=context.push_back, expiry_margin_s=config.expiry_margin_s
+    )
+    if turn.pin is not None and handle is None:
+        context.discard_pin(turn.pin)
+    turn.pin = None  # a handle is single-use
+    request = StepRequest(
+        request_id=f"agentkv-{uuid.uuid4().hex}",
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        handle=handle,
+        cache_salt=config.cache_salt,
+    )
+    done: StepDone | None = None
+    async with _closing(engine.step(request)) as events:
+        async for event in events:
+            if isinstance(event, TokenDelta):
+                yield TextDelta(turn=turn.number, step=number, text=event.text, token_ids=list(event.token_ids))
+            else:
+                done = event
+    assert done is not None
+    conversation.add_output(done.token_ids, done.text)
+    if done.handle is not None:
+        turn.pin = Pin(done.handle, prompt + list(done.token_ids), done.handle_deadline)
+    yield Step(
+        text=done.text,
+        token_ids=list(done.token_ids),
+        finish_reason=done.finish_reason,
+        stats=_step_stats(turn.number, number, prompt, handle, reason, done),
+    )
+
+
+async def tool_round(
+    turn: Turn, number: int, config: SessionConfig, step: Step, calls: list[ToolCall], error: str | None
+) -> AsyncGenerator[Event]:
+    """Run a step's tool calls (or report its malformed output), then append the results."""
+    for call in calls:
+        yield ToolCallEvent(turn=turn.number, step=number, call=call)
+    started = time.perf_counter()
+    if error is None:
+        results = await run_tool_calls(calls, config.tools)
+    else:
+        call_id = f"t{turn.number}s{number}"
+        results = [ToolResult(call_id=call_id, name="agentkv", content=f"error: {error}", error="malformed_output")]
+    for result in results:
+        yield ToolResultEvent(turn=turn.number, step=number, result=result)
+    done = step.model_copy(
+        update={
+            "tool_calls": calls,
+            "tool_results": results,
+            "stats": step.stats.model_copy(update={"tool_s": time.perf_counter() - started}),
+        }
+    )
+    turn.steps.append(done)
+    yield StepEnd(step=done)
+    turn.conversation.add_messages(
+        [Message(role="tool", name=r.name, content=_tool_message(config, r)) for r in results]
+    )
+
+
+def finish(turn: Turn, config: SessionConfig, answer: str) -> TurnResult:
+    """The turn's result (kept on the turn until the session commits it)."""
+    stats = TurnStats(turn=turn.number, steps=[s.stats for s in turn.steps], wall_s=time.perf_counter() - turn.started)
+    bounded = bool(config.tools) and config.max_steps > 1 and len(turn.steps) == config.max_steps
+    stop_reason: Literal["answer", "max_steps"] = "max_steps" if bounded else "answer"
+    turn.result = TurnResult(text=answer, steps=list(turn.steps), stats=stats, stop_reason=stop_reason)
+    return turn.result
+
+
+def read_step(
+    config: SessionConfig, text: str, call_prefix: str, *, last: bool
+) -> tuple[list[ToolCall], str | None, str | None]:
+    """(tool calls, answer, error) from a step's output, in the session's tool format."""
+    if not config.tools:
+        return [], text, None
+    parse = parse_output if config.format == "schema" else parse_native_output
+    calls, answer, error = parse(text, call_prefix=call_prefix)
+    if last and answer is None:  # the step bound: whatever the last step said is the answer; no calls run
+        return [], text.strip(), None
+    return calls, answer, error
+
+
+def _tool_message(config: SessionConfig, result: ToolResult) -> str:
+    """A tool result as the model reads it: raw content for native templates, JSON for schema mode."""
+    return result.content if config.format == "native" else result_message(result)
+
+
+@asynccontextmanager
+async def _closing(events: AsyncIterator[T]) -> AsyncGenerator[AsyncIterator[T]]:
+    """`aclosing` for any async iterator: an engine's step is stopped as soon as the turn stops."""
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _step_stats(
+    turn: int, number: int, prompt: list[int], handle: KVHandle | None, reason: MissReason | None, done: StepDone
+) -> StepStats:
+    timings = done.timings
+    return StepStats(
+        turn=turn,
+        step=number,
+        ttft_s=timings.ttft_s,
+        prefill_s=timings.prefill_s,
+        kv_wait_s=timings.kv_wait_s,
+        decode_s=timings.decode_s,
+        prompt_tokens=len(prompt),
+        local_hit_tokens=timings.local_hit_tokens,
+        pulled_tokens=timings.pulled_tokens,
+        computed_tokens=timings.computed_tokens,
+        output_tokens=len(done.token_ids),
+        handoff_tokens=timings.handoff_tokens,
+        kv_bytes=timings.kv_bytes,
+        kv_transfer_s=timings.kv_transfer_s,
+        handle_forwarded=handle is not None,
+        miss_reason=miss_after_step(
+            handle,
+            reason,
+            prompt_tokens=len(prompt),
+            local_hit_tokens=timings.local_hit_tokens,
+            pulled_tokens=timings.pulled_tokens,
+            declined=timings.pullback_declined,
+        ),
+    )

@@ -1,0 +1,237 @@
+"""`EmbeddedPair`'s step logic on a fake vLLM (no engine starts): errors, transfer ledgers, a
+malformed handle, pin release, and the warm-up's push-back rule.
+
+The same paths run on the real pair in test_pair.py; here each is forced on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+
+from agentkv import EmbeddedPair, EngineError, PairConfig, UserError
+from agentkv._engines import StepDone, StepRequest, TokenDelta
+from agentkv._engines._base import Sampling
+from agentkv._engines._pair import run_warmup_steps
+from agentkv._engines._pair_config import engine_launch
+from agentkv._engines._vllm import VLLMEngine
+from agentkv._engines._vllm_patches import stop_output_handler
+from agentkv.testing import HonestPairEngine
+from test_handle import d_reply, p_reply
+
+pytestmark = pytest.mark.anyio
+
+
+Script = Callable[[list[int], Any, str], AsyncIterator[Any]]
+
+
+def _output(*, token_ids: list[int], finished: bool, params: dict[str, Any] | None = None) -> Any:
+    completion = SimpleNamespace(token_ids=token_ids, text="x" * len(token_ids), finish_reason="length")
+    return SimpleNamespace(
+        outputs=[completion], finished=finished, kv_transfer_params=params, metrics=None, num_cached_tokens=0
+    )
+
+
+class FakeLLM:
+    """The part of vLLM's ``AsyncLLM`` an embedded engine uses, run by a script per request."""
+
+    errored = False
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.requests: list[tuple[list[int], Any, str]] = []
+        self.closed: list[str] = []
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        self.requests.append((list(prompt["prompt_token_ids"]), params, request_id))
+        try:
+            async for output in self.script(list(prompt["prompt_token_ids"]), params, request_id):
+                yield output
+        finally:
+            self.closed.append(request_id)
+
+
+def fake_engine(name: str, script: Script) -> tuple[VLLMEngine, FakeLLM]:
+    launch = engine_launch(name=name, model_path=Path("/fake"), cores=[0], max_model_len=4096, kv_cache_gib=1.0)
+    engine, llm = VLLMEngine(launch), FakeLLM(script)
+    engine._llm = llm  # type: ignore[assignment]
+    return engine, llm
+
+
+def report_nixl(engine: VLLMEngine, nbytes: int) -> None:
+    """What vLLM's stat logger hands the engine during a step that moved ``nbytes``."""
+    logger = engine._stat_logger_factory()(None)
+    logger.record(
+        SimpleNamespace(kv_connector_stats={"bytes_transferred": [nbytes], "transfer_duration": [0.01]}), None
+    )
+
+
+class FakePair(EmbeddedPair):
+    """An embedded pair whose engines are fakes: the lifecycle and the step logic are the real ones."""
+
+    def __init__(self, prefill: Script, decode: Script, **settings: Any) -> None:
+        super().__init__(config=PairConfig(warmup=False, **settings))
+        self.p, self.p_llm = fake_engine("prefill", prefill)
+        self.d, self.d_llm = fake_engine("decode", decode)
+
+    async def _start(self) -> None:
+        self._p, self._d = self.p, self.d
+        self._info = SimpleNamespace(push_back=True)  # type: ignore[assignment]
+
+    async def _stop(self) -> None:
+        pass
+
+
+async def prefill_ok(prompt: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+    yield _output(token_ids=[5], finished=True, params=p_reply(remote_num_tokens=len(prompt)))
+
+
+def decode_with(handle: dict[str, Any] | None, nbytes: int = 0) -> Script:
+    async def decode(prompt: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+        yield _output(token_ids=[11, 12], finished=False)
+        yield _output(token_ids=[13], finished=True, params=handle)
+
+    return decode
+
+
+def request(prompt: list[int] | None = None, handle: Any = None) -> StepRequest:
+    return StepRequest(
+        request_id=f"r{id(object())}",
+        prompt_token_ids=prompt or [1] * 40,
+        sampling=Sampling(max_tokens=3),
+        handle=handle,
+    )
+
+
+async def run_step(pair: EmbeddedPair, req: StepRequest) -> StepDone:
+    done = [event async for event in pair.step(req) if isinstance(event, StepDone)]
+    return done[0]
+
+
+async def test_a_stalled_prefill_is_an_engine_error_and_later_steps_still_count_bytes() -> None:
+    calls = 0
+
+    async def prefill(prompt: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await anyio.sleep_forever()
+        report_nixl(pair.p, 100)
+        yield _output(token_ids=[5], finished=True, params=p_reply())
+
+    async def decode(prompt: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+        report_nixl(pair.d, 7)
+        yield _output(token_ids=[13], finished=True, params=d_reply())
+
+    pair = FakePair(prefill, decode, step_timeout_s=0.2)
+    async with pair:
+        with pytest.raises(EngineError, match="did not finish") as caught:
+            await run_step(pair, request())
+        assert not isinstance(caught.value, TimeoutError)
+        assert pair.p._readouts.in_flight == {}  # the stalled request's ledger is gone
+        done = await run_step(pair, request())
+    assert done.timings.kv_bytes == 107  # P's 100 and D's 7: the step was alone on both engines
+
+
+async def test_a_step_left_midway_releases_its_ledgers() -> None:
+    async def decode(prompt: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+        yield _output(token_ids=[11], finished=False)
+        report_nixl(pair.d, 9)
+        yield _output(token_ids=[13], finished=True, params=d_reply())
+
+    pair = FakePair(prefill_ok, decode)
+    async with pair:
+        steps = pair.step(request())
+        assert isinstance(await anext(steps), TokenDelta)
+        await steps.aclose()  # the caller leaves (a cancelled turn)
+        assert pair.p._readouts.in_flight == {} and pair.d._readouts.in_flight == {}
+        assert pair.d_llm.closed  # vLLM's generator was closed, which aborts the request
+        done = await run_step(pair, request())
+    assert done.timings.kv_bytes == 9
+
+
+async def test_a_malformed_handle_keeps_the_answer_and_drops_push_back() -> None:
+    pair = FakePair(prefill_ok, decode_with(d_reply(remote_host="  ")))
+    async with pair:
+        done = await run_step(pair, request())
+    assert list(done.token_ids) == [11, 12, 13] and done.finish_reason == "length"
+    assert done.handle is None and done.handle_error and "remote_host" in done.handle_error
+
+
+async def test_release_asks_p_for_a_notify_only_read_then_aborts_it() -> None:
+    async def prefill(prompt: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+        if not request_id.startswith("agentkv-release"):
+            async for output in prefill_ok(prompt, params, request_id):
+                yield output
+            return
+        for _ in range(params.max_tokens):
+            yield _output(token_ids=[5], finished=False)
+
+    expiring = d_reply(remote_blocks_expiry_time=time.perf_counter() + 5)
+    pair = FakePair(prefill, decode_with(expiring), pin_ttl_s=60)
+    async with pair:
+        handle = (await run_step(pair, request())).handle
+        assert handle is not None
+        await pair.release(handle)
+        assert len(pair.p_llm.requests) == 1  # only the step's prefill: an expiring pin is left to expire
+        live = handle.model_copy(update={"remote_blocks_expiry_time": time.perf_counter() + 60})
+        await pair.release(live)
+    prompt, params, request_id = pair.p_llm.requests[-1]
+    sent = params.extra_args["kv_transfer_params"]
+    assert len(prompt) == 1 and sent["remote_num_tokens"] == 0 and sent["remote_request_id"] == live.remote_request_id
+    assert params.max_tokens > 1 and params.ignore_eos  # it cannot finish (and lease P's block) before the abort
+    assert request_id in pair.p_llm.closed and pair.p._readouts.in_flight == {}
+
+
+async def test_release_after_close_does_nothing() -> None:
+    pair = FakePair(prefill_ok, decode_with(d_reply()))
+    async with pair:
+        handle = (await run_step(pair, request())).handle
+    assert handle is not None
+    await pair.release(handle)
+    assert len(pair.p_llm.requests) == 1
+
+
+async def test_the_warm_up_obeys_the_push_back_rule() -> None:
+    async with HonestPairEngine() as engine:
+        await run_warmup_steps(engine, push_back=True)
+        engine.assert_honest()
+        assert [step.forwarded for step in engine.steps] == [False, True]
+        assert not any(step.declined for step in engine.steps)
+        assert engine.released == 1 and engine.live_pins == 0  # nothing of the warm-up stays pinned
+
+
+def test_pair_settings_build_one_config() -> None:
+    pair = EmbeddedPair("some-model", max_model_len=2048, pin_ttl_s=60)
+    assert pair.config == PairConfig(model="some-model", max_model_len=2048, pin_ttl_s=60)
+    base = PairConfig(kv_cache_gib=2.0)
+    assert EmbeddedPair(config=base, warmup=False).config == PairConfig(kv_cache_gib=2.0, warmup=False)
+    with pytest.raises(UserError, match="unknown pair setting"):
+        EmbeddedPair(max_model_length=2048)  # type: ignore[call-arg]
+
+
+def test_the_output_handler_is_stopped_before_the_engine() -> None:
+    """vLLM's shutdown queues an "engine dead" for its output handler; stopped first, the handler never reads it."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+
+    async def start_handler() -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+
+    try:
+        handler = asyncio.run_coroutine_threadsafe(start_handler(), loop).result()
+        stop_output_handler(SimpleNamespace(output_handler=handler))
+        assert handler.cancelled()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()

@@ -1,0 +1,122 @@
+"""agentkv's patches of vLLM and NIXL internals (``_vllm_patches.py``): the version gate, the
+environment that switches the idle-loop patches on, and that every patch still finds its target.
+
+That the patched pair really sleeps is checked on the real pair (test_pair.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from typing import Any
+
+import pytest
+
+from agentkv import EngineStartError
+from agentkv._engines._vllm_patches import (
+    ENGINE_ENV,
+    NIXL_DELAY_ENV,
+    PARKED_POLL_ENV,
+    SUPPORTED_VLLM,
+    _BindingsWithDelay,
+    check_vllm_version,
+    engine_env,
+)
+
+
+def test_only_the_supported_vllm_series_passes() -> None:
+    for version in (f"{SUPPORTED_VLLM}.0", f"{SUPPORTED_VLLM}.3", f"{SUPPORTED_VLLM}.0+cpu"):
+        check_vllm_version(version)
+    for version in ("0.31.2", "0.33.0", "1.0.0", "0.3.2"):
+        with pytest.raises(EngineStartError, match=f"supports vLLM {SUPPORTED_VLLM}.x only"):
+            check_vllm_version(version)
+    check_vllm_version()  # the installed one
+
+
+def test_the_environment_marks_agentkvs_engines_and_names_both_intervals() -> None:
+    assert engine_env(None) == {ENGINE_ENV: "1"}
+    assert engine_env(50) == {ENGINE_ENV: "1", NIXL_DELAY_ENV: "50000", PARKED_POLL_ENV: "50"}
+
+
+def test_agents_get_the_delay_and_everything_else_is_nixls() -> None:
+    made: list[tuple[str, Any]] = []
+
+    class Config:
+        pthrDelay = 0
+
+    class Bindings:
+        OTHER = "untouched"
+
+        @staticmethod
+        def nixlAgent(name: str, config: Any) -> str:  # noqa: N802
+            made.append((name, config.pthrDelay))
+            return "agent"
+
+    bindings = _BindingsWithDelay(Bindings(), 20_000)
+    assert bindings.nixlAgent("a", Config()) == "agent"
+    assert made == [("a", 20_000)] and bindings.OTHER == "untouched"
+
+
+def test_vllm_loads_the_plugin() -> None:
+    names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert "agentkv._engines._vllm_patches:install" in names
+
+
+def _run(script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_every_patch_finds_its_target_in_a_fresh_process() -> None:
+    """Against the installed nixl and vLLM: a version that moved a target fails here, not silently."""
+    script = """
+        import inspect
+        import nixl._api
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
+        from vllm.v1.engine.output_processor import OutputProcessor
+        from agentkv._engines import _vllm_patches as patches
+
+        step = EngineCoreProc._process_engine_step
+        handle_shutdown = EngineCoreProc._handle_shutdown
+        assert "has_work" in inspect.getsource(handle_shutdown) and EngineShutdownState.SHUTTING_DOWN
+        patches.install()
+        assert EngineCoreProc._handle_shutdown is not handle_shutdown
+        assert isinstance(nixl._api.nixlBind, patches._BindingsWithDelay)
+        assert nixl._api.nixlBind.nixlAgentConfig().pthrDelay == 0  # the field nixl sets exists
+        assert EngineCoreProc._process_engine_step is not step
+        assert SpinCondition.__init__.__name__ == "init_with_short_spin"
+        source = inspect.getsource(EngineCoreProc) + inspect.getsource(EngineCoreProc.__mro__[1])
+        for name in ("engines_running", "batch_queue", "scheduler", "input_queue", "_handle_client_request"):
+            assert f"self.{name}" in source, name
+        patches.install()  # twice is harmless
+
+        assert "prefill_stats" in inspect.getsource(OutputProcessor.process_outputs)
+        assert "stat_loggers" in inspect.signature(AsyncLLM.from_vllm_config).parameters
+        stream = OpenAIServingCompletion.completion_stream_generator
+        patches.add_server_readouts(extras_field="x", extras=dict, stat_logger=object, prefill_stats={})
+        assert OpenAIServingCompletion.completion_stream_generator is not stream
+        print("ok")
+    """
+    done = _run(script, {**os.environ, **engine_env(50)})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_install_without_the_environment_changes_nothing() -> None:
+    script = """
+        import nixl._api as a
+        from vllm.v1.engine.core import EngineCoreProc
+        b, handle_shutdown = a.nixlBind, EngineCoreProc._handle_shutdown
+        from agentkv._engines import _vllm_patches
+        _vllm_patches.install()
+        assert a.nixlBind is b and EngineCoreProc._handle_shutdown is handle_shutdown
+    """
+    env = {k: v for k, v in os.environ.items() if k not in (ENGINE_ENV, NIXL_DELAY_ENV, PARKED_POLL_ENV)}
+    done = _run(script, env)
+    assert done.returncode == 0, done.stderr[-3000:]
