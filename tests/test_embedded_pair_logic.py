@@ -22,7 +22,7 @@ from agentkv._engines import StepDone, StepRequest, TokenDelta
 from agentkv._engines._base import Sampling
 from agentkv._engines._pair import run_warmup_steps
 from agentkv._engines._pair_config import engine_launch
-from agentkv._engines._vllm import VLLMEngine
+from agentkv._engines._vllm import AsyncLLMRunner
 from agentkv._engines._vllm_patches import stop_output_handler
 from agentkv.testing import HonestPairEngine
 from test_handle import d_reply, p_reply
@@ -59,14 +59,14 @@ class FakeLLM:
             self.closed.append(request_id)
 
 
-def fake_engine(name: str, script: Script) -> tuple[VLLMEngine, FakeLLM]:
+def fake_engine(name: str, script: Script) -> tuple[AsyncLLMRunner, FakeLLM]:
     launch = engine_launch(name=name, model_path=Path("/fake"), cores=[0], max_model_len=4096, kv_cache_gib=1.0)
-    engine, llm = VLLMEngine(launch), FakeLLM(script)
+    engine, llm = AsyncLLMRunner(launch), FakeLLM(script)
     engine._llm = llm  # type: ignore[assignment]
     return engine, llm
 
 
-def report_nixl(engine: VLLMEngine, nbytes: int) -> None:
+def report_nixl(engine: AsyncLLMRunner, nbytes: int) -> None:
     """What vLLM's stat logger hands the engine during a step that moved ``nbytes``."""
     logger = engine._stat_logger_factory()(None)
     logger.record(

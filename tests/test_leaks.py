@@ -71,8 +71,8 @@ def _listening_ports_of(pids: Iterable[int]) -> set[int]:
             continue
     ports: set[int] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as handle:
-            for line in handle.readlines()[1:]:
+        with open(table) as file:
+            for line in file.readlines()[1:]:
                 fields = line.split()
                 if fields[3] == "0A" and fields[9] in inodes:
                     ports.add(int(fields[1].rsplit(":", 1)[1], 16))

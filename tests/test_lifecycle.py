@@ -24,8 +24,8 @@ SYSTEM = "You are terse."
 def _engine_core_pid(pids: set[int]) -> int:
     """The engine-core process among an engine's processes: the one that is our direct child."""
     for pid in pids:
-        with open(f"/proc/{pid}/stat") as handle:
-            if int(handle.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+        with open(f"/proc/{pid}/stat") as file:
+            if int(file.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
                 return pid
     raise AssertionError(f"no engine core among {pids}")
 

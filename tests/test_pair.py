@@ -33,8 +33,8 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     ticks = 0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/stat") as file:
+                fields = file.read().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             continue
         ticks += int(fields[11]) + int(fields[12])  # utime, stime

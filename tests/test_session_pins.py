@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from agentkv import ContextLengthError, Event, Session, StepDone, StepRequest
-from agentkv._engines import EngineInfo, KVHandle, StepEvent
+from agentkv._engines import KVHandle, StepEvent
 from agentkv.testing import ScriptedEngine
 
 
@@ -27,9 +27,7 @@ class PinningEngine(ScriptedEngine):
         self.issued: list[KVHandle] = []
         self.released: list[KVHandle] = []
 
-    @property
-    def info(self) -> EngineInfo:
-        return dataclasses.replace(super().info, push_back=True)
+    push_back = True
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         async for event in super().step(request):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from agentkv import (
     ContextLengthError,
     EngineError,
+    EngineInfo,
     EngineState,
     InvalidMessageError,
     Session,
@@ -18,6 +20,8 @@ from agentkv import (
     TurnEnd,
     UserError,
 )
+from agentkv._engines._server_process import ServerProcess
+from agentkv._engines._vllm import AsyncLLMRunner
 from agentkv.testing import ScriptedEngine, UnconsumedScriptError
 
 
@@ -138,3 +142,27 @@ def test_an_unopened_engine_given_to_a_session_is_the_sessions_own() -> None:
         assert engine.is_open
         assert session.run_sync("Capital of France?").text == "Paris."
     assert engine.state is EngineState.CLOSED
+
+
+class _ColocatedDouble(ScriptedEngine):
+    """A scripted engine that declares what a single engine serves: the colocated mode only."""
+
+    @property
+    def info(self) -> EngineInfo:
+        return dataclasses.replace(super().info, modes=frozenset({"colocated"}))
+
+
+def test_a_session_runs_in_a_mode_its_engine_serves() -> None:
+    with _ColocatedDouble(["Paris."]) as colocated:
+        with Session(engine=colocated) as session:
+            assert session.mode == "colocated" and session.run_sync("Capital of France?").text == "Paris."
+        with pytest.raises(UserError, match="serves colocated"), Session(engine=colocated, mode="disaggregated"):
+            pass
+    with ScriptedEngine([]) as scripted, Session(engine=scripted) as session:
+        assert session.mode == "disaggregated"  # a double without push-back; it serves colocated too
+
+
+def test_unit_tests_cannot_start_a_real_engine() -> None:
+    for start in (AsyncLLMRunner.start, ServerProcess.start):
+        with pytest.raises(UserError, match="blocked"):
+            start(None)  # type: ignore[arg-type]

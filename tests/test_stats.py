@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 import agentkv
-from agentkv import SessionStats, StepStats, TurnStats, UserError, plot_stats
+from agentkv import SessionStats, StepStats, StepTimings, TurnStats, UserError, plot_stats
+from agentkv._bench._records import StepRecord
 from agentkv._stats import text_table
 
 
@@ -99,3 +101,40 @@ def _module_level_imports(module: Any) -> set[str]:
 def test_stats_is_a_leaf_that_plots_read() -> None:
     assert not {name for name in _module_level_imports(agentkv._stats) if name.startswith("agentkv")}
     assert "agentkv._stats" in _module_level_imports(agentkv._plots)
+
+
+def test_the_user_sees_every_engine_measurement_under_its_name() -> None:
+    timings = StepTimings(
+        ttft_s=0.2,
+        prefill_s=0.1,
+        kv_wait_s=0.01,
+        decode_s=0.5,
+        local_hit_tokens=60,
+        pulled_tokens=30,
+        computed_tokens=10,
+        handoff_tokens=10,
+        kv_bytes=4096,
+        kv_transfer_s=0.02,
+        pullback_declined=True,
+    )
+    stats = StepStats(turn=2, step=1, prompt_tokens=100, output_tokens=5, **timings.stats_fields())
+    measured = {f.name for f in dataclasses.fields(StepTimings)} - {"pullback_declined"}
+    assert stats.model_dump(include=measured) == {name: getattr(timings, name) for name in measured}
+
+
+def test_a_bench_record_is_the_steps_stats_plus_the_clients_clock() -> None:
+    stats = _step(2, kv_bytes=4096, kv_transfer_s=0.02, miss_reason="below_threshold")
+    record = StepRecord.from_stats(
+        stats,
+        mode="bidirectional",
+        session=0,
+        turn=2,
+        ttft_s=0.3,
+        itl_s=[0.1],
+        wall_s=0.4,
+        new_tokens=20,
+        output_token_ids=[1, 2, 3, 4, 5],
+    )
+    assert (record.ttft_s, record.engine_ttft_s) == (0.3, stats.ttft_s)  # the client's clock, and the engine's
+    shared = (StepRecord.model_fields.keys() & StepStats.model_fields.keys()) - {"ttft_s"}
+    assert record.model_dump(include=shared) == stats.model_dump(include=shared)

@@ -194,8 +194,8 @@ def _demo(args: argparse.Namespace) -> int:
                 f"reuse over the session: {summary.reuse_ratio:.0%}"
             )
         if args.json:
-            with open(args.json, "w") as handle:
-                handle.write(summary.to_json())
+            with open(args.json, "w") as file:
+                file.write(summary.to_json())
     return 0
 
 
@@ -285,8 +285,8 @@ def _serve(args: argparse.Namespace) -> int:
     import socket
     import uuid
 
-    from ._engines._launch import ServerSpec, server_command, server_env
     from ._engines._pair_config import PairConfig, pair_engine_launch
+    from ._engines._server_process import ServerSpec, server_command, server_env
 
     config = PairConfig(
         bidirectional=not args.no_push_back,

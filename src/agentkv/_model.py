@@ -92,6 +92,15 @@ def prepare_model(
     return path
 
 
+async def prepare_model_off_loop(
+    model: str | os.PathLike[str] | None = None, *, progress: Callable[[str], None] | None = None
+) -> Path:
+    """`prepare_model` in a worker thread (a first conversion takes ~30 s): how engines call it at open."""
+    import anyio.to_thread
+
+    return await anyio.to_thread.run_sync(lambda: prepare_model(model, progress=progress))
+
+
 def list_models() -> list[dict[str, str]]:
     """The bundled models and whether each is prepared, for ``agentkv models``."""
     rows: list[dict[str, str]] = []
@@ -163,9 +172,9 @@ def _convert_gguf(gguf: Path, out: Path, progress: Callable[[str], None]) -> Non
 
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with open(path, "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(lock_file, fcntl.LOCK_UN)

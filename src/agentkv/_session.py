@@ -187,14 +187,11 @@ class Session(Lifecycle):
 
     def _resolve_mode(self, engine: Engine) -> Mode:
         info = engine.info
-        natural: Mode = (
-            "colocated" if info.kind == "colocated" else ("bidirectional" if info.push_back else "disaggregated")
-        )
-        wanted = self._config.mode or natural
+        wanted = self._config.mode or info.natural_mode
         if wanted == "bidirectional" and not info.push_back:
-            raise UserError(f"mode='bidirectional' needs an engine with push-back; this one is {natural}")
-        if (wanted == "colocated") != (info.kind == "colocated") and info.kind != "scripted":
-            raise UserError(f"mode={wanted!r} does not fit a {info.kind} engine")
+            raise UserError(f"mode='bidirectional' needs an engine with push-back; this one is {info.natural_mode}")
+        if wanted not in info.modes:
+            raise UserError(f"mode={wanted!r} does not fit this engine (it serves {', '.join(sorted(info.modes))})")
         return wanted
 
     # ----------------------------------------------------------------- reading

@@ -229,18 +229,8 @@ def _step_stats(
     return StepStats(
         turn=turn,
         step=number,
-        ttft_s=timings.ttft_s,
-        prefill_s=timings.prefill_s,
-        kv_wait_s=timings.kv_wait_s,
-        decode_s=timings.decode_s,
         prompt_tokens=len(prompt),
-        local_hit_tokens=timings.local_hit_tokens,
-        pulled_tokens=timings.pulled_tokens,
-        computed_tokens=timings.computed_tokens,
         output_tokens=len(done.token_ids),
-        handoff_tokens=timings.handoff_tokens,
-        kv_bytes=timings.kv_bytes,
-        kv_transfer_s=timings.kv_transfer_s,
         handle_forwarded=handle is not None,
         miss_reason=miss_after_step(
             handle,
@@ -250,4 +240,5 @@ def _step_stats(
             pulled_tokens=timings.pulled_tokens,
             declined=timings.pullback_declined,
         ),
+        **timings.stats_fields(),
     )

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import math
 import time
+import unittest.mock
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -39,12 +40,14 @@ from ._engines import (
     StepRequest,
     StepTimings,
     TokenDelta,
-    _vllm,
 )
+from ._engines._base import pair_modes
 from ._engines._handle import parse_handle
 from ._engines._netns import NamespacesUnavailableError, TwoHosts, two_hosts
+from ._engines._server_process import ServerProcess
+from ._engines._vllm import AsyncLLMRunner
 from ._errors import AgentKVError, EngineDeadError, EngineError, UserError
-from ._model import DEFAULT_MODEL, cache_dir, prepare_model
+from ._model import DEFAULT_MODEL, cache_dir, prepare_model_off_loop
 
 __all__ = [
     "MALFORMATIONS",
@@ -64,13 +67,23 @@ __all__ = [
 
 @contextlib.contextmanager
 def block_real_engines() -> Iterator[None]:
-    """Within this block, starting a real vLLM engine raises `UserError` (use it around unit tests)."""
-    previous = _vllm.ALLOW_REAL_ENGINES
-    _vllm.ALLOW_REAL_ENGINES = False
-    try:
+    """Within this block, starting a real vLLM engine raises `UserError` (use it around unit tests).
+
+    It replaces the two ways agentkv starts vLLM, an in-process engine's start and a server
+    process's start, for the whole process until the block ends.
+    """
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise UserError(
+            "real engines are blocked here (agentkv.testing.block_real_engines); "
+            "use agentkv.testing.ScriptedEngine or mark the test as needing the pair"
+        )
+
+    with (
+        unittest.mock.patch.object(AsyncLLMRunner, "start", refuse),
+        unittest.mock.patch.object(ServerProcess, "start", refuse),
+    ):
         yield
-    finally:
-        _vllm.ALLOW_REAL_ENGINES = previous
 
 
 class UnconsumedScriptError(AgentKVError):
@@ -91,15 +104,14 @@ class _BundledModelDouble(Engine):
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(
-            kind="scripted",
             model_path=self._model_path or cache_dir() / DEFAULT_MODEL,
             max_model_len=self._max_model_len,
-            push_back=self.push_back,
+            modes=pair_modes(push_back=self.push_back) | {"colocated"},
         )
 
     async def _start(self) -> None:
         if self._model_path is None:  # the bundled model's tokenizer; prepared once per machine
-            self._model_path = await anyio.to_thread.run_sync(prepare_model)
+            self._model_path = await prepare_model_off_loop()
 
 
 class ScriptedEngine(_BundledModelDouble):

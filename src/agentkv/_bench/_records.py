@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
+
+from .._stats import StepStats
 
 __all__ = ["BenchReport", "FloorFit", "ModeSummary", "StepRecord", "summarize"]
 
@@ -37,6 +39,16 @@ class StepRecord(BaseModel):
     kv_transfer_s: float | None
     miss_reason: str | None
     output_token_ids: list[int]
+
+    @classmethod
+    def from_stats(cls, stats: StepStats, **client_side: Any) -> StepRecord:
+        """The record of a turn's step: what the engine reported (``stats``) plus what the client measured.
+
+        Fields named as in `StepStats` come from ``stats``, except ``ttft_s`` (here the client's,
+        ``stats.ttft_s`` becomes `engine_ttft_s`) and any given in ``client_side``.
+        """
+        shared = (cls.model_fields.keys() & StepStats.model_fields.keys()) - client_side.keys() - {"ttft_s"}
+        return cls(engine_ttft_s=stats.ttft_s, **stats.model_dump(include=shared), **client_side)
 
 
 class FloorFit(BaseModel):

@@ -28,6 +28,7 @@ from .._engines._netns import two_hosts
 from .._errors import UserError
 from .._results import TextDelta
 from .._session import Mode, Session, load_tokenizer
+from .._stats import StepStats
 from ._records import FloorFit, StepRecord
 from ._workloads import Workload
 
@@ -120,9 +121,10 @@ class _Lane:
         conversation = self.sessions[index]
         if isinstance(conversation, _RawConversation):
             prompt, done = await conversation.turn(message, clock)
-            timings, output, prompt_tokens = done.timings, list(done.token_ids), len(prompt)
-            pulled, local, computed = timings.pulled_tokens, timings.local_hit_tokens, timings.computed_tokens
-            engine_ttft, kv_bytes, kv_s, miss = timings.ttft_s, timings.kv_bytes, timings.kv_transfer_s, None
+            output = list(done.token_ids)
+            stats = StepStats(
+                turn=turn, step=1, prompt_tokens=len(prompt), output_tokens=len(output), **done.timings.stats_fields()
+            )
         else:
 
             def on_event(event: object) -> None:
@@ -131,29 +133,19 @@ class _Lane:
 
             result = await conversation.run(message, on_event=on_event)
             step = result.steps[0]
-            stats, output, prompt_tokens = step.stats, list(step.token_ids), step.stats.prompt_tokens
-            pulled, local, computed = stats.pulled_tokens, stats.local_hit_tokens, stats.computed_tokens
-            engine_ttft, kv_bytes, kv_s, miss = stats.ttft_s, stats.kv_bytes, stats.kv_transfer_s, stats.miss_reason
+            stats, output = step.stats, list(step.token_ids)
         wall = time.perf_counter() - clock.started
-        new_tokens = prompt_tokens - self.previous_end[index]
-        self.previous_end[index] = prompt_tokens + len(output)
-        return StepRecord(
+        new_tokens = stats.prompt_tokens - self.previous_end[index]
+        self.previous_end[index] = stats.prompt_tokens + len(output)
+        return StepRecord.from_stats(
+            stats,
             mode=self.mode,
             session=index,
             turn=turn,
             ttft_s=clock.ttft_s,
-            engine_ttft_s=engine_ttft,
             itl_s=clock.itl_s,
             wall_s=wall,
-            prompt_tokens=prompt_tokens,
             new_tokens=new_tokens,
-            local_hit_tokens=local,
-            pulled_tokens=pulled,
-            computed_tokens=computed,
-            output_tokens=len(output),
-            kv_bytes=kv_bytes,
-            kv_transfer_s=kv_s,
-            miss_reason=miss,
             output_token_ids=output,
         )
 

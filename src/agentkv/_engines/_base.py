@@ -7,6 +7,7 @@ implementation provides `Engine.info` and `Engine.step`, and `_start`/`_stop` fo
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -21,15 +22,21 @@ __all__ = [
     "Engine",
     "EngineInfo",
     "EngineState",
+    "Mode",
     "Sampling",
     "StepDone",
     "StepEvent",
     "StepRequest",
     "StepTimings",
     "TokenDelta",
+    "pair_modes",
+    "prompt_split",
 ]
 
-EngineKind = Literal["pair", "colocated", "scripted"]
+Mode = Literal["bidirectional", "disaggregated", "colocated"]
+"""How a session runs on its engine: on a pair with KV pushed back to P, on a pair without, or on one engine."""
+
+_MODE_PREFERENCE: tuple[Mode, ...] = ("bidirectional", "disaggregated", "colocated")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +76,9 @@ class StepTimings:
     """Where one step's time went and where its prompt KV came from, as the engine measured.
 
     Token counts are those of the engine that prefilled the prompt (P in a pair).
-    Every field documents its source; `None` means the source did not report it.
+    Every field documents its source; `None` means the source did not report it. The user sees
+    these numbers in `StepStats`, built with `stats_fields` (every field but `pullback_declined`,
+    which becomes the step's ``miss_reason``).
     """
 
     ttft_s: float
@@ -95,6 +104,23 @@ class StepTimings:
     pullback_declined: bool = False
     """P declined to read D's blocks (NIXL ``num_kv_expired_reqs`` or a failed read)."""
 
+    def stats_fields(self) -> dict[str, Any]:
+        """The measurements a `StepStats` reports under the same names: ``StepStats(..., **timings.stats_fields())``."""
+        fields = dataclasses.asdict(self)
+        del fields["pullback_declined"]
+        return fields
+
+
+def prompt_split(prompt_tokens: int, *, split: tuple[int, int] | None, cached_tokens: int | None) -> dict[str, int]:
+    """Where a prompt's KV came from, as the `StepTimings` token fields.
+
+    ``split`` is (local, pulled) as the prefilling engine reported them (vLLM ``PrefillStats``:
+    ``num_local_cached_tokens``, ``num_external_cached_tokens``); without it, the engine's one
+    cached count (``cached_tokens``) is taken as local hits: local and pulled cannot be told apart.
+    """
+    local, pulled = split if split is not None else (min(cached_tokens or 0, prompt_tokens), 0)
+    return {"local_hit_tokens": local, "pulled_tokens": pulled, "computed_tokens": prompt_tokens - local - pulled}
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepDone:
@@ -118,14 +144,29 @@ StepEvent = TokenDelta | StepDone
 
 @dataclass(frozen=True, kw_only=True)
 class EngineInfo:
-    """What a session needs to know of the model an engine serves."""
+    """What a session needs to know of the model an engine serves, and the session modes it can serve."""
 
-    kind: EngineKind
     model_path: Path
     max_model_len: int
-    push_back: bool
-    """Whether D pins KV after each step and P can pull it back (bidirectional transfer)."""
+    modes: frozenset[Mode]
+    """The session modes the engine serves: a pair serves "disaggregated", and "bidirectional" when D
+    pins KV after each step and P can pull it back (`pair_modes`); a single engine serves "colocated"."""
     extra: dict[str, Any] = field(default_factory=dict[str, Any])
+
+    @property
+    def push_back(self) -> bool:
+        """Whether D pins KV after each step and P can pull it back (the engine serves "bidirectional")."""
+        return "bidirectional" in self.modes
+
+    @property
+    def natural_mode(self) -> Mode:
+        """The mode of a session that asks for none: the first served of bidirectional, disaggregated, colocated."""
+        return next(mode for mode in _MODE_PREFERENCE if mode in self.modes)
+
+
+def pair_modes(*, push_back: bool) -> frozenset[Mode]:
+    """The modes a P/D pair serves: "disaggregated", and "bidirectional" with push-back."""
+    return frozenset({"disaggregated", "bidirectional"} if push_back else {"disaggregated"})
 
 
 EngineState = LifecycleState

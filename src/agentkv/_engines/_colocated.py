@@ -8,16 +8,13 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-import anyio
-import anyio.to_thread
-
 from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
-from .._model import prepare_model
+from .._model import prepare_model_off_loop
 from ._base import Engine, EngineInfo, StepDone, StepEvent, StepRequest, StepTimings
 from ._pair import run_warmup_steps
 from ._pair_config import engine_launch
 from ._system import available_cores
-from ._vllm import DecodeStream, VLLMEngine, engine_seconds, vllm_sampling
+from ._vllm import AsyncLLMRunner, DecodeStream, engine_seconds, vllm_sampling
 
 __all__ = ["Colocated"]
 
@@ -56,7 +53,7 @@ class Colocated(Engine):
         self._warmup = warmup
         self._step_timeout_s = step_timeout_s
         self._progress = progress or (lambda line: logger.info("%s", line))
-        self._engine: VLLMEngine | None = None
+        self._engine: AsyncLLMRunner | None = None
         self._info: EngineInfo | None = None
 
     @property
@@ -71,9 +68,9 @@ class Colocated(Engine):
         return set(self._engine.pids) if self._engine is not None else set()
 
     async def _start(self) -> None:
-        model_path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
+        model_path = await prepare_model_off_loop(self._model, progress=self._progress)
         cores = self._cores or available_cores()
-        self._engine = VLLMEngine(
+        self._engine = AsyncLLMRunner(
             engine_launch(
                 name="colocated",
                 model_path=model_path,
@@ -84,10 +81,9 @@ class Colocated(Engine):
         )
         await self._engine.start_async(self._progress)
         self._info = EngineInfo(
-            kind="colocated",
             model_path=model_path,
             max_model_len=self._max_model_len,
-            push_back=False,
+            modes=frozenset({"colocated"}),
             extra={"cores": cores},
         )
 

@@ -25,12 +25,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio
-import anyio.to_thread
-
 from .._errors import EngineError, EngineUnavailableError, SessionClosedError, UserError
-from .._model import prepare_model
-from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
+from .._model import prepare_model_off_loop
+from ._base import (
+    Engine,
+    EngineInfo,
+    Sampling,
+    StepDone,
+    StepEvent,
+    StepRequest,
+    StepTimings,
+    TokenDelta,
+    pair_modes,
+    prompt_split,
+)
 from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params, release_params
 from ._http_capabilities import ServerCapabilities, ServerKind, probe_servers
 from ._http_transport import (
@@ -161,7 +169,7 @@ class HTTPPair(Engine):
         ``model_path``: the prepared model folder, when the caller already has it.
         """
         if model_path is None:
-            model_path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
+            model_path = await prepare_model_off_loop(self._model, progress=self._progress)
         self._urls = (prefill_url, decode_url)
         models = await self._transport.connect(self._urls)
         capabilities = await probe_servers(self._transport, models, attempts=self._transport.attempts)
@@ -176,10 +184,9 @@ class HTTPPair(Engine):
             )
         self._capabilities = capabilities
         self._info = EngineInfo(
-            kind="pair",
             model_path=model_path,
             max_model_len=capabilities.max_model_len,
-            push_back=self._wants_push_back,
+            modes=pair_modes(push_back=self._wants_push_back),
             extra={
                 "transport": kind,
                 "prefill_url": prefill_url,
@@ -306,10 +313,13 @@ class HTTPPair(Engine):
                 prefill_s=p_reply.seconds("prefill"),
                 kv_wait_s=(p_reply.seconds("wait") or 0.0) + (d_reply.seconds("wait") or 0.0),
                 decode_s=d_reply.seconds("decode"),
-                handoff_tokens=(d_reply.split() or {}).get("external", 0),
+                handoff_tokens=(d_reply.split() or (0, 0))[1],
                 pullback_declined=declined or bool(alone and p_moved and p_moved["expired"] > 0),
                 **_moved(p_moved, d_moved, alone=alone),
-                **_prompt_split(p_reply, len(request.prompt_token_ids)),
+                # a stock server reports one cached count: local and pulled cannot be told apart (warned at open)
+                **prompt_split(
+                    len(request.prompt_token_ids), split=p_reply.split(), cached_tokens=p_reply.cached_tokens
+                ),
             ),
         )
 
@@ -361,15 +371,6 @@ class HTTPPair(Engine):
             kv_transfer_params=kv_transfer_params,
             cache_salt=request.cache_salt,
         )
-
-
-def _prompt_split(reply: ServerReply, prompt_tokens: int) -> dict[str, int]:
-    split = reply.split()
-    if split is not None:
-        local, pulled = int(split["local"]), int(split["external"])
-    else:  # a stock server reports one cached count: local and pulled cannot be told apart (warned at open)
-        local, pulled = min(reply.cached_tokens or 0, prompt_tokens), 0
-    return {"local_hit_tokens": local, "pulled_tokens": pulled, "computed_tokens": prompt_tokens - local - pulled}
 
 
 def _moved(p_moved: dict[str, float] | None, d_moved: dict[str, float] | None, *, alone: bool) -> dict[str, Any]:

@@ -111,9 +111,10 @@ class ServerReply:
         """From a reply's fields beyond OpenAI's (``model_extra``)."""
         return cls(extra.get("kv_transfer_params"), extra.get(SERVER_EXTRAS_FIELD), cached_tokens, time.perf_counter())
 
-    def split(self) -> dict[str, int] | None:
+    def split(self) -> tuple[int, int] | None:
+        """(local, external) cached tokens from the server's ``PrefillStats`` (None: a stock server)."""
         prefill = self.extras.get("prefill") if self.extras else None
-        return prefill if isinstance(prefill, dict) else None
+        return (int(prefill["local"]), int(prefill["external"])) if isinstance(prefill, dict) else None
 
     def seconds(self, name: str) -> float | None:
         value = (self.extras or {}).get("seconds", {}).get(name)

@@ -15,10 +15,10 @@ import anyio
 import anyio.to_thread
 
 from .._errors import UserError
-from .._model import cache_dir, prepare_model
+from .._model import cache_dir, prepare_model_off_loop
 from ._http import HTTPPair
-from ._launch import ServerProcess, ServerSpec
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
+from ._server_process import ServerProcess, ServerSpec
 from ._system import free_port, split_cores
 
 __all__ = ["LaunchedPair"]
@@ -113,7 +113,7 @@ class LaunchedPair(HTTPPair):
     # ----------------------------------------------------------------- lifecycle
 
     async def _start(self) -> None:
-        model_path = await anyio.to_thread.run_sync(lambda: prepare_model(self._model, progress=self._progress))
+        model_path = await prepare_model_off_loop(self._model, progress=self._progress)
         if self._log_dir is None:
             self._log_dir = cache_dir().parent / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self._tag}"
         p_cores, d_cores = (list(c) for c in self.config.cores) if self.config.cores else split_cores()

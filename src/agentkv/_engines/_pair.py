@@ -19,12 +19,12 @@ import anyio
 import anyio.to_thread
 
 from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
-from .._model import prepare_model
-from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings
+from .._model import prepare_model_off_loop
+from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings, pair_modes, prompt_split
 from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params, release_params
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
 from ._system import free_port, split_cores
-from ._vllm import DecodeStream, TransferLedger, VLLMEngine, engine_seconds, vllm_sampling
+from ._vllm import AsyncLLMRunner, DecodeStream, TransferLedger, engine_seconds, vllm_sampling
 
 __all__ = ["EmbeddedPair", "run_warmup_steps"]
 
@@ -58,8 +58,8 @@ class EmbeddedPair(Engine):
         super().__init__()
         self.config = PairConfig.of(config, model, **settings)
         self._progress = progress or (lambda line: logger.info("%s", line))
-        self._p: VLLMEngine | None = None
-        self._d: VLLMEngine | None = None
+        self._p: AsyncLLMRunner | None = None
+        self._d: AsyncLLMRunner | None = None
         self._info: EngineInfo | None = None
 
     @property
@@ -97,7 +97,7 @@ class EmbeddedPair(Engine):
 
     async def _start(self) -> None:
         config = self.config
-        model_path = await anyio.to_thread.run_sync(lambda: prepare_model(config.model, progress=self._progress))
+        model_path = await prepare_model_off_loop(config.model, progress=self._progress)
         p_cores, d_cores = (list(c) for c in config.cores) if config.cores else split_cores()
         tag = uuid.uuid4().hex[:8]
         roles: tuple[tuple[Role, list[int]], ...] = (("prefill", p_cores), ("decode", d_cores))
@@ -110,17 +110,16 @@ class EmbeddedPair(Engine):
                 engine_id=f"agentkv-{role}-{tag}",
                 side_channel_port=free_port(),
             )
-            engine = VLLMEngine(launch)
+            runner = AsyncLLMRunner(launch)
             if role == "prefill":
-                self._p = engine
+                self._p = runner
             else:
-                self._d = engine
-            await engine.start_async(self._progress)
+                self._d = runner
+            await runner.start_async(self._progress)
         self._info = EngineInfo(
-            kind="pair",
             model_path=model_path,
             max_model_len=config.max_model_len,
-            push_back=config.bidirectional,
+            modes=pair_modes(push_back=config.bidirectional),
             extra={
                 "prefill_cores": p_cores,
                 "decode_cores": d_cores,
@@ -185,6 +184,9 @@ class EmbeddedPair(Engine):
             raise EngineError(f"the decode engine ended the step with {completion.finish_reason!r}")
         prefill_s, p_wait, _ = engine_seconds(p_out)
         _, d_wait, decode_s = engine_seconds(d_out)
+        if p_stats is None:  # vLLM reported no split (not seen in 0.32): say so, rather than guess quietly
+            logger.warning("agentkv: vLLM gave no prefill split for a step; its cached tokens are reported as local")
+        split = (p_stats.num_local_cached_tokens, p_stats.num_external_cached_tokens) if p_stats is not None else None
         timings = StepTimings(
             ttft_s=stream.first_token_at - started if stream.first_token_at else time.perf_counter() - started,
             prefill_s=prefill_s,
@@ -193,7 +195,7 @@ class EmbeddedPair(Engine):
             handoff_tokens=d_stats.num_external_cached_tokens if d_stats is not None else 0,
             pullback_declined=declined or p_ledger.expired > 0,
             **_transfer(p_ledger, d_ledger),
-            **_prompt_split(p_stats, len(request.prompt_token_ids), p_out.num_cached_tokens),
+            **prompt_split(len(request.prompt_token_ids), split=split, cached_tokens=p_out.num_cached_tokens),
         )
         handle, handle_error = parse_handle(d_out.kv_transfer_params) if self.bidirectional else (None, None)
         yield StepDone(
@@ -206,7 +208,7 @@ class EmbeddedPair(Engine):
         )
 
     async def _prefill(
-        self, p: VLLMEngine, request: StepRequest, handle: KVHandle | None
+        self, p: AsyncLLMRunner, request: StepRequest, handle: KVHandle | None
     ) -> tuple[Any, Any, TransferLedger]:
         """Run P to completion; the output is None when P failed (e.g. declined an expired read)."""
         params = vllm_sampling(Sampling(max_tokens=1), kv_transfer_params=prefill_params(handle), stream=False)
@@ -260,7 +262,7 @@ class EmbeddedPair(Engine):
 
     # ----------------------------------------------------------------- engines
 
-    def _engines(self) -> tuple[VLLMEngine, VLLMEngine]:
+    def _engines(self) -> tuple[AsyncLLMRunner, AsyncLLMRunner]:
         if self._p is None or self._d is None:
             raise SessionClosedError(f"the {type(self).__name__} is not open")
         for engine in (self._p, self._d):
@@ -280,19 +282,6 @@ _RELEASE_MARGIN_S = 10.0
 _RELEASE_TOKEN = 0
 _RELEASE_MAX_TOKENS = 64
 """Far more than P runs before the abort arrives (a finished request would keep its block leased)."""
-
-
-def _prompt_split(stats: Any, prompt_tokens: int, num_cached_tokens: int | None) -> dict[str, int]:
-    """Where the prompt's KV came from, from P's ``PrefillStats`` (exact)."""
-    if stats is None:  # vLLM reported no split (not seen in 0.32): say so, rather than guess quietly
-        logger.warning("agentkv: vLLM gave no prefill split for a step; its cached tokens are reported as local")
-        local = min(num_cached_tokens or 0, prompt_tokens)
-        return {"local_hit_tokens": local, "pulled_tokens": 0, "computed_tokens": prompt_tokens - local}
-    return {
-        "local_hit_tokens": stats.num_local_cached_tokens,
-        "pulled_tokens": stats.num_external_cached_tokens,
-        "computed_tokens": prompt_tokens - stats.num_local_cached_tokens - stats.num_external_cached_tokens,
-    }
 
 
 def _transfer(*ledgers: TransferLedger) -> dict[str, Any]:

@@ -218,8 +218,8 @@ def resolve_dtype(dtype: str) -> str:
     if dtype != "auto":
         return dtype
     try:
-        with open("/proc/cpuinfo") as handle:
-            flags = next((line for line in handle if line.startswith("flags")), "").split()
+        with open("/proc/cpuinfo") as file:
+            flags = next((line for line in file if line.startswith("flags")), "").split()
     except OSError:
         flags = []
     return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"

@@ -26,9 +26,12 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._handle import SERVER_EXTRAS_FIELD
+
+if TYPE_CHECKING:
+    from ._vllm import TransferStats
 
 __all__ = ["main"]
 
@@ -39,11 +42,11 @@ class _Totals:
     seconds: float = 0.0
     expired: int = 0
 
-    def add(self, data: dict[str, Any]) -> None:
+    def add(self, moved: TransferStats) -> None:
         with _LOCK:
-            self.bytes += int(sum(data.get("bytes_transferred", ())))
-            self.seconds += float(sum(data.get("transfer_duration", ())))
-            self.expired += len(data.get("num_kv_expired_reqs", ()))
+            self.bytes += moved.bytes
+            self.seconds += moved.seconds
+            self.expired += moved.expired
 
 
 class _Recent(collections.OrderedDict[str, Any]):

@@ -69,8 +69,8 @@ def free_port() -> int:
 
 def _parent_of(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            stat = handle.read()
+        with open(f"/proc/{pid}/stat") as file:
+            stat = file.read()
     except OSError:
         return None
     # the command name may hold spaces or parentheses: fields start after the last ")"
@@ -100,8 +100,8 @@ def is_helper(pid: int) -> bool:
     it: it is not an engine process.
     """
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            cmdline = handle.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            cmdline = file.read()
     except OSError:
         return False
     return b"resource_tracker" in cmdline or b"forkserver" in cmdline
@@ -132,8 +132,8 @@ def alive(pids: Iterable[int]) -> set[int]:
     running: set[int] = set()
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as handle:
-                state = handle.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/stat") as file:
+                state = file.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
         if state not in ("Z", "X"):
@@ -177,8 +177,8 @@ def listening_ports() -> set[int]:
     """TCP ports in LISTEN state on this host (from /proc/net/tcp and tcp6)."""
     ports: set[int] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as handle:
-            for line in handle.readlines()[1:]:
+        with contextlib.suppress(OSError), open(table) as file:
+            for line in file.readlines()[1:]:
                 fields = line.split()
                 if fields[3] == "0A":  # TCP_LISTEN
                     ports.add(int(fields[1].rsplit(":", 1)[1], 16))

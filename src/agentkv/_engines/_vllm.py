@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
-from .._errors import EngineDeadError, EngineError, EngineStartError, UserError
+from .._errors import EngineDeadError, EngineError, EngineStartError
 from ._base import Sampling, TokenDelta
 from ._pair_config import EngineLaunch
 from ._system import cpu_list, descendants, is_helper, kill_and_reap, repin_threads
@@ -34,17 +34,13 @@ if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["TransferLedger", "VLLMEngine"]
+__all__ = ["TransferLedger", "AsyncLLMRunner"]
 
 logger = logging.getLogger("agentkv")
 
 # Engines are configured through process-wide environment variables that their child
 # processes inherit at spawn time, so engines in one process start one at a time.
 _START_LOCK = threading.Lock()
-
-# Tests of loop logic flip this off (agentkv.testing.block_real_engines) so that no test
-# starts a real engine by accident.
-ALLOW_REAL_ENGINES = True
 
 # How long an engine core may take to stop before vLLM kills it (vLLM's default: 5 s). Its
 # workers alone took 2-3 s to exit on a loaded 2-core machine, and a core killed before it
@@ -54,7 +50,7 @@ _SHUTDOWN_TIMEOUT_S = 30.0
 # Engines still running at interpreter exit are stopped then, while the interpreter is whole
 # (left to vLLM's __del__, shutdown fails and workers are force-killed). The one exit hook
 # of agentkv: after it, the watchdog (which covers deaths that skip exit hooks) is let go.
-_RUNNING: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
+_RUNNING: weakref.WeakSet[AsyncLLMRunner] = weakref.WeakSet()
 
 
 @atexit.register
@@ -81,8 +77,11 @@ class _Readouts:
     in_flight: dict[str, TransferLedger] = field(default_factory=dict[str, TransferLedger])
 
 
-class VLLMEngine:
-    """One ``AsyncLLM`` with its own cores, port and process tree."""
+class AsyncLLMRunner:
+    """One ``AsyncLLM`` with its own cores, port and process tree: a part of an `Engine`, not one.
+
+    `EmbeddedPair` runs two (P and D), `Colocated` one; each starts, feeds and stops its runners.
+    """
 
     def __init__(self, launch: EngineLaunch) -> None:
         self.launch = launch
@@ -97,11 +96,6 @@ class VLLMEngine:
 
     def start(self) -> None:
         """Start the engine (blocking, ~20 s on CPU): call it from a worker thread."""
-        if not ALLOW_REAL_ENGINES:
-            raise UserError(
-                "real engines are blocked here (agentkv.testing.block_real_engines); "
-                "use agentkv.testing.ScriptedEngine or mark the test as needing the pair"
-            )
         check_vllm_version()
         with _START_LOCK:
             before = descendants(os.getpid())
@@ -265,7 +259,25 @@ class VLLMEngine:
         return transfer_stat_logger(lambda data: _attribute(readouts, data))
 
 
-def transfer_stat_logger(on_stats: Callable[[dict[str, Any]], None]) -> Callable[..., Any]:
+@dataclass(frozen=True)
+class TransferStats:
+    """NIXL statistics of one engine step, summed over its transfers (vLLM ``kv_connector_stats``)."""
+
+    bytes: int
+    seconds: float
+    expired: int
+    """Reads P declined because D's blocks had expired (``num_kv_expired_reqs``)."""
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> TransferStats:
+        return cls(
+            bytes=int(sum(data.get("bytes_transferred", ()))),
+            seconds=float(sum(data.get("transfer_duration", ()))),
+            expired=len(data.get("num_kv_expired_reqs", ())),
+        )
+
+
+def transfer_stat_logger(on_stats: Callable[[TransferStats], None]) -> Callable[..., Any]:
     """A vLLM stat logger class that hands each step's NIXL statistics to ``on_stats``."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -284,7 +296,7 @@ def transfer_stat_logger(on_stats: Callable[[dict[str, Any]], None]) -> Callable
         ) -> None:
             data = getattr(scheduler_stats, "kv_connector_stats", None) if scheduler_stats else None
             if data:
-                on_stats(data)
+                on_stats(TransferStats.parse(data))
 
         def log_engine_initialized(self) -> None:
             pass
@@ -292,17 +304,14 @@ def transfer_stat_logger(on_stats: Callable[[dict[str, Any]], None]) -> Callable
     return TransferStatLogger
 
 
-def _attribute(readouts: _Readouts, data: dict[str, Any]) -> None:
-    moved = int(sum(data.get("bytes_transferred", ())))
-    seconds = float(sum(data.get("transfer_duration", ())))
-    expired = len(data.get("num_kv_expired_reqs", ()))
+def _attribute(readouts: _Readouts, moved: TransferStats) -> None:
     ledgers = list(readouts.in_flight.values())
     for ledger in ledgers:
-        ledger.expired += expired
+        ledger.expired += moved.expired
         if len(ledgers) == 1:
-            ledger.bytes += moved
-            ledger.seconds += seconds
-        elif moved:
+            ledger.bytes += moved.bytes
+            ledger.seconds += moved.seconds
+        elif moved.bytes:
             ledger.shared = True
 
 
@@ -357,7 +366,7 @@ class DecodeStream:
 
     def __init__(
         self,
-        engine: VLLMEngine,
+        engine: AsyncLLMRunner,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         request_id: str,

@@ -23,10 +23,9 @@ import anyio
 import anyio.to_thread
 import httpx
 
-from .._errors import EngineStartError, UserError
-from . import _vllm
+from .._errors import EngineStartError
 from ._pair_config import EngineLaunch, Role
-from ._system import alive, descendants, kill_and_reap, repin_threads
+from ._system import descendants, kill_and_reap, repin_threads
 from ._watchdog import forget_pids, watch_pids
 
 __all__ = ["Role", "ServerProcess", "ServerSpec", "server_command", "server_env", "vllm_flags"]
@@ -132,8 +131,6 @@ class ServerProcess:
 
     def start(self) -> None:
         """Start the process (returns at once; see `wait_ready`)."""
-        if not _vllm.ALLOW_REAL_ENGINES:
-            raise UserError("real engines are blocked here (agentkv.testing.block_real_engines)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(
@@ -187,9 +184,9 @@ class ServerProcess:
     def log_tail(self, lines: int = 20) -> str:
         """The last lines of the server's log."""
         try:
-            with open(self.log_path, "rb") as handle:
-                handle.seek(max(0, handle.seek(0, os.SEEK_END) - 16_384))
-                return b"\n".join(handle.read().splitlines()[-lines:]).decode(errors="replace")
+            with open(self.log_path, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 16_384))
+                return b"\n".join(log.read().splitlines()[-lines:]).decode(errors="replace")
         except OSError:
             return ""
 
@@ -215,7 +212,3 @@ class ServerProcess:
         killed = await anyio.to_thread.run_sync(self.stop)
         if killed:
             logger.warning("agentkv: %s server processes %s had to be killed", self.spec.role, sorted(killed))
-
-    def leftover(self) -> set[int]:
-        """Processes of this server still alive (empty after a clean stop)."""
-        return alive(self.pids)
