@@ -13,6 +13,8 @@ from agentkv.testing import block_real_engines
 
 # D pins blocks for 30 s in tests (480 s by default), so expiry paths run in seconds.
 PIN_TTL_S = 30.0
+# bf16 KV from a cache, a pull or a recompute differs in its last bits: float32 keeps greedy outputs equal across modes.
+EXACT_DTYPE = "float32"
 
 
 @pytest.fixture(autouse=True)
@@ -45,5 +47,5 @@ def tokenizer(model_path: Path) -> Any:
 @pytest.fixture(scope="session")
 def pair() -> Iterator[EmbeddedPair]:
     """The real pair: P on one half of the cores, D on the other, NIXL, push-back on."""
-    with EmbeddedPair(max_model_len=2048, pin_ttl_s=PIN_TTL_S) as engine:
+    with EmbeddedPair(max_model_len=2048, pin_ttl_s=PIN_TTL_S, dtype=EXACT_DTYPE) as engine:
         yield engine

@@ -3,24 +3,51 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from agentkv import UserError
-from agentkv._bench import BenchReport, load_replay, make_workload, plot, run_bench_sync, table
+from agentkv import Colocated, UserError
+from agentkv._bench import (
+    DEFAULT_DTYPE,
+    DEFAULT_MODES,
+    BenchReport,
+    header,
+    load_replay,
+    make_workload,
+    plot,
+    run_bench,
+    run_bench_sync,
+    table,
+)
 from agentkv._bench._records import FloorFit, StepRecord, summarize
 from agentkv._cli import _BenchProgress, main
+from agentkv._engines import PrefillEngine, StepRequest
+from agentkv._engines._pair_config import EngineLaunch, resolve_dtype
+from agentkv._stats import StepStats
+from agentkv.testing import HonestPairEngine, ScriptedEngine
 
 
-def _record(mode: str, turn: int, ttft: float, *, session: int = 0, pulled: int = 0, tokens: int = 100) -> StepRecord:
+def _record(
+    mode: str,
+    turn: int,
+    ttft: float,
+    *,
+    session: int = 0,
+    pulled: int = 0,
+    tokens: int = 100,
+    on: PrefillEngine | None = None,
+    itl: tuple[float, ...] = (0.1, 0.2),
+) -> StepRecord:
     return StepRecord(
         mode=mode,
         session=session,
         turn=turn,
         ttft_s=ttft,
         engine_ttft_s=ttft - 0.01,
-        itl_s=[0.1, 0.2],
+        itl_s=list(itl),
         wall_s=ttft + 0.3,
         prompt_tokens=tokens,
         new_tokens=20,
@@ -31,6 +58,8 @@ def _record(mode: str, turn: int, ttft: float, *, session: int = 0, pulled: int 
         kv_bytes=1000 if pulled else None,  # None: overlapped another step (not attributable)
         kv_transfer_s=0.01 if pulled else None,
         miss_reason=None if pulled else "push_back_off",
+        prefill_engine=on,
+        placement_reason=None if on is None else f"placed on {on}",
         output_token_ids=[1, 2],
     )
 
@@ -96,27 +125,100 @@ def test_summaries_compare_modes_over_turns_two_and_later() -> None:
     assert bidi.itl_p50_s == pytest.approx(0.15)
 
 
-def test_the_report_prints_writes_json_and_draws(tmp_path: Path) -> None:
-    records = [_record("bidirectional", t, 1.0 / t, pulled=50 if t > 1 else 0) for t in (1, 2, 3)]
-    report = BenchReport(
+def test_summaries_count_steps_on_d_and_compare_with_colocated() -> None:
+    records = [
+        _record("auto", 1, 4.0, on="prefill"),  # turn 1 is left out of every figure
+        _record("auto", 2, 0.5, on="decode", itl=(0.05, 0.05)),
+        _record("auto", 3, 1.5, on="prefill", itl=(0.05, 0.05)),
+        _record("bidirectional", 2, 1.0, on="prefill", itl=(0.1, 0.1)),
+        _record("colocated", 2, 2.0, itl=(0.2, 0.2)),
+        _record("colocated", 3, 2.0, itl=(0.2, 0.2)),
+    ]
+    walls = {"auto": 1.0, "bidirectional": 1.0, "colocated": 1.0}
+    by_mode = {s.mode: s for s in summarize(records, walls, None)}
+    auto, bidi, colocated = by_mode["auto"], by_mode["bidirectional"], by_mode["colocated"]
+    assert (auto.steps_on_decode, auto.steps) == (1, 2)
+    assert bidi.steps_on_decode == 0 and colocated.steps_on_decode is None  # one engine places nothing
+    assert auto.ttft_vs_colocated == pytest.approx(0.5) and auto.ttft_vs_bidirectional == pytest.approx(1.0)
+    assert auto.itl_p50_vs_colocated == pytest.approx(0.25) and colocated.itl_p50_vs_colocated == pytest.approx(1)
+    assert bidi.itl_p99_s == pytest.approx(0.1)
+    without = {s.mode: s for s in summarize(records[:4], walls, None)}
+    assert without["auto"].ttft_vs_colocated is None and without["auto"].itl_p50_vs_colocated is None
+
+
+def test_itl_percentiles_come_from_every_gap_of_turns_two_and_later() -> None:
+    gaps = tuple(float(n) for n in range(1, 101))  # 1..100 s
+    records = [_record("raw", 1, 1.0, itl=(1000.0,)), _record("raw", 2, 1.0, itl=gaps)]
+    (raw,) = summarize(records, {"raw": 1.0}, None)
+    assert raw.itl_p50_s is not None and raw.itl_p90_s is not None and raw.itl_p99_s is not None
+    assert raw.itl_p50_s < raw.itl_p90_s < raw.itl_p99_s <= 100
+    assert raw.itl_p99_s == pytest.approx(99, abs=1)
+
+
+def test_a_step_record_carries_where_the_step_was_prefilled() -> None:
+    stats = StepStats.model_validate(
+        {"turn": 2, "step": 1, "ttft_s": 0.2, "prompt_tokens": 300, "local_hit_tokens": 256, "pulled_tokens": 0}
+        | {"computed_tokens": 44, "output_tokens": 3, "prefill_engine": "decode", "placement_reason": "D cheaper"}
+    )
+    client: dict[str, Any] = {"session": 0, "turn": 2, "ttft_s": 0.25, "itl_s": [0.01, 0.01], "wall_s": 0.3}
+    record = StepRecord.from_stats(stats, mode="auto", new_tokens=30, output_token_ids=[5, 6, 7], **client)
+    assert (record.prefill_engine, record.placement_reason) == ("decode", "D cheaper")
+    assert (record.ttft_s, record.engine_ttft_s, record.computed_tokens) == (0.25, 0.2, 44)
+    dumped = json.loads(record.model_dump_json())
+    assert dumped["prefill_engine"] == "decode" and dumped["placement_reason"] == "D cheaper"
+
+
+def _report(records: list[StepRecord], *, dtype: str | None = "float32") -> BenchReport:
+    walls = dict.fromkeys((r.mode for r in records), 3.0)
+    return BenchReport(
         workload="agentic",
         workload_description="test",
-        modes=["bidirectional"],
+        modes=list(walls),
         sessions=1,
-        turns=3,
+        turns=max(r.turn for r in records),
         machine={"cores": 2},
+        dtype=dtype,
         floor=None,
         records=records,
-        round_wall_s={"bidirectional": 3.0},
-        summaries=summarize(records, {"bidirectional": 3.0}, None),
+        round_wall_s=walls,
+        summaries=summarize(records, walls, None),
         answers_agree={},
     )
-    header, rule, row = table(report.summaries).splitlines()
-    assert header.split()[:3] == ["mode", "ttft", "mean"] and set(rule) == {"-"}
-    assert row.split()[0] == "bidirectional" and len(header) == len(rule) >= len(row)
-    assert row.split()[1] == "0.417"  # mean TTFT of turns 2 and 3: (1/2 + 1/3) / 2
+
+
+def test_the_report_prints_writes_json_and_draws(tmp_path: Path) -> None:
+    records = [_record("bidirectional", t, 1.0 / t, pulled=50 if t > 1 else 0, on="prefill") for t in (1, 2, 3)]
+    records += [_record("auto", t, 0.2, on="decode" if t > 1 else "prefill") for t in (1, 2, 3)]
+    records += [_record("colocated", t, 0.5) for t in (1, 2, 3)]
+    report = _report(records)
+    latency, cost = table(report.summaries).split("\n\n")
+    header, rule, *rows = latency.splitlines()
+    assert header.split() == [
+        *("mode", "on", "D", "ttft", "mean", "vs", "bidi", "vs", "coloc", "ttft", "p50", "ttft", "p90"),
+        *("itl", "p50", "vs", "coloc", "itl", "p90", "itl", "p99"),
+    ]
+    assert set(rule) == {"-"} and all(len(header) == len(rule) >= len(row) for row in rows)
+    cells = {row.split()[0]: row.split()[1:] for row in rows}
+    assert cells["bidirectional"][:4] == ["0/2", "0.417", "1.00x", "0.83x"]  # (1/2 + 1/3) / 2 against 0.5
+    assert cells["auto"][:2] == ["2/2", "0.200"] and cells["colocated"][:2] == ["-", "0.500"]
+    header, rule, *rows = cost.splitlines()
+    assert header.split()[:3] == ["mode", "tok/s", "reuse"] and [row.split()[0] for row in rows] == list(cells)
+    assert max(len(line) for line in (latency + "\n" + cost).splitlines()) <= 120  # fits a terminal
     assert BenchReport.model_validate_json(report.model_dump_json()) == report
+    steps = json.loads(report.model_dump_json())["records"]
+    assert {(r["mode"], r["prefill_engine"]) for r in steps if r["turn"] > 1} == {
+        ("bidirectional", "prefill"),
+        ("auto", "decode"),
+        ("colocated", None),
+    }
     assert plot(report, tmp_path / "b.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_header_says_which_dtype_ran() -> None:
+    records = [_record("bidirectional", t, 1.0) for t in (1, 2)]
+    first = header(_report(records)).splitlines()[0]
+    assert first.startswith("workload: agentic (test); 2 turns, 1 session(s) per mode") and "dtype float32" in first
+    assert "dtype" in header(_report(records, dtype=None)).splitlines()[0]
 
 
 def test_the_command_rejects_unknown_modes_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
@@ -148,6 +250,102 @@ def test_mistakes_in_bench_arguments_raise_user_error() -> None:
         run_bench_sync(workload, modes=["bidirectional", "warp"])
     with pytest.raises(UserError, match="sessions must be at least 1"):
         run_bench_sync(workload, sessions=0)
+    with pytest.raises(UserError, match="dtype is one of auto, float32, bfloat16, not 'float8'"):
+        run_bench_sync(workload, dtype="float8")
+    with pytest.raises(UserError, match="dtype applies to the engines the bench starts"):
+        run_bench_sync(workload, modes=["colocated"], dtype="float32", engines={"colocated": ScriptedEngine([])})
+
+
+def test_colocated_starts_its_engine_in_its_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    launches: list[EngineLaunch] = []
+
+    def runner(launch: EngineLaunch) -> None:
+        launches.append(launch)
+        raise UserError("not started")  # the launch is all this test needs
+
+    monkeypatch.setattr("agentkv._engines._colocated.AsyncLLMRunner", runner)
+    for dtype in ("float32", "bfloat16"):
+        with pytest.raises(UserError, match="not started"), Colocated(dtype=dtype, warmup=False):
+            pass
+    assert [launch.engine_args["dtype"] for launch in launches] == ["float32", "bfloat16"]
+    with pytest.raises(UserError, match="dtype is one of 'auto', 'float32', 'bfloat16', 'float16', not 'fp8'"):
+        Colocated(dtype="fp8")
+
+
+def test_the_command_takes_the_new_modes_and_refuses_an_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--modes", "auto,bidirectional-split", "--dtype", "bfloat16", "--turns", "1"]) == 2
+    assert "at least 2 turns" in capsys.readouterr().err  # the options parsed; the workload refused
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--dtype", "float16"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+class _Engines:
+    """Stand-ins for the engine classes the bench starts: each records its keywords and is an honest pair double
+    whose answers depend only on the prompt; every request is logged with its cache salt (which names the mode)."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, dict[str, Any]]] = []
+        self.requests: list[tuple[str, str]] = []
+        """(bench mode, placement) of every session step."""
+
+    def kind(self, name: str) -> Callable[..., HonestPairEngine]:
+        def start(**options: Any) -> HonestPairEngine:
+            self.started.append((name, {k: v for k, v in options.items() if k != "progress"}))
+            return HonestPairEngine(self._respond, max_model_len=options["max_model_len"])
+
+        return start
+
+    def _respond(self, request: StepRequest) -> str:
+        if request.cache_salt is not None:  # the floor's requests have none
+            mode = request.cache_salt.split("-", 3)[3].rsplit("-", 1)[0]  # agentkv-bench-<run>-<mode>-<session>
+            self.requests.append((mode, request.placement))
+        return f"answer {sum(request.prompt_token_ids) % 997}"
+
+
+@pytest.mark.anyio
+async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_placement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engines = _Engines()
+    for name in ("EmbeddedPair", "Colocated", "LaunchedPair"):
+        monkeypatch.setattr(f"agentkv._bench._runner.{name}", engines.kind(name))
+    modes = [*DEFAULT_MODES, "bidirectional-split", "launched"]
+    workload = make_workload("chat", turns=2, scale=0.25)
+    report = await run_bench(workload, modes=modes, dtype="bfloat16", max_model_len=1024)
+    assert report.dtype == "bfloat16" and "dtype bfloat16" in header(report)
+    assert engines.started == [
+        ("EmbeddedPair", {"max_model_len": 1024, "dtype": "bfloat16"}),
+        ("EmbeddedPair", {"max_model_len": 1024, "core_policy": "split", "dtype": "bfloat16"}),
+        (
+            "EmbeddedPair",
+            {"max_model_len": 1024, "bidirectional": False, "prefill_prefix_cache": False, "dtype": "bfloat16"},
+        ),
+        ("Colocated", {"max_model_len": 1024, "dtype": "bfloat16"}),
+        ("LaunchedPair", {"max_model_len": 1024, "dtype": "bfloat16"}),
+    ]
+    placements = {mode: {p for m, p in engines.requests if m == mode} for mode in modes}
+    assert placements["auto"] == {"auto"}  # the session asks the pair to place each step
+    assert placements["raw"] == placements["bidirectional"] == placements["bidirectional-split"] == {"prefill"}
+    assert sorted({m for m, _ in engines.requests}) == sorted(modes)
+    assert [(r.mode, r.turn) for r in report.records] == [(m, t) for m in modes for t in (1, 2)]
+    assert report.answers_agree == dict.fromkeys([m for m in modes if m != "bidirectional"], True)
+    by_mode = {s.mode: s for s in report.summaries}
+    assert by_mode["auto"].ttft_vs_colocated is not None and by_mode["colocated"].steps_on_decode is None
+
+
+@pytest.mark.anyio
+async def test_the_bench_defaults_to_float32_and_resolves_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    engines = _Engines()
+    monkeypatch.setattr("agentkv._bench._runner.Colocated", engines.kind("Colocated"))
+    workload = make_workload("chat", turns=2, scale=0.25)
+    assert (await run_bench(workload, modes=["colocated"])).dtype == DEFAULT_DTYPE == "float32"
+    assert (await run_bench(workload, modes=["colocated"], dtype="auto")).dtype == resolve_dtype("auto") != "auto"
+    assert [options["dtype"] for _, options in engines.started] == ["float32", resolve_dtype("auto")]
+    async with HonestPairEngine() as engine:
+        given = await run_bench(workload, modes=["colocated"], engines={"colocated": engine})
+    assert given.dtype is None  # the caller's engines: the bench does not know their dtype
 
 
 def test_the_progress_bar_counts_steps_and_shows_what_runs(capsys: pytest.CaptureFixture[str]) -> None:

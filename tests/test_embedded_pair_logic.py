@@ -44,6 +44,7 @@ class FakeLLM:
     """The part of vLLM's ``AsyncLLM`` an embedded engine uses, run by a script per request."""
 
     errored = False
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=128))
 
     def __init__(self, script: Script) -> None:
         self.script = script
@@ -150,7 +151,8 @@ async def test_a_step_left_midway_releases_its_ledgers() -> None:
     pair = FakePair(prefill_ok, decode)
     async with pair:
         steps = pair.step(request())
-        assert isinstance(await anext(steps), TokenDelta)
+        assert isinstance(await anext(steps), TokenDelta)  # P's token
+        assert isinstance(await anext(steps), TokenDelta)  # D's first
         await steps.aclose()  # the caller leaves (a cancelled turn)
         assert pair.p._readouts.in_flight == {} and pair.d._readouts.in_flight == {}
         assert pair.d_llm.closed  # vLLM's generator was closed, which aborts the request
@@ -162,7 +164,7 @@ async def test_a_malformed_handle_keeps_the_answer_and_drops_push_back() -> None
     pair = FakePair(prefill_ok, decode_with(d_reply(remote_host="  ")))
     async with pair:
         done = await run_step(pair, request())
-    assert list(done.token_ids) == [11, 12, 13] and done.finish_reason == "length"
+    assert list(done.token_ids) == [5, 11, 12, 13] and done.finish_reason == "length"
     assert done.handle is None and done.handle_error and "remote_host" in done.handle_error
 
 
@@ -235,3 +237,55 @@ def test_the_output_handler_is_stopped_before_the_engine() -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+async def test_the_prefill_token_starts_the_answer_and_decode_continues_after_it() -> None:
+    pair = FakePair(prefill_ok, decode_with(d_reply()))
+    async with pair:
+        events = [event async for event in pair.step(request())]
+    first, *_rest, done = events
+    assert isinstance(first, TokenDelta) and list(first.token_ids) == [5]  # streamed before D starts
+    assert isinstance(done, StepDone) and list(done.token_ids) == [5, 11, 12, 13]
+    d_prompt, d_params, _ = pair.d_llm.requests[0]
+    assert d_prompt == [1] * 40 + [5]  # D continues after P's token
+    assert d_params.max_tokens == 2  # and generates one token fewer
+    p_params = pair.p_llm.requests[0][1]
+    assert p_params.max_tokens == 1 and p_params.temperature == 0.0  # P sampled it with the step's sampling
+
+
+async def test_the_prefill_token_is_not_used_when_the_prompt_fills_its_last_block() -> None:
+    pair = FakePair(prefill_ok, decode_with(d_reply()))
+    async with pair:
+        done = await run_step(pair, request([1] * 128))
+    assert list(done.token_ids) == [11, 12, 13]
+    assert pair.d_llm.requests[0][0] == [1] * 128
+
+
+async def test_a_step_on_d_alone_sends_d_the_prompt_marked_for_a_pin_and_releases_the_old_one() -> None:
+    from agentkv._engines._handle import parse_handle
+    from agentkv._engines._vllm_patches import PIN_ON_DECODE
+
+    old, _ = parse_handle(d_reply(remote_num_tokens=300, remote_blocks_expiry_time=time.perf_counter() + 300))
+    assert old is not None
+    pair = FakePair(prefill_ok, decode_with(d_reply()))
+    async with pair:
+        req = StepRequest(
+            request_id="r-on-d",
+            prompt_token_ids=[1] * 340,
+            sampling=Sampling(max_tokens=3),
+            handle=old,
+            placement="decode",
+        )
+        done = await run_step(pair, req)
+        for _ in range(20):  # the old pin's release runs in the background
+            if pair.p_llm.requests:
+                break
+            await anyio.sleep(0.05)
+    d_prompt, d_params, d_id = pair.d_llm.requests[0]
+    assert d_prompt == [1] * 340 and d_id.endswith("-dl")  # the whole prompt, no P hop
+    assert d_params.extra_args["kv_transfer_params"][PIN_ON_DECODE] is True
+    assert list(done.token_ids) == [11, 12, 13] and done.handle is not None
+    assert done.timings.prefill_engine == "decode" and done.timings.placement_reason == "asked"
+    assert done.timings.pulled_tokens == 0 and done.timings.handoff_tokens == 0
+    released = pair.p_llm.requests[0][1].extra_args["kv_transfer_params"]
+    assert released["remote_request_id"] == old.remote_request_id and released["remote_num_tokens"] == 0

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.pair
 
 @pytest.fixture(scope="module")
 def launched() -> Iterator[LaunchedPair]:
-    with LaunchedPair(max_model_len=2048, pin_ttl_s=30) as engine:
+    with LaunchedPair(max_model_len=2048, pin_ttl_s=30, dtype="float32") as engine:  # as `pair`: exact
         yield engine
         pids, ports = engine.pids, engine.ports
         assert pids and ports

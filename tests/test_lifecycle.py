@@ -81,7 +81,29 @@ def test_a_process_that_ends_without_closing_leaves_no_engine(ending: str) -> No
     assert alive(pids) == set()
 
 
-def test_ctrl_c_during_a_turn_cancels_it_and_keeps_the_conversation() -> None:
+def _in_own_process(request: pytest.FixtureRequest) -> bool:
+    """Run the calling test again in a fresh interpreter, unless this is that run (True: go on here).
+
+    A Ctrl-C test depends on the process's signal state: in the full suite, after the real-pair
+    tests had run in the same process, SIGINT sent to the main thread raised nothing (cause not
+    found; alone, these tests pass). In a fresh process each sees SIGINT as a user's script does.
+    """
+    if os.environ.get("AGENTKV_OWN_PROCESS") == request.node.nodeid:
+        return True
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+        env={**os.environ, "AGENTKV_OWN_PROCESS": request.node.nodeid},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return False
+
+
+def test_ctrl_c_during_a_turn_cancels_it_and_keeps_the_conversation(request: pytest.FixtureRequest) -> None:
+    if not _in_own_process(request):
+        return
     with ScriptedEngine(["first", "never seen", "second"], delay_s=0.3) as engine, Session(engine=engine) as session:
         session.run_sync("one")
         before = session.token_ids
@@ -223,7 +245,9 @@ async def test_a_cancelled_scope_around_a_session_still_closes_its_engine() -> N
     assert engine.stopped and engine.state is EngineState.CLOSED and not session.is_open
 
 
-def test_ctrl_c_while_an_engine_starts_stops_it_and_its_loop() -> None:
+def test_ctrl_c_while_an_engine_starts_stops_it_and_its_loop(request: pytest.FixtureRequest) -> None:
+    if not _in_own_process(request):
+        return
     engine = _SlowEngine(start_s=30, stop_s=0.05)
     threads = _loop_threads()
     gc.collect()

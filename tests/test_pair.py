@@ -200,7 +200,7 @@ def test_greedy_answers_agree_across_modes(pair: EmbeddedPair) -> None:
         with Session(engine=pair, mode=mode, system=SYSTEM, max_tokens=MAX_TOKENS) as session:
             answers[mode] = [result.steps[0].token_ids for result in _run(session)]
     with (
-        Colocated(max_model_len=2048) as engine,
+        Colocated(max_model_len=2048, dtype="float32") as engine,  # as the pair fixture: exact
         Session(engine=engine, system=SYSTEM, max_tokens=MAX_TOKENS) as session,
     ):
         results = _run(session)

@@ -10,6 +10,7 @@ with Session(system="You are terse.") as s:
 from ._conversation import Message
 from ._engines import (
     Colocated,
+    CorePolicy,
     EmbeddedPair,
     Engine,
     EngineInfo,
@@ -18,6 +19,8 @@ from ._engines import (
     LaunchedPair,
     PairConfig,
     PairSettings,
+    Placement,
+    PrefillEngine,
     RemotePair,
     Sampling,
     ServerCapabilities,
@@ -56,6 +59,7 @@ __all__ = [
     "AgentKVError",
     "Colocated",
     "ContextLengthError",
+    "CorePolicy",
     "EmbeddedPair",
     "Engine",
     "EngineDeadError",
@@ -76,6 +80,8 @@ __all__ = [
     "ModelPreparationError",
     "PairConfig",
     "PairSettings",
+    "Placement",
+    "PrefillEngine",
     "RemotePair",
     "Sampling",
     "ServerCapabilities",

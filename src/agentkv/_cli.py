@@ -14,7 +14,7 @@ from typing import Any, get_args
 
 from tqdm import tqdm
 
-from ._bench._runner import DEFAULT_MODES, MODES
+from ._bench._runner import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
 from ._bench._workloads import WORKLOADS
 from ._engines import LaunchedPair, RemotePair
 from ._errors import AgentKVError, UserError
@@ -84,6 +84,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--max-tokens", type=int, default=None, help="answer length (default: the workload's)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--max-model-len", type=int, default=4096)
+    bench.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=DEFAULT_DTYPE,
+        help=f"dtype of every engine the bench starts (default: {DEFAULT_DTYPE}). In bfloat16, KV that came from "
+        "a prefix cache, a pull or a recompute differs in the last bits, so greedy answers diverge between modes "
+        "and later prompts differ; float32 keeps them token-exact, so every mode sees the same prompts",
+    )
     bench.add_argument("--json", default="agentkv-bench.json", help="write the report here ('' for none)")
     bench.add_argument("--plot", default="agentkv-bench.png", help="draw the plot here ('' for none)")
 
@@ -220,7 +228,7 @@ class _BenchProgress:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ._bench import load_replay, make_workload, plot, run_bench_sync, table
+    from ._bench import header, load_replay, make_workload, plot, run_bench_sync, table
 
     if args.replay:
         workload = load_replay(args.replay, max_tokens=args.max_tokens or 64, turns=args.turns)
@@ -234,13 +242,11 @@ def _bench(args: argparse.Namespace) -> int:
         modes=args.modes,
         sessions=args.sessions,
         max_model_len=args.max_model_len,
+        dtype=args.dtype,
         progress=progress,
         log=progress.log,
     )
-    print(
-        f"\nworkload: {workload.name} ({workload.description}); {report.turns} turns, {report.sessions} session(s) per mode"
-    )
-    print("figures over turns 2+; TTFT on the client clock (call -> first token); seconds\n")
+    print(f"\n{header(report)}\n")
     print(table(report.summaries))
     if report.floor is not None:
         print(

@@ -54,10 +54,14 @@ def miss_after_step(
     local_hit_tokens: int,
     pulled_tokens: int,
     declined: bool,
+    placed_on_decode: bool = False,
 ) -> MissReason | None:
-    """The step's miss reason once the engine has answered."""
+    """The step's miss reason once the engine has answered (a step D prefilled from its own cache of the
+    pin reused it: no miss)."""
     if handle is None:
         return reason
+    if placed_on_decode:
+        return None
     if declined:
         return "declined"
     if pulled_tokens == 0 and local_hit_tokens < min(handle.remote_num_tokens, prompt_tokens):

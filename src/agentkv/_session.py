@@ -182,14 +182,14 @@ class Session(Lifecycle):
         options = dict(self._config.engine_options)
         if mode == "colocated":
             return Colocated(self._config.model, **options)
-        options.setdefault("bidirectional", mode == "bidirectional")
+        options.setdefault("bidirectional", mode in ("bidirectional", "auto"))
         return EmbeddedPair(self._config.model, **options)
 
     def _resolve_mode(self, engine: Engine) -> Mode:
         info = engine.info
         wanted = self._config.mode or info.natural_mode
-        if wanted == "bidirectional" and not info.push_back:
-            raise UserError(f"mode='bidirectional' needs an engine with push-back; this one is {info.natural_mode}")
+        if wanted in ("bidirectional", "auto") and not info.push_back:
+            raise UserError(f"mode={wanted!r} needs an engine with push-back; this one is {info.natural_mode}")
         if wanted not in info.modes:
             raise UserError(f"mode={wanted!r} does not fit this engine (it serves {', '.join(sorted(info.modes))})")
         return wanted
@@ -293,7 +293,13 @@ class Session(Lifecycle):
         return turn
 
     def _step_context(self) -> StepContext:
-        return StepContext(self.engine, self._config, self.mode == "bidirectional", self._discard_pin)
+        return StepContext(
+            self.engine,
+            self._config,
+            self.mode in ("bidirectional", "auto"),
+            self._discard_pin,
+            placement="auto" if self.mode == "auto" else "prefill",
+        )
 
     def _commit(self, turn: Turn) -> None:
         """Make a finished turn part of the session: its conversation, its pin, its stats."""

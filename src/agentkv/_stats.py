@@ -44,7 +44,8 @@ class StepStats(BaseModel):
     step: int
     """Step number in the turn, from 1."""
     ttft_s: float
-    """Client clock (``time.perf_counter``): step submitted to P -> first output token from D."""
+    """Client clock (``time.perf_counter``): step submitted -> its first output token (on a pair, P's sampled
+    token when it can serve as the first, else D's)."""
     prefill_s: float | None = None
     """Prefilling engine's ``first_token_ts - scheduled_ts`` (vLLM ``RequestStateStats``): compute only."""
     kv_wait_s: float = 0.0
@@ -67,8 +68,14 @@ class StepStats(BaseModel):
     """NIXL bytes moved for this step, both directions (stat loggers on P and D); None if shared."""
     kv_transfer_s: float | None = None
     """NIXL transfer time for this step (same source and attribution as `kv_bytes`)."""
+    prefill_engine: Literal["prefill", "decode"] | None = None
+    """Where the new prompt tokens were computed: ``"prefill"`` (P, with push-back when a handle was
+    forwarded) or ``"decode"`` (D alone, from its own cache of the pinned conversation: mode ``"auto"``);
+    None on a single engine. On D, `local_hit_tokens` are D's cache hits."""
+    placement_reason: str | None = None
+    """Why the step ran where it did (mode ``"auto"``: the two estimates it compared)."""
     handle_forwarded: bool = False
-    """Whether D's handle was pushed back to P for this step."""
+    """Whether D's handle was pushed back to the pair for this step."""
     miss_reason: MissReason | None = None
     """Why no KV was pulled back from D, when none was (see `MissReason`)."""
     tool_s: float = 0.0

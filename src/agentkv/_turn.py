@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from ._conversation import Conversation, Message
-from ._engines import Engine, KVHandle, Sampling, StepDone, StepRequest, TokenDelta
+from ._engines import Engine, KVHandle, Placement, Sampling, StepDone, StepRequest, TokenDelta
 from ._errors import ContextLengthError
 from ._pinning import Pin, choose_handle, miss_after_step
 from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
@@ -67,6 +67,8 @@ class StepContext:
     push_back: bool
     discard_pin: Callable[[Pin], None]
     """Called with a pin that is not forwarded (it is of use to no one any more)."""
+    placement: Placement = "prefill"
+    """Where a pair prefills each step (``"auto"`` in the session mode of the same name)."""
 
 
 async def turn_events(turn: Turn, context: StepContext) -> AsyncGenerator[Event]:
@@ -136,6 +138,7 @@ async def model_step(
         sampling=sampling,
         handle=handle,
         cache_salt=config.cache_salt,
+        placement=context.placement,
     )
     done: StepDone | None = None
     async with _closing(engine.step(request)) as events:
@@ -239,6 +242,7 @@ def _step_stats(
             local_hit_tokens=timings.local_hit_tokens,
             pulled_tokens=timings.pulled_tokens,
             declined=timings.pullback_declined,
+            placed_on_decode=timings.prefill_engine == "decode",
         ),
         **timings.stats_fields(),
     )

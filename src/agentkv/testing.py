@@ -106,7 +106,7 @@ class _BundledModelDouble(Engine):
         return EngineInfo(
             model_path=self._model_path or cache_dir() / DEFAULT_MODEL,
             max_model_len=self._max_model_len,
-            modes=pair_modes(push_back=self.push_back) | {"colocated"},
+            modes=pair_modes(push_back=self.push_back, placement=True) | {"colocated"},
         )
 
     async def _start(self) -> None:

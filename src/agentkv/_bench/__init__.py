@@ -12,14 +12,17 @@ from typing import Any
 import anyio
 
 from .._engines import Engine
+from .._engines._pair_config import resolve_dtype
 from .._errors import UserError
 from ._records import BenchReport, ModeSummary, StepRecord, summarize
-from ._report import plot, table
-from ._runner import DEFAULT_MODES, MODES, Progress, run_modes
+from ._report import header, plot, table
+from ._runner import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES, Progress, run_modes
 from ._workloads import WORKLOADS, Workload, load_replay, make_workload
 
 __all__ = [
+    "DEFAULT_DTYPE",
     "DEFAULT_MODES",
+    "DTYPES",
     "MODES",
     "Progress",
     "WORKLOADS",
@@ -27,6 +30,7 @@ __all__ = [
     "ModeSummary",
     "StepRecord",
     "Workload",
+    "header",
     "load_replay",
     "make_workload",
     "plot",
@@ -53,6 +57,7 @@ async def run_bench(
     modes: Sequence[str] = DEFAULT_MODES,
     sessions: int = 1,
     max_model_len: int = 4096,
+    dtype: str | None = None,
     engines: Mapping[str, Engine] | None = None,
     progress: Progress | None = None,
     log: Callable[[str], None] | None = None,
@@ -62,13 +67,20 @@ async def run_bench(
     ``progress`` is called before each round with (what runs, steps done, steps in all);
     ``log`` with one line per start-up stage (default: the ``agentkv`` logger).
     ``engines`` maps each mode to an open engine to use (the caller's to close); by default
-    the bench starts what the modes need and closes it at the end.
+    the bench starts what the modes need, every engine in ``dtype`` (one of `DTYPES`; default
+    float32, see `DEFAULT_DTYPE`: it keeps the modes' greedy answers, hence their prompts,
+    identical), and closes them at the end. ``dtype`` and ``engines`` exclude each other.
     """
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:
         raise UserError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     if sessions < 1:
         raise UserError("sessions must be at least 1")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"dtype is one of {', '.join(DTYPES)}, not {dtype!r}")
+    if dtype is not None and engines is not None:
+        raise UserError("dtype applies to the engines the bench starts; the given engines run in their own")
+    started_dtype = None if engines is not None else resolve_dtype(dtype or DEFAULT_DTYPE)
     homes = {id(engine.home): engine.home for engine in (engines or {}).values() if engine.home is not None}
     if len(homes) > 1:
         raise UserError("the given engines live on different event loops; open them on one")
@@ -78,6 +90,7 @@ async def run_bench(
         list(dict.fromkeys(modes)),
         sessions=sessions,
         max_model_len=max_model_len,
+        dtype=started_dtype or DEFAULT_DTYPE,
         engines=engines,
         progress=progress or (lambda *_: None),
         log=log or (lambda line: logger.info("%s", line)),
@@ -95,6 +108,7 @@ async def run_bench(
         sessions=sessions,
         turns=len(workload.turns),
         machine=_machine(),
+        dtype=started_dtype,
         floor=floor,
         records=records,
         round_wall_s=walls,

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from .._engines import PrefillEngine
 from .._stats import StepStats
 
 __all__ = ["BenchReport", "FloorFit", "ModeSummary", "StepRecord", "summarize"]
@@ -38,6 +39,10 @@ class StepRecord(BaseModel):
     kv_bytes: int | None
     kv_transfer_s: float | None
     miss_reason: str | None
+    prefill_engine: PrefillEngine | None
+    """Where the new prompt tokens were computed (`StepStats.prefill_engine`): P, D alone, or None (one engine)."""
+    placement_reason: str | None
+    """Why there (`StepStats.placement_reason`)."""
     output_token_ids: list[int]
 
     @classmethod
@@ -74,8 +79,15 @@ class ModeSummary(BaseModel):
     engine_ttft_mean_s: float
     itl_p50_s: float | None
     itl_p90_s: float | None
+    itl_p99_s: float | None
+    steps_on_decode: int | None
+    """Of `steps`, how many were prefilled on D alone; None when no step says where (one engine)."""
     ttft_vs_bidirectional: float | None
     """Mean TTFT of this mode / mean TTFT of bidirectional (>1: slower than push-back)."""
+    ttft_vs_colocated: float | None
+    """Mean TTFT of this mode / mean TTFT of colocated (>1: slower than one engine)."""
+    itl_p50_vs_colocated: float | None
+    """ITL p50 of this mode / ITL p50 of colocated."""
     reuse_ratio: float
     pulled_tokens: int
     computed_tokens: int
@@ -100,6 +112,9 @@ class BenchReport(BaseModel):
     sessions: int
     turns: int
     machine: dict[str, str | int]
+    dtype: str | None
+    """The dtype the bench started its engines with, as resolved (``"auto"`` becomes what it chose);
+    None when the caller gave the engines."""
     floor: FloorFit | None
     records: list[StepRecord]
     round_wall_s: dict[str, float]
@@ -130,14 +145,17 @@ def summarize(
     modes = list(dict.fromkeys(r.mode for r in records))
     later = {mode: [r for r in records if r.mode == mode and r.turn > 1] for mode in modes}
     means = {mode: statistics.fmean(r.ttft_s for r in rows) for mode, rows in later.items() if rows}
+    itls = {mode: [gap for r in rows for gap in r.itl_s] for mode, rows in later.items()}
+    itl_p50 = {mode: _percentile(gaps, 50) for mode, gaps in itls.items() if gaps}
     summaries = []
     for mode, rows in later.items():
         if not rows:
             continue
         ttfts = [r.ttft_s for r in rows]
-        itls = [gap for r in rows for gap in r.itl_s]
         floors = [floor.floor_s(r.new_tokens, r.kv_transfer_s) for r in rows] if floor else None
         every = [r for r in records if r.mode == mode]
+        gaps = itls[mode]
+        placed = [r.prefill_engine for r in rows if r.prefill_engine is not None]
         summaries.append(
             ModeSummary(
                 mode=mode,
@@ -146,9 +164,13 @@ def summarize(
                 ttft_p50_s=_percentile(ttfts, 50),
                 ttft_p90_s=_percentile(ttfts, 90),
                 engine_ttft_mean_s=statistics.fmean(r.engine_ttft_s for r in rows),
-                itl_p50_s=_percentile(itls, 50) if itls else None,
-                itl_p90_s=_percentile(itls, 90) if itls else None,
-                ttft_vs_bidirectional=means[mode] / means["bidirectional"] if "bidirectional" in means else None,
+                itl_p50_s=itl_p50.get(mode),
+                itl_p90_s=_percentile(gaps, 90) if gaps else None,
+                itl_p99_s=_percentile(gaps, 99) if gaps else None,
+                steps_on_decode=placed.count("decode") if placed else None,
+                ttft_vs_bidirectional=_ratio(means, mode, "bidirectional"),
+                ttft_vs_colocated=_ratio(means, mode, "colocated"),
+                itl_p50_vs_colocated=_ratio(itl_p50, mode, "colocated"),
                 reuse_ratio=sum(r.local_hit_tokens + r.pulled_tokens for r in rows)
                 / sum(r.prompt_tokens for r in rows),
                 pulled_tokens=sum(r.pulled_tokens for r in rows),
@@ -162,3 +184,10 @@ def summarize(
             )
         )
     return summaries
+
+
+def _ratio(values: dict[str, float], mode: str, reference: str) -> float | None:
+    """``values[mode] / values[reference]``, or None when either is missing (or the reference is 0)."""
+    if mode not in values or not values.get(reference):
+        return None
+    return values[mode] / values[reference]

@@ -10,7 +10,7 @@ from .._plots import plot_turns
 from .._stats import text_table
 from ._records import BenchReport, ModeSummary, StepRecord
 
-__all__ = ["per_turn", "plot", "table"]
+__all__ = ["header", "per_turn", "plot", "table"]
 
 
 def _seconds(value: float | None) -> str:
@@ -25,20 +25,31 @@ def _megabytes(value: int | None) -> str:
     return "-" if value is None else f"{value / 1e6:.2f}"
 
 
-_COLUMNS = (
+def _on_decode(summary: ModeSummary) -> str:
+    return "-" if summary.steps_on_decode is None else f"{summary.steps_on_decode}/{summary.steps}"
+
+
+_LATENCY_COLUMNS = (
     "mode",
+    "on D",
     "ttft mean",
-    "p50",
-    "p90",
     "vs bidi",
+    "vs coloc",
+    "ttft p50",
+    "ttft p90",
     "itl p50",
+    "vs coloc",
     "itl p90",
+    "itl p99",
+)
+_COST_COLUMNS = (
+    "mode",
+    "tok/s",
     "reuse",
     "pulled",
     "computed",
     "MB moved",
     "xfer s",
-    "tok/s",
     "floor",
     "/floor",
     "sdk ovh",
@@ -46,29 +57,59 @@ _COLUMNS = (
 
 
 def table(summaries: Sequence[ModeSummary]) -> str:
-    """One row per mode: turns 2+ of every session."""
-    rows = (
+    """Two tables, one row per mode over turns 2+ of every session: latency, then throughput and reuse.
+
+    Each "vs" column is the ratio of the column before it (TTFT mean, ITL p50) to that of bidirectional
+    or colocated; "on D" counts the steps prefilled on D alone.
+    """
+    latency = (
         (
             s.mode,
+            _on_decode(s),
             _seconds(s.ttft_mean_s),
+            _ratio(s.ttft_vs_bidirectional),
+            _ratio(s.ttft_vs_colocated),
             _seconds(s.ttft_p50_s),
             _seconds(s.ttft_p90_s),
-            _ratio(s.ttft_vs_bidirectional),
             _seconds(s.itl_p50_s),
+            _ratio(s.itl_p50_vs_colocated),
             _seconds(s.itl_p90_s),
+            _seconds(s.itl_p99_s),
+        )
+        for s in summaries
+    )
+    cost = (
+        (
+            s.mode,
+            f"{s.output_tokens_per_s:.1f}",
             f"{s.reuse_ratio:.0%}",
             str(s.pulled_tokens),
             str(s.computed_tokens),
             _megabytes(s.kv_bytes),
             _seconds(s.kv_transfer_s),
-            f"{s.output_tokens_per_s:.1f}",
             _seconds(s.floor_mean_s),
             _ratio(s.ttft_over_floor),
             _seconds(s.overhead_vs_raw_s),
         )
         for s in summaries
     )
-    return text_table(_COLUMNS, rows, left_columns=1)
+    return "\n\n".join(
+        (text_table(_LATENCY_COLUMNS, latency, left_columns=1), text_table(_COST_COLUMNS, cost, left_columns=1))
+    )
+
+
+def header(report: BenchReport) -> str:
+    """The lines above the tables: what ran, in which dtype, and how to read the columns."""
+    dtype = f"dtype {report.dtype}" if report.dtype is not None else "the given engines' dtype"
+    return "\n".join(
+        (
+            f"workload: {report.workload} ({report.workload_description}); {report.turns} turns, "
+            f"{report.sessions} session(s) per mode, {dtype}",
+            "figures over turns 2+; TTFT on the client clock (call -> first token); seconds",
+            "on D: steps prefilled on D alone; vs bidi / vs coloc: the column before, over bidirectional's / "
+            "colocated's",
+        )
+    )
 
 
 def per_turn(records: Sequence[StepRecord]) -> dict[str, list[tuple[int, float, float]]]:

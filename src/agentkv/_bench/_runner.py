@@ -1,11 +1,14 @@
 """Run one workload under several modes in one process, interleaved turn by turn.
 
-Engines: one bidirectional pair serves ``bidirectional``, ``disaggregated`` (P's prefix
-cache on) and ``raw``; ``disaggregated-nocache`` gets a pair whose P has no prefix cache
-and no push-back (the source's baseline); ``colocated`` one engine with prefix caching;
-``launched`` the bidirectional pair as two API-server processes over HTTP (`LaunchedPair`);
-``netns`` the same with P and D in two network namespaces (KV over UCX/TCP; needs root).
-All stay up for the whole run. In every turn each mode takes its turn in a rotated order,
+Engines: one bidirectional pair (elastic cores) serves ``auto`` (each step placed on P or
+on D alone), ``bidirectional`` (always P), ``disaggregated`` (P's prefix cache on) and ``raw``
+(the protocol driven by hand); ``bidirectional-split`` gets a second pair with each engine
+always on its own half of the cores (the first design's layout: the elastic-cores lever);
+``disaggregated-nocache`` a pair whose P has no prefix cache and no push-back (the source's
+baseline); ``colocated`` one engine with prefix caching; ``launched`` the bidirectional pair
+as two API-server processes over HTTP (`LaunchedPair`); ``netns`` the same with P and D in
+two network namespaces (KV over UCX/TCP; needs root). All stay up for the whole run, all
+with the run's dtype. In every turn each mode takes its turn in a rotated order,
 so machine noise and warm caches hit every mode alike; a mode's sessions run concurrently.
 """
 
@@ -32,10 +35,12 @@ from .._stats import StepStats
 from ._records import FloorFit, StepRecord
 from ._workloads import Workload
 
-__all__ = ["DEFAULT_MODES", "MODES", "Progress", "measure_floor", "run_modes"]
+__all__ = ["DEFAULT_DTYPE", "DEFAULT_MODES", "DTYPES", "MODES", "Progress", "measure_floor", "run_modes"]
 
 _SESSION_MODES: dict[str, Mode] = {
+    "auto": "auto",
     "bidirectional": "bidirectional",
+    "bidirectional-split": "bidirectional",
     "disaggregated": "disaggregated",
     "disaggregated-nocache": "disaggregated",
     "colocated": "colocated",
@@ -43,9 +48,29 @@ _SESSION_MODES: dict[str, Mode] = {
     "netns": "bidirectional",
 }
 """The `Session` mode of each bench mode that runs sessions (``raw`` drives the engine by hand)."""
-MODES = ("bidirectional", "disaggregated", "disaggregated-nocache", "colocated", "raw", "launched", "netns")
-DEFAULT_MODES = MODES[:5]
-"""What ``agentkv bench`` runs unless told: the modes of one embedded pair and the colocated engine."""
+MODES = (
+    "auto",
+    "bidirectional",
+    "disaggregated",
+    "disaggregated-nocache",
+    "colocated",
+    "raw",
+    "bidirectional-split",
+    "launched",
+    "netns",
+)
+DEFAULT_MODES = MODES[:6]
+"""What ``agentkv bench`` runs unless told: the modes of one embedded pair, the source's baseline and the
+colocated engine."""
+_DEFAULT_PAIR_MODES = frozenset({"auto", "bidirectional", "disaggregated", "raw"})
+"""The modes that share the default (elastic-cores, push-back) pair."""
+
+DTYPES = ("auto", "float32", "bfloat16")
+"""The dtypes ``agentkv bench`` starts its engines with (see `DEFAULT_DTYPE`)."""
+DEFAULT_DTYPE = "float32"
+"""The bench's default dtype. In bfloat16, KV that came from a prefix cache, a pull or a recompute
+differs from freshly computed KV in the last bits, so greedy answers diverge between modes and the
+later turns' prompts differ; float32 keeps every mode token-exact, so every mode sees the same prompts."""
 
 Progress = Callable[[str, int, int], None]
 """Called with (what is running, steps done, steps in all)."""
@@ -94,6 +119,7 @@ class _RawConversation:
             sampling=Sampling(max_tokens=self._max_tokens),
             handle=self._handle,
             cache_salt=self._cache_salt,
+            placement="prefill",  # the plain protocol (P, push-back), what `bidirectional` runs through a Session
         )
         done: StepDone | None = None
         async for event in self._engine.step(request):
@@ -156,9 +182,11 @@ async def _engines(
     *,
     given: Mapping[str, Engine] | None,
     max_model_len: int,
+    dtype: str,
     progress: Callable[[str], None],
 ) -> AsyncIterator[dict[str, Engine]]:
-    """The engines the modes need (given, or started one after another and closed on the way out)."""
+    """The engines the modes need (given, or started one after another, all in ``dtype``, and closed on the
+    way out)."""
     if given is not None:
         missing = [mode for mode in modes if mode not in given]
         if missing:
@@ -167,19 +195,27 @@ async def _engines(
         return
     async with contextlib.AsyncExitStack() as stack:
         by_mode: dict[str, Engine] = {}
-        if {"bidirectional", "disaggregated", "raw"} & set(modes):
-            pair = EmbeddedPair(max_model_len=max_model_len, progress=progress)
+        if _DEFAULT_PAIR_MODES & set(modes):
+            pair = EmbeddedPair(max_model_len=max_model_len, dtype=dtype, progress=progress)
             await stack.enter_async_context(pair)
-            by_mode.update(bidirectional=pair, disaggregated=pair, raw=pair)
+            by_mode.update(dict.fromkeys(_DEFAULT_PAIR_MODES, pair))
+        if "bidirectional-split" in modes:
+            split = EmbeddedPair(max_model_len=max_model_len, core_policy="split", dtype=dtype, progress=progress)
+            by_mode["bidirectional-split"] = await stack.enter_async_context(split)
         if "disaggregated-nocache" in modes:
             baseline = EmbeddedPair(
-                max_model_len=max_model_len, bidirectional=False, prefill_prefix_cache=False, progress=progress
+                max_model_len=max_model_len,
+                bidirectional=False,
+                prefill_prefix_cache=False,
+                dtype=dtype,
+                progress=progress,
             )
             by_mode["disaggregated-nocache"] = await stack.enter_async_context(baseline)
         if "colocated" in modes:
-            by_mode["colocated"] = await stack.enter_async_context(Colocated(max_model_len=max_model_len))
+            colocated = Colocated(max_model_len=max_model_len, dtype=dtype, progress=progress)
+            by_mode["colocated"] = await stack.enter_async_context(colocated)
         if "launched" in modes:
-            launched = LaunchedPair(max_model_len=max_model_len, progress=progress)
+            launched = LaunchedPair(max_model_len=max_model_len, dtype=dtype, progress=progress)
             by_mode["launched"] = await stack.enter_async_context(launched)
         if "netns" in modes:
             hosts = stack.enter_context(two_hosts())
@@ -188,6 +224,7 @@ async def _engines(
                 hosts=hosts.addresses,
                 launch_prefixes=hosts.launch_prefixes,
                 server_env={"UCX_TLS": "tcp"},
+                dtype=dtype,
                 progress=progress,
             )
             by_mode["netns"] = await stack.enter_async_context(across)
@@ -220,12 +257,13 @@ async def run_modes(
     *,
     sessions: int,
     max_model_len: int,
+    dtype: str,
     engines: Mapping[str, Engine] | None,
     progress: Progress,
     log: Callable[[str], None],
 ) -> tuple[list[StepRecord], dict[str, float], FloorFit | None]:
     """Replay the workload in every mode; return the records, each mode's round wall time, the floor."""
-    async with _engines(modes, given=engines, max_model_len=max_model_len, progress=log) as by_mode:
+    async with _engines(modes, given=engines, max_model_len=max_model_len, dtype=dtype, progress=log) as by_mode:
         floor = None
         if "colocated" in by_mode:
             log("agentkv bench: measuring the floor (prefill of fresh tokens on the colocated engine)")

@@ -6,11 +6,13 @@ from ._handle import KVHandle
 from ._http_capabilities import ServerCapabilities
 from ._launched import LaunchedPair
 from ._pair import EmbeddedPair
-from ._pair_config import PairConfig, PairSettings
+from ._pair_config import CorePolicy, PairConfig, PairSettings
+from ._placement import Placement, PrefillEngine
 from ._remote import RemotePair
 
 __all__ = [
     "Colocated",
+    "CorePolicy",
     "EmbeddedPair",
     "Engine",
     "EngineInfo",
@@ -19,6 +21,8 @@ __all__ = [
     "LaunchedPair",
     "PairConfig",
     "PairSettings",
+    "Placement",
+    "PrefillEngine",
     "RemotePair",
     "Sampling",
     "ServerCapabilities",

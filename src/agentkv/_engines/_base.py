@@ -12,17 +12,20 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from .._errors import EngineDeadError
 from .._lifecycle import Lifecycle, LifecycleState
 from ._handle import KVHandle
+from ._placement import Placement, PrefillEngine
 
 __all__ = [
     "Engine",
     "EngineInfo",
     "EngineState",
     "Mode",
+    "Placement",
+    "PrefillEngine",
     "Sampling",
     "StepDone",
     "StepEvent",
@@ -33,10 +36,14 @@ __all__ = [
     "prompt_split",
 ]
 
-Mode = Literal["bidirectional", "disaggregated", "colocated"]
-"""How a session runs on its engine: on a pair with KV pushed back to P, on a pair without, or on one engine."""
+Mode = Literal["auto", "bidirectional", "disaggregated", "colocated"]
+"""How a session runs on its engine: on a pair with KV pushed back to P, on a pair without, or on one engine.
 
-_MODE_PREFERENCE: tuple[Mode, ...] = ("bidirectional", "disaggregated", "colocated")
+``"auto"`` is push-back where the pair places each step: on P with push-back, or on D alone
+from D's own cache of the pinned conversation, whichever its measured costs say is faster.
+"""
+
+_MODE_PREFERENCE: tuple[Mode, ...] = ("bidirectional", "auto", "disaggregated", "colocated")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +68,8 @@ class StepRequest:
     handle: KVHandle | None = None
     cache_salt: str | None = None
     """Prefix-cache namespace: blocks cached under one salt never serve another (vLLM ``cache_salt``)."""
+    placement: Placement = "prefill"
+    """Where a pair prefills (see `Placement`); engines without a choice ignore it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +91,7 @@ class StepTimings:
     """
 
     ttft_s: float
-    """Client clock: submit to P, to the first output token from D (``time.perf_counter``)."""
+    """Client clock (``time.perf_counter``): submitted, to the first output token streamed (P's or D's)."""
     prefill_s: float | None = None
     """Prefilling engine: ``first_token_ts - scheduled_ts`` (vLLM ``RequestStateStats``)."""
     kv_wait_s: float = 0.0
@@ -101,6 +110,12 @@ class StepTimings:
     """NIXL bytes read by either engine while this step was the only one in flight on it."""
     kv_transfer_s: float | None = None
     """NIXL transfer time, same attribution as `kv_bytes`."""
+    prefill_engine: PrefillEngine | None = None
+    """The engine of a pair that computed the new prompt tokens: ``"prefill"`` (P, the protocol of
+    DESIGN.md section 5) or ``"decode"`` (D alone, from its own cache of the pinned conversation);
+    None for a single engine."""
+    placement_reason: str | None = None
+    """Why the step was prefilled where it was (``auto`` placement: the estimates compared)."""
     pullback_declined: bool = False
     """P declined to read D's blocks (NIXL ``num_kv_expired_reqs`` or a failed read)."""
 
@@ -111,7 +126,15 @@ class StepTimings:
         return fields
 
 
-def prompt_split(prompt_tokens: int, *, split: tuple[int, int] | None, cached_tokens: int | None) -> dict[str, int]:
+class PromptSplit(TypedDict):
+    """The `StepTimings` token fields: where a prompt's KV came from."""
+
+    local_hit_tokens: int
+    pulled_tokens: int
+    computed_tokens: int
+
+
+def prompt_split(prompt_tokens: int, *, split: tuple[int, int] | None, cached_tokens: int | None) -> PromptSplit:
     """Where a prompt's KV came from, as the `StepTimings` token fields.
 
     ``split`` is (local, pulled) as the prefilling engine reported them (vLLM ``PrefillStats``:
@@ -119,7 +142,7 @@ def prompt_split(prompt_tokens: int, *, split: tuple[int, int] | None, cached_to
     cached count (``cached_tokens``) is taken as local hits: local and pulled cannot be told apart.
     """
     local, pulled = split if split is not None else (min(cached_tokens or 0, prompt_tokens), 0)
-    return {"local_hit_tokens": local, "pulled_tokens": pulled, "computed_tokens": prompt_tokens - local - pulled}
+    return PromptSplit(local_hit_tokens=local, pulled_tokens=pulled, computed_tokens=prompt_tokens - local - pulled)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,9 +187,12 @@ class EngineInfo:
         return next(mode for mode in _MODE_PREFERENCE if mode in self.modes)
 
 
-def pair_modes(*, push_back: bool) -> frozenset[Mode]:
-    """The modes a P/D pair serves: "disaggregated", and "bidirectional" with push-back."""
-    return frozenset({"disaggregated", "bidirectional"} if push_back else {"disaggregated"})
+def pair_modes(*, push_back: bool, placement: bool = False) -> frozenset[Mode]:
+    """The modes a P/D pair serves: "disaggregated"; "bidirectional" with push-back; "auto" too when it
+    can also place steps on D alone (``placement``)."""
+    if not push_back:
+        return frozenset({"disaggregated"})
+    return frozenset({"disaggregated", "bidirectional", "auto"} if placement else {"disaggregated", "bidirectional"})
 
 
 EngineState = LifecycleState

@@ -18,6 +18,9 @@ from ._vllm import AsyncLLMRunner, DecodeStream, engine_seconds, vllm_sampling
 
 __all__ = ["Colocated"]
 
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""The dtypes an engine takes (`PairConfig.dtype` checks the same four)."""
+
 logger = logging.getLogger("agentkv")
 
 
@@ -29,6 +32,8 @@ class Colocated(Engine):
         cores: cores for the engine (default: all available).
         max_model_len: context length.
         kv_cache_gib: KV cache size (``VLLM_CPU_KVCACHE_SPACE``).
+        dtype: weights and KV dtype: ``"auto"`` (bfloat16 where the CPU computes it natively, else
+            float32), ``"float32"``, ``"bfloat16"`` or ``"float16"``, as `PairConfig.dtype`.
         warmup: run one short request at start.
         step_timeout_s: a step that makes no progress for this long fails with `EngineError`.
         progress: called with one line per start-up stage.
@@ -41,15 +46,19 @@ class Colocated(Engine):
         cores: Sequence[int] | None = None,
         max_model_len: int = 4096,
         kv_cache_gib: float = 1.0,
+        dtype: str = "auto",
         warmup: bool = True,
         step_timeout_s: float = 300.0,
         progress: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__()
+        if dtype not in _DTYPES:
+            raise UserError(f"dtype is one of {', '.join(map(repr, _DTYPES))}, not {dtype!r}")
         self._model = model
         self._cores = list(cores) if cores is not None else None
         self._max_model_len = max_model_len
         self._kv_cache_gib = kv_cache_gib
+        self._dtype = dtype
         self._warmup = warmup
         self._step_timeout_s = step_timeout_s
         self._progress = progress or (lambda line: logger.info("%s", line))
@@ -77,6 +86,7 @@ class Colocated(Engine):
                 cores=cores,
                 max_model_len=self._max_model_len,
                 kv_cache_gib=self._kv_cache_gib,
+                dtype=self._dtype,
             )
         )
         await self._engine.start_async(self._progress)

@@ -8,11 +8,13 @@ decodes, pins its blocks and returns a new handle.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Unpack
 
 import anyio
@@ -21,10 +23,13 @@ import anyio.to_thread
 from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
 from .._model import prepare_model_off_loop
 from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings, pair_modes, prompt_split
+from ._cores import ThreadBudget, elastic_bind_order
 from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params, release_params
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
+from ._placement import Placement, PlacementChoice, PlacementCosts
 from ._system import free_port, split_cores
-from ._vllm import AsyncLLMRunner, DecodeStream, TransferLedger, engine_seconds, vllm_sampling
+from ._vllm import AsyncLLMRunner, DecodeStream, TransferLedger, engine_seconds, first_token_of_prefill, vllm_sampling
+from ._vllm_patches import PIN_ON_DECODE
 
 __all__ = ["EmbeddedPair", "run_warmup_steps"]
 
@@ -61,6 +66,12 @@ class EmbeddedPair(Engine):
         self._p: AsyncLLMRunner | None = None
         self._d: AsyncLLMRunner | None = None
         self._info: EngineInfo | None = None
+        self._budget: ThreadBudget | None = None
+        self.costs = PlacementCosts()
+        """What the pair has measured of its steps on P and on D (mode ``"auto"`` compares them)."""
+        self._steps_on_decode = 0
+        """Steps placed on D alone and not finished: counted from the choice, so that ``auto`` never places a
+        second one beside the first (with several at once, 8 concurrent sessions stalled on D; cause not found)."""
 
     @property
     def bidirectional(self) -> bool:
@@ -99,18 +110,23 @@ class EmbeddedPair(Engine):
         config = self.config
         model_path = await prepare_model_off_loop(config.model, progress=self._progress)
         p_cores, d_cores = (list(c) for c in config.cores) if config.cores else split_cores()
+        own: dict[Role, list[int]] = {"prefill": p_cores, "decode": d_cores}
+        elastic = config.core_policy == "elastic" and not set(p_cores) & set(d_cores)
+        self._budget = budget = ThreadBudget(config.core_policy if elastic else "split", own)
         tag = uuid.uuid4().hex[:8]
-        roles: tuple[tuple[Role, list[int]], ...] = (("prefill", p_cores), ("decode", d_cores))
-        for role, cores in roles:
+        roles: tuple[tuple[Role, Role], ...] = (("prefill", "decode"), ("decode", "prefill"))
+        for role, other in roles:
             launch = pair_engine_launch(
                 config,
                 role,
                 model_path=model_path,
-                cores=cores,
+                cores=elastic_bind_order(own[role], own[other]) if elastic else own[role],
                 engine_id=f"agentkv-{role}-{tag}",
                 side_channel_port=free_port(),
+                thread_budget=budget.path(role) if elastic else None,
             )
             runner = AsyncLLMRunner(launch)
+            runner.on_request = functools.partial(_follow_requests, budget, role)
             if role == "prefill":
                 self._p = runner
             else:
@@ -119,10 +135,11 @@ class EmbeddedPair(Engine):
         self._info = EngineInfo(
             model_path=model_path,
             max_model_len=config.max_model_len,
-            modes=pair_modes(push_back=config.bidirectional),
+            modes=pair_modes(push_back=config.bidirectional, placement=True),
             extra={
                 "prefill_cores": p_cores,
                 "decode_cores": d_cores,
+                "core_policy": budget.policy,
                 "pin_ttl_s": config.pin_ttl_s,
                 "prefill_prefix_cache": config.prefill_prefix_cache,
             },
@@ -131,14 +148,23 @@ class EmbeddedPair(Engine):
     async def _warm_up(self) -> None:
         if self.config.warmup:
             self._progress("agentkv: warming up (kernels, NIXL handshakes)")
-            await run_warmup_steps(self, push_back=self.bidirectional)
+            placements: tuple[Placement, ...] = ("prefill", "decode")
+            await run_warmup_steps(self, push_back=self.bidirectional, placements=placements)  # first prefills: cold
+            self.costs = PlacementCosts()
+            await run_warmup_steps(self, push_back=self.bidirectional, placements=placements)  # calibrates both
         for engine in self._engines():
             engine.repin()  # threads that NIXL started during the handshakes
+
+    def _spawn_release(self, handle: KVHandle) -> None:
+        if self.home is not None:
+            self.home.spawn(self.release, handle)
 
     async def _stop(self) -> None:
         engines = [e for e in (self._d, self._p) if e is not None]
         for engine in engines:
             await engine.shutdown_async()
+        if self._budget is not None:
+            self._budget.close()
 
     # ----------------------------------------------------------------- one step
 
@@ -157,6 +183,16 @@ class EmbeddedPair(Engine):
     async def _step(self, request: StepRequest) -> AsyncGenerator[StepEvent, None]:
         p, d = self._engines()
         started = time.perf_counter()
+        choice = self._place(request, d)
+        if choice.engine == "decode":
+            self._steps_on_decode += 1
+            try:
+                async with contextlib.aclosing(self._step_on_decode(d, request, started, choice)) as events:
+                    async for event in events:
+                        yield event
+            finally:
+                self._steps_on_decode -= 1
+            return
         declined = False
         p_out, p_stats, p_ledger = await self._prefill(p, request, request.handle)
         if p_out is None and request.handle is not None:
@@ -166,38 +202,96 @@ class EmbeddedPair(Engine):
         if p_out is None:
             raise EngineError("the prefill engine failed the request")
         handoff = parse_prefill_result(p_out.kv_transfer_params)
-        params = vllm_sampling(request.sampling, kv_transfer_params=handoff.as_decode_params(), stream=True)
-        stream = DecodeStream(
-            d,
-            request.prompt_token_ids,
-            params,
-            f"{request.request_id}-d",
-            idle_timeout_s=self.config.step_timeout_s,
-            cache_salt=request.cache_salt,
-        )
+        first = first_token_of_prefill(request, p_out, d.block_size)
+        sampling, d_prompt = request.sampling, list(request.prompt_token_ids)
+        if first is not None:  # P's token is the answer's first: stream it now, D continues after it
+            first_token_at = time.perf_counter()
+            yield first
+            seed = sampling.seed + 1 if sampling.seed is not None else None  # not P's draw again
+            sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - 1, seed=seed)
+            d_prompt.extend(first.token_ids)
+        params = vllm_sampling(sampling, kv_transfer_params=handoff.as_decode_params(), stream=True)
+        stream = self._decode_stream(d, d_prompt, params, request, "d")
         async with contextlib.aclosing(aiter(stream)) as deltas:
             async for delta in deltas:
                 yield delta
-        d_out, d_stats, d_ledger = stream.result()
-        completion = d_out.outputs[0]
-        if completion.finish_reason not in ("stop", "length"):
-            raise EngineError(f"the decode engine ended the step with {completion.finish_reason!r}")
+        d_out, d_stats, d_ledger, completion = _finished(stream)
+        if first is None:
+            first_token_at = stream.first_token_at or time.perf_counter()
         prefill_s, p_wait, _ = engine_seconds(p_out)
         _, d_wait, decode_s = engine_seconds(d_out)
         if p_stats is None:  # vLLM reported no split (not seen in 0.32): say so, rather than guess quietly
             logger.warning("agentkv: vLLM gave no prefill split for a step; its cached tokens are reported as local")
         split = (p_stats.num_local_cached_tokens, p_stats.num_external_cached_tokens) if p_stats is not None else None
         timings = StepTimings(
-            ttft_s=stream.first_token_at - started if stream.first_token_at else time.perf_counter() - started,
+            ttft_s=first_token_at - started,
             prefill_s=prefill_s,
             kv_wait_s=p_wait + d_wait,
             decode_s=decode_s,
             handoff_tokens=d_stats.num_external_cached_tokens if d_stats is not None else 0,
             pullback_declined=declined or p_ledger.expired > 0,
+            prefill_engine="prefill",
+            placement_reason=choice.reason,
             **_transfer(p_ledger, d_ledger),
             **prompt_split(len(request.prompt_token_ids), split=split, cached_tokens=p_out.num_cached_tokens),
         )
+        self.costs.observe(
+            "prefill", computed_tokens=timings.computed_tokens, ttft_s=timings.ttft_s, prefill_s=prefill_s
+        )
         handle, handle_error = parse_handle(d_out.kv_transfer_params) if self.bidirectional else (None, None)
+        yield StepDone(
+            token_ids=[*first.token_ids, *stream.token_ids] if first is not None else stream.token_ids,
+            text=first.text + stream.text if first is not None else stream.text,
+            finish_reason=completion.finish_reason,
+            handle=handle,
+            handle_error=handle_error,
+            timings=timings,
+        )
+
+    def _place(self, request: StepRequest, d: AsyncLLMRunner) -> PlacementChoice:
+        """Where to prefill ``request``: P unless asked for D, or ``auto`` finds D faster."""
+        if request.handle is None or request.placement == "prefill":
+            return PlacementChoice("prefill", "no pin to extend on D" if request.placement != "prefill" else "asked")
+        if request.placement == "decode":
+            return PlacementChoice("decode", "asked")
+        assert self._budget is not None
+        return self.costs.choose(
+            prompt_tokens=len(request.prompt_token_ids),
+            held_tokens=request.handle.remote_num_tokens,
+            block_size=d.block_size,
+            decode_in_flight=self._budget.in_flight("decode") + self._steps_on_decode,
+            prefill_in_flight=self._budget.in_flight("prefill"),
+        )
+
+    async def _step_on_decode(
+        self, d: AsyncLLMRunner, request: StepRequest, started: float, choice: PlacementChoice
+    ) -> AsyncGenerator[StepEvent, None]:
+        """The whole step on D: its prefix cache holds the pinned conversation (whole blocks); it computes the
+        rest, decodes, and pins the new conversation. The old pin is released (no P read will free it)."""
+        params = vllm_sampling(request.sampling, kv_transfer_params=_ON_DECODE_PARAMS, stream=True)
+        stream = self._decode_stream(d, request.prompt_token_ids, params, request, "dl")
+        async with contextlib.aclosing(aiter(stream)) as deltas:
+            async for delta in deltas:
+                yield delta
+        d_out, d_stats, d_ledger, completion = _finished(stream)
+        prefill_s, d_wait, decode_s = engine_seconds(d_out)
+        split = (d_stats.num_local_cached_tokens, 0) if d_stats is not None else None
+        timings = StepTimings(
+            ttft_s=stream.first_token_at - started if stream.first_token_at else time.perf_counter() - started,
+            prefill_s=prefill_s,
+            kv_wait_s=d_wait,
+            decode_s=decode_s,
+            prefill_engine="decode",
+            placement_reason=choice.reason,
+            **_transfer(d_ledger),
+            **prompt_split(len(request.prompt_token_ids), split=split, cached_tokens=d_out.num_cached_tokens),
+        )
+        self.costs.observe(
+            "decode", computed_tokens=timings.computed_tokens, ttft_s=timings.ttft_s, prefill_s=prefill_s
+        )
+        if request.handle is not None:  # no P read will free the old pin: release it, off the step's path
+            self._spawn_release(request.handle)
+        handle, handle_error = parse_handle(d_out.kv_transfer_params)
         yield StepDone(
             token_ids=stream.token_ids,
             text=stream.text,
@@ -207,11 +301,24 @@ class EmbeddedPair(Engine):
             timings=timings,
         )
 
+    def _decode_stream(
+        self, d: AsyncLLMRunner, prompt: Sequence[int], params: Any, request: StepRequest, suffix: str
+    ) -> DecodeStream:
+        return DecodeStream(
+            d,
+            prompt,
+            params,
+            f"{request.request_id}-{suffix}",
+            idle_timeout_s=self.config.step_timeout_s,
+            cache_salt=request.cache_salt,
+        )
+
     async def _prefill(
         self, p: AsyncLLMRunner, request: StepRequest, handle: KVHandle | None
     ) -> tuple[Any, Any, TransferLedger]:
         """Run P to completion; the output is None when P failed (e.g. declined an expired read)."""
-        params = vllm_sampling(Sampling(max_tokens=1), kv_transfer_params=prefill_params(handle), stream=False)
+        sampling = dataclasses.replace(request.sampling, max_tokens=1, json_schema=None)
+        params = vllm_sampling(sampling, kv_transfer_params=prefill_params(handle), stream=False)
         request_id = f"{request.request_id}-p{'h' if handle else ''}"
         final, stats, ledger = await p.run(
             request.prompt_token_ids,
@@ -277,6 +384,26 @@ class EmbeddedPair(Engine):
             await self.aclose()
 
 
+def _finished(stream: DecodeStream) -> tuple[Any, Any, TransferLedger, Any]:
+    """D's final output, prefill stats, ledger and completion; an output that did not end normally is an error."""
+    d_out, d_stats, d_ledger = stream.result()
+    completion = d_out.outputs[0]
+    if completion.finish_reason not in ("stop", "length"):
+        raise EngineError(f"the decode engine ended the step with {completion.finish_reason!r}")
+    return d_out, d_stats, d_ledger, completion
+
+
+_ON_DECODE_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False, PIN_ON_DECODE: True}
+"""A step on D alone: nothing to pull; D pins its blocks after it (a patch makes D's worker track that pin)."""
+
+
+def _follow_requests(budget: ThreadBudget, role: Role, delta: int) -> None:
+    if delta > 0:
+        budget.started(role)
+    else:
+        budget.ended(role)
+
+
 _RELEASE_MARGIN_S = 10.0
 """A pin closer than this to its expiry is left to expire (P declines reads within 5 s of it)."""
 _RELEASE_TOKEN = 0
@@ -293,8 +420,11 @@ def _transfer(*ledgers: TransferLedger) -> dict[str, Any]:
     }
 
 
-async def run_warmup_steps(pair: Engine, *, push_back: bool) -> None:
-    """Two short steps (the second pushing the first one's handle back): kernels and NIXL handshakes run now.
+async def run_warmup_steps(
+    pair: Engine, *, push_back: bool, placements: tuple[Placement, ...] = ("prefill", "prefill")
+) -> None:
+    """Short steps (each after the first pushing the last one's handle back): kernels and NIXL handshakes
+    run now. ``placements``: where each step is prefilled (without push-back, one step only).
 
     The second prompt extends exactly what D holds (the first prompt and its output), and the
     handle goes through `choose_handle`, the rule every session step obeys. The last pin is
@@ -304,13 +434,14 @@ async def run_warmup_steps(pair: Engine, *, push_back: bool) -> None:
 
     prompt = [1] + [28] * 300  # two CPU blocks of one repeated token: shapes and handshakes only
     pin: Pin | None = None
-    for _ in range(2 if push_back else 1):
+    for placement in placements if push_back else placements[:1]:
         handle, _reason = choose_handle(pin, prompt, push_back=push_back, expiry_margin_s=_RELEASE_MARGIN_S)
         request = StepRequest(
             request_id=f"agentkv-warmup-{uuid.uuid4().hex}",
             prompt_token_ids=prompt,
             sampling=Sampling(max_tokens=4),
             handle=handle,
+            placement=placement,
         )
         done: StepDone | None = None
         async for event in pair.step(request):

@@ -19,12 +19,24 @@ from pathlib import Path
 from typing import Any, Literal, TypedDict
 
 from .._errors import UserError
-from ._system import cpu_list
-from ._vllm_patches import engine_env
+from ._system import bind_order, cpu_list
+from ._vllm_patches import THREAD_BUDGET_ENV, engine_env
 
-__all__ = ["EngineLaunch", "PairConfig", "PairSettings", "Role", "engine_launch", "pair_engine_launch", "resolve_dtype"]
+__all__ = [
+    "CorePolicy",
+    "EngineLaunch",
+    "PairConfig",
+    "PairSettings",
+    "Role",
+    "engine_launch",
+    "pair_engine_launch",
+    "resolve_dtype",
+]
 
 Role = Literal["prefill", "decode"]
+CorePolicy = Literal["split", "elastic"]
+"""How P and D share the cores: each on its own half (``"split"``), or each with a thread team on its
+own half that grows onto the other engine's half while that engine has nothing to compute (``"elastic"``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +55,13 @@ class PairConfig:
     prefill_prefix_cache: bool = True
     """P's own prefix cache (off reproduces the source's baseline)."""
     cores: tuple[Sequence[int], Sequence[int]] | None = None
-    """The core sets of P and D; default: the available cores split in two halves."""
+    """The core sets of P and D (disjoint); default: the available cores split in two halves."""
+    core_policy: CorePolicy = "elastic"
+    """``"elastic"``: an engine computes on both core sets while the other has nothing to compute, on its
+    own set otherwise; ``"split"``: always on its own set. See ``docs/performance.md``."""
+    dtype: str = "auto"
+    """Weights and KV dtype of both engines: ``"auto"`` (bfloat16 where the CPU computes it natively,
+    else float32), ``"float32"`` or ``"bfloat16"``."""
     max_model_len: int = 4096
     """Context length of both engines."""
     kv_cache_gib: float = 1.0
@@ -79,6 +97,10 @@ class PairConfig:
                 raise UserError(f"{name} must be a positive number, not {value!r}")
         if self.cores is not None and (len(self.cores) != 2 or not all(self.cores)):
             raise UserError("cores takes two non-empty core lists: prefill's, then decode's")
+        if self.core_policy not in ("split", "elastic"):
+            raise UserError(f"core_policy is 'split' or 'elastic', not {self.core_policy!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise UserError(f"dtype is 'auto', 'float32', 'bfloat16' or 'float16', not {self.dtype!r}")
         object.__setattr__(self, "connector_options", dict(self.connector_options))
 
     @classmethod
@@ -112,6 +134,8 @@ class PairSettings(TypedDict, total=False):
     bidirectional: bool
     prefill_prefix_cache: bool
     cores: tuple[Sequence[int], Sequence[int]] | None
+    core_policy: CorePolicy
+    dtype: str
     max_model_len: int
     kv_cache_gib: float
     pin_ttl_s: float
@@ -162,7 +186,7 @@ def engine_launch(
     }
     env = {"VLLM_CPU_KVCACHE_SPACE": kv_cache_space(kv_cache_gib), **engine_env(idle_poll_ms)}
     if cores:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cores)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cores) if list(cores) == sorted(set(cores)) else bind_order(cores)
     if kv_transfer is not None:
         engine_args["kv_transfer_config"] = kv_transfer
     if side_channel is not None:
@@ -189,9 +213,13 @@ def pair_engine_launch(
     engine_id: str,
     side_channel_port: int,
     nixl_host: str = "127.0.0.1",
+    thread_budget: str | None = None,
 ) -> EngineLaunch:
-    """P's or D's engine: NIXL (P ``kv_producer``, D ``kv_consumer``), the pair's connector settings."""
-    return engine_launch(
+    """P's or D's engine: NIXL (P ``kv_producer``, D ``kv_consumer``), the pair's connector settings.
+
+    ``thread_budget``: the file of the engine's `ThreadBudget` (elastic cores), or None.
+    """
+    launch = engine_launch(
         name=role,
         model_path=model_path,
         cores=cores,
@@ -207,7 +235,11 @@ def pair_engine_launch(
         },
         side_channel=(nixl_host, side_channel_port),
         idle_poll_ms=config.idle_poll_ms,
+        dtype=config.dtype,
     )
+    if thread_budget is not None:
+        launch.env[THREAD_BUDGET_ENV] = thread_budget
+    return launch
 
 
 def resolve_dtype(dtype: str) -> str:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 
 __all__ = [
+    "bind_order",
     "cpu_list",
     "descendants",
     "alive",
@@ -58,6 +59,11 @@ def cpu_list(cores: Iterable[int]) -> str:
         if core is not None:
             start = prev = core
     return ",".join(parts)
+
+
+def bind_order(cores: Iterable[int]) -> str:
+    """``[1, 0]`` -> ``"1,0"``: a ``VLLM_CPU_OMP_THREADS_BIND`` list in its given order (thread i on the i-th core)."""
+    return ",".join(str(core) for core in cores)
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ import anyio
 import anyio.to_thread
 
 from .._errors import EngineDeadError, EngineError, EngineStartError
-from ._base import Sampling, TokenDelta
+from ._base import Sampling, StepRequest, TokenDelta
 from ._pair_config import EngineLaunch
 from ._system import cpu_list, descendants, is_helper, kill_and_reap, repin_threads
 from ._vllm_patches import check_vllm_version, keep_prefill_stats, stop_output_handler
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["TransferLedger", "AsyncLLMRunner"]
+__all__ = ["AsyncLLMRunner", "TransferLedger", "first_token_of_prefill"]
 
 logger = logging.getLogger("agentkv")
 
@@ -91,6 +91,8 @@ class AsyncLLMRunner:
         self.pids: set[int] = set()
         self._llm: AsyncLLM | None = None
         self._readouts = _Readouts()
+        self.on_request: Callable[[int], None] | None = None
+        """Called with +1 when a request starts and -1 when it ends (a pair's `ThreadBudget` follows them)."""
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -171,6 +173,11 @@ class AsyncLLMRunner:
         return self._llm
 
     @property
+    def block_size(self) -> int:
+        """Tokens per KV block (a prefix cache holds whole blocks only)."""
+        return int(self.llm.vllm_config.cache_config.block_size)
+
+    @property
     def errored(self) -> bool:
         """Whether vLLM reports the engine dead."""
         return self._llm is not None and self._llm.errored
@@ -199,6 +206,8 @@ class AsyncLLMRunner:
         if in_ledger:
             self._readouts.in_flight[request_id] = TransferLedger()
         ran_to_end = False
+        if self.on_request is not None:
+            self.on_request(1)
         try:
             prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
             if cache_salt is not None:
@@ -216,6 +225,8 @@ class AsyncLLMRunner:
                 raise EngineDeadError(f"the {self.name} engine died: {exc}") from exc
             raise EngineError(f"the {self.name} engine failed a request: {exc}") from exc
         finally:
+            if self.on_request is not None:
+                self.on_request(-1)
             if not ran_to_end:
                 self.forget(request_id)
 
@@ -420,3 +431,27 @@ class DecodeStream:
         if self._result is None or self._result[0] is None:
             raise EngineError(f"the {self._engine.name} engine returned no output")
         return self._result
+
+
+def first_token_of_prefill(request: StepRequest, p_out: RequestOutput, block_size: int) -> TokenDelta | None:
+    """P's sampled token as the answer's first token, when it can serve as one.
+
+    P samples one token with the step's sampling anyway (vLLM discards it and D samples the
+    first token again, after its pull and a forward pass). Streamed at once, it takes D's
+    pull and first forward pass off the time to first token; D then starts from the prompt
+    plus that token. Not used when the output is constrained by a JSON schema (P ran without
+    the grammar), when the token ended the answer (D must still run to pin the KV), or when
+    its text is incomplete (a partial UTF-8 character that only the next tokens complete).
+    Nor when the prompt fills its last block: D pulls P's blocks and recomputes the last
+    token of its prompt, which must then lie in a block P sent (vLLM 0.32 fails a pull that
+    P's blocks do not cover).
+    """
+    completion = p_out.outputs[0]
+    text = completion.text
+    if request.sampling.json_schema is not None or request.sampling.max_tokens < 2:
+        return None
+    if len(request.prompt_token_ids) % block_size == 0:
+        return None
+    if len(completion.token_ids) != 1 or completion.finish_reason != "length" or not text or "\ufffd" in text:
+        return None
+    return TokenDelta(token_ids=list(completion.token_ids), text=text)

@@ -14,6 +14,10 @@ Each patch and its measured reason is described in ``docs/vllm-patches.md``. In 
 * **Shutdown order** (`stop_output_handler`): an ``AsyncLLM``'s output handler is stopped
   before the engine, not after, so it never reads the "engine dead" that vLLM's own shutdown
   puts in its queue (a traceback at every exit).
+* **Pins of steps on D alone**: D's worker tracks them as it tracks a decode's pin.
+* **Elastic cores** (with ``core_policy="elastic"``): before each forward pass a worker sets its
+  thread count from a small file its pair writes (`ThreadBudget`): its own cores, or, for a
+  prefill while the other engine has nothing to compute, both engines' cores.
 * **Read-outs** (`keep_prefill_stats`): each request's local/external prefix-cache split,
   which vLLM computes but does not return.
 * **The server's additions** (`add_server_readouts`): the read-outs for agentkv's API
@@ -25,6 +29,7 @@ move between releases, and a patch that misses its target fails loudly rather th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -54,6 +59,12 @@ SUPPORTED_VLLM = "0.32"
 ENGINE_ENV = "AGENTKV_ENGINE"
 NIXL_DELAY_ENV = "AGENTKV_NIXL_PROGRESS_DELAY_US"
 PARKED_POLL_ENV = "AGENTKV_PARKED_KV_POLL_MS"
+THREAD_BUDGET_ENV = "AGENTKV_THREAD_BUDGET"
+PIN_ON_DECODE = "agentkv_pin_on_decode"
+"""A ``kv_transfer_params`` key: a step run on D alone, whose blocks D pins like a decode's (see below)."""
+LENT_MIN_TOKENS = 32
+"""A forward pass uses lent cores only when it computes at least this many tokens (a prefill): on the
+2-core machines measured, one decode token per pass ran slower on two threads than on one."""
 WORKER_SPIN_S = 0.002
 _PATCHED_MARK = "_agentkv_patched"
 
@@ -90,6 +101,7 @@ def install() -> None:
         return  # not an engine agentkv started: change nothing
     check_vllm_version()
     _tear_down_without_waiting_for_parked_kv()
+    _track_pins_of_steps_on_decode()
     delay_us = os.environ.get(NIXL_DELAY_ENV)
     poll_ms = os.environ.get(PARKED_POLL_ENV)
     if delay_us:
@@ -97,6 +109,82 @@ def install() -> None:
     if poll_ms:
         _wait_for_input_while_only_parked(int(poll_ms) / 1000)
         _shorten_worker_spin(WORKER_SPIN_S)
+    budget_path = os.environ.get(THREAD_BUDGET_ENV)
+    if budget_path:
+        _follow_thread_budget(budget_path)
+
+
+def _follow_thread_budget(path: str) -> None:
+    """Set the worker's thread count before each forward pass from the budget its pair writes at ``path``."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    if getattr(CPUWorker, _PATCHED_MARK, None) is not None:
+        return
+    execute = CPUWorker.execute_model
+    follower = _ThreadBudgetFollower(path)
+
+    def execute_within_budget(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        follower.apply(scheduler_output.total_num_scheduled_tokens)
+        return execute(self, scheduler_output, *args, **kwargs)
+
+    CPUWorker.execute_model = execute_within_budget  # type: ignore[method-assign]
+    setattr(CPUWorker, _PATCHED_MARK, path)
+
+
+class _ThreadBudgetFollower:
+    """The worker's side of a `ThreadBudget`: two bytes, (own threads, lent threads or 0)."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self._threads = 0
+
+    def apply(self, tokens: int) -> None:
+        own, lent = os.pread(self._fd, 2, 0)
+        wanted = lent if lent and tokens >= LENT_MIN_TOKENS else own
+        if wanted and wanted != self._threads:
+            import torch
+
+            if self._threads == 0:
+                _bind_omp_threads_in_order(_bind_order())
+            torch._C.set_num_threads(wanted)  # vLLM replaces torch.set_num_threads with a warning
+            self._threads = wanted
+
+
+def _bind_order() -> list[int]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` as a list, in its order (``"1,0"`` -> ``[1, 0]``; ranges ascend)."""
+    cores: list[int] = []
+    first_rank = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|")[0]
+    for part in first_rank.split(","):
+        first, _, last = part.strip().partition("-")
+        if first.isdigit() and (not last or last.isdigit()):
+            cores.extend(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def _bind_omp_threads_in_order(order: list[int]) -> None:
+    """Thread i of the OMP team on ``order[i]`` (called from the worker's main thread, the team's thread 0).
+
+    vLLM binds thread i to the i-th *lowest* core of its list, whatever the list's order, and
+    its NIXL worker then moves the main thread to the last core. An elastic engine needs its
+    own cores first (a team of its own size stays on them), so the helper threads vLLM bound
+    are moved to the cores of the same rank in ``order``, and the main thread to ``order[0]``.
+    """
+    if not order:
+        return
+    by_rank = dict(zip(sorted(order), order, strict=True))
+    main = threading.get_native_id()
+    bound: dict[int, int] = {}
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        with contextlib.suppress(OSError):
+            cores = os.sched_getaffinity(tid)
+            if tid != main and len(cores) == 1:
+                bound[tid] = next(iter(cores))
+    for tid, core in bound.items():
+        if core in by_rank and by_rank[core] != core:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, {by_rank[core]})
+    os.sched_setaffinity(0, {order[0]})
 
 
 class _BindingsWithDelay:
@@ -149,6 +237,30 @@ def _wait_for_input_while_only_parked(poll_s: float) -> None:
 
     EngineCoreProc._process_engine_step = step_then_wait_if_only_parked  # type: ignore[method-assign]
     setattr(EngineCoreProc, _PATCHED_MARK, poll_s)
+
+
+def _track_pins_of_steps_on_decode() -> None:
+    """D's worker tracks the pin of a step run on D alone, as it tracks a decode's.
+
+    vLLM's scheduler pins the blocks of any finished request with transfer parameters on a
+    bidirectional D, but its worker tracks (serves reads of, frees on notification or
+    expiry) only requests that pulled from P. A step on D alone pulls nothing: without this
+    its pin was never freed and D's cache filled up (seen: 8 concurrent sessions stalled).
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+
+    update = NixlPullConnectorScheduler.update_state_after_alloc
+    if getattr(update, _PATCHED_MARK, False):
+        return
+
+    def update_tracking_pins_on_decode(self: Any, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        update(self, request, blocks, num_external_tokens)
+        params = request.kv_transfer_params
+        if params and params.get(PIN_ON_DECODE) and self.is_bidirectional_kv_xfer_enabled:
+            self._reqs_in_batch.add(request.request_id)
+
+    setattr(update_tracking_pins_on_decode, _PATCHED_MARK, True)
+    NixlPullConnectorScheduler.update_state_after_alloc = update_tracking_pins_on_decode  # type: ignore[method-assign]
 
 
 def _tear_down_without_waiting_for_parked_kv() -> None:

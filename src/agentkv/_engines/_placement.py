@@ -1,0 +1,88 @@
+"""Per-step placement: prefill a step on P with push-back, or on D alone from D's own cache.
+
+D holds every pinned conversation in its prefix cache, but a cache keeps whole blocks
+only: a step prefilled on D recomputes the pin's last partial block (up to 127 tokens on
+CPU) and the new tokens, with no P hop and no transfers. A step on P computes only the new
+tokens but pays the hop: P's scheduling, P's pull from D, D's pull from P. Which is faster
+depends on the step and the machine, so `PlacementCosts` learns both from the pair's own
+steps (calibrated by the warm-up, updated by every step) and compares the estimates.
+
+D takes a step only while it has nothing else in flight: prefilling on D stalls the decodes
+of other conversations, which is what disaggregation exists to prevent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["Placement", "PlacementChoice", "PlacementCosts", "PrefillEngine"]
+
+Placement = Literal["prefill", "decode", "auto"]
+"""Where a pair prefills a step: on P (``"prefill"``, the protocol), on D alone from its own cache
+(``"decode"``), or where its measured costs say is faster (``"auto"``)."""
+
+PrefillEngine = Literal["prefill", "decode"]
+"""The engine of a pair that computed a step's new prompt tokens."""
+
+_SMOOTHING = 0.3
+"""Weight of the newest observation in each running estimate."""
+_MIN_TOKENS_FOR_RATE = 32
+"""A step teaches the per-token cost only when it computed at least this many tokens."""
+
+
+@dataclass(frozen=True)
+class PlacementChoice:
+    """Where a step is prefilled, and why (the step's ``placement_reason``)."""
+
+    engine: PrefillEngine
+    reason: str
+
+
+@dataclass
+class PlacementCosts:
+    """Running estimates of time to first token on each placement: a fixed cost plus a cost per computed token.
+
+    The priors (0.1 s hop on P, 2 ms per token) only matter until the warm-up's steps replace them.
+    """
+
+    fixed_s: dict[PrefillEngine, float] = field(default_factory=lambda: {"prefill": 0.1, "decode": 0.02})
+    per_token_s: dict[PrefillEngine, float] = field(default_factory=lambda: {"prefill": 2e-3, "decode": 2e-3})
+    _seen: set[tuple[str, PrefillEngine]] = field(default_factory=set[tuple[str, PrefillEngine]])
+
+    def estimate(self, engine: PrefillEngine, computed_tokens: int) -> float:
+        """Estimated time to first token for a step that computes ``computed_tokens`` on ``engine``."""
+        return self.fixed_s[engine] + computed_tokens * self.per_token_s[engine]
+
+    def observe(self, engine: PrefillEngine, *, computed_tokens: int, ttft_s: float, prefill_s: float | None) -> None:
+        """Learn from a finished step: its compute time per token, and the rest of its time to first token."""
+        if prefill_s is not None and computed_tokens >= _MIN_TOKENS_FOR_RATE:
+            self.per_token_s[engine] = self._blend(
+                "rate", engine, self.per_token_s[engine], prefill_s / computed_tokens
+            )
+        fixed = max(0.0, ttft_s - computed_tokens * self.per_token_s[engine])
+        self.fixed_s[engine] = self._blend("fixed", engine, self.fixed_s[engine], fixed)
+
+    def _blend(self, what: str, engine: PrefillEngine, current: float, new: float) -> float:
+        """The first observation replaces the prior; later ones move the estimate by `_SMOOTHING`."""
+        if (what, engine) not in self._seen:
+            self._seen.add((what, engine))
+            return new
+        return (1 - _SMOOTHING) * current + _SMOOTHING * new
+
+    def choose(
+        self, *, prompt_tokens: int, held_tokens: int, block_size: int, decode_in_flight: int, prefill_in_flight: int
+    ) -> PlacementChoice:
+        """P or D for a step whose prompt extends the ``held_tokens`` that D pins."""
+        if decode_in_flight:
+            return PlacementChoice("prefill", f"D busy ({decode_in_flight} in flight)")
+        on_prefill = prompt_tokens - held_tokens
+        on_decode = prompt_tokens - held_tokens // block_size * block_size
+        if prefill_in_flight:
+            return PlacementChoice("decode", f"P busy ({prefill_in_flight} in flight), D idle: {on_decode} tokens on D")
+        via_prefill = self.estimate("prefill", on_prefill)
+        via_decode = self.estimate("decode", on_decode)
+        engine: PrefillEngine = "decode" if via_decode <= via_prefill else "prefill"
+        return PlacementChoice(
+            engine, f"estimated D {via_decode:.3f} s ({on_decode} tokens), P {via_prefill:.3f} s ({on_prefill} tokens)"
+        )

@@ -1,0 +1,128 @@
+"""The real pair's performance levers: steps placed on D alone, P's first token, elastic cores (docs/performance.md)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+
+import anyio
+import pytest
+
+from agentkv import EmbeddedPair, Session
+from agentkv._engines import KVHandle, Placement, Sampling, StepDone, StepRequest, TokenDelta
+
+pytestmark = pytest.mark.pair
+
+SYSTEM = "You are a terse assistant for a Python project. " + " ".join(
+    f"Fact {i}: module m{i} exports function f{i}." for i in range(30)
+)
+QUESTIONS = ("Which module exports f3?", "And f7?", "Name one more module.")
+MAX_TOKENS = 12
+BLOCK = 128  # vLLM's CPU block size
+
+
+async def _step(
+    pair: EmbeddedPair, prompt: Sequence[int], handle: KVHandle | None, placement: Placement, salt: str
+) -> tuple[StepDone, list[int]]:
+    request = StepRequest(
+        request_id=f"test-{uuid.uuid4().hex}",
+        prompt_token_ids=list(prompt),
+        sampling=Sampling(max_tokens=MAX_TOKENS),
+        handle=handle,
+        cache_salt=salt,
+        placement=placement,
+    )
+    streamed: list[int] = []
+    done: StepDone | None = None
+    async for event in pair.step(request):
+        if isinstance(event, TokenDelta):
+            streamed.extend(event.token_ids)
+        else:
+            done = event
+    assert done is not None
+    return done, streamed
+
+
+def test_auto_mode_answers_as_bidirectional_and_says_where_each_step_ran(pair: EmbeddedPair) -> None:
+    answers: dict[str, list[list[int]]] = {}
+    for mode in ("bidirectional", "auto"):
+        with Session(engine=pair, mode=mode, system=SYSTEM, max_tokens=MAX_TOKENS, cache_salt=mode) as session:
+            results = [session.run_sync(question) for question in QUESTIONS]
+        answers[mode] = [result.steps[0].token_ids for result in results]
+        for turn, result in enumerate(results, start=1):
+            stats = result.steps[0].stats
+            assert stats.prefill_engine in ("prefill", "decode") and stats.placement_reason
+            if mode == "bidirectional":
+                assert stats.prefill_engine == "prefill"
+            if turn > 1:
+                assert stats.handle_forwarded and stats.miss_reason is None
+            if stats.prefill_engine == "decode":  # D's own cache served the pinned conversation's whole blocks
+                assert stats.pulled_tokens == 0 and stats.handoff_tokens == 0 and stats.local_hit_tokens >= BLOCK
+    assert answers["auto"] == answers["bidirectional"]
+
+
+def test_a_step_on_d_alone_matches_p_and_pins_the_longer_conversation(pair: EmbeddedPair) -> None:
+    """Placed on D, a step reuses D's whole blocks of the pin, computes the rest, answers as P would, and
+    returns a handle that the next step (on P) pulls from."""
+    assert pair.home is not None
+    pair.home.call(_steps_on_d_and_p, pair)
+
+
+async def _steps_on_d_and_p(pair: EmbeddedPair) -> None:
+    base_prompt = [1] + [(i * 7919) % 20000 + 100 for i in range(300)]
+    first, _ = await _step(pair, base_prompt, None, "prefill", "on-d")
+    assert first.handle is not None
+    held = first.handle.remote_num_tokens
+    prompt = base_prompt + list(first.token_ids) + [(i * 104729) % 20000 + 100 for i in range(40)]
+
+    on_d, streamed = await _step(pair, prompt, first.handle, "decode", "on-d")
+    reference, _ = await _step(pair, prompt, None, "prefill", "reference")
+
+    assert list(on_d.token_ids) == list(reference.token_ids) == streamed
+    timings = on_d.timings
+    assert timings.prefill_engine == "decode" and timings.pulled_tokens == 0 and timings.handoff_tokens == 0
+    assert timings.local_hit_tokens == held // BLOCK * BLOCK
+    assert timings.local_hit_tokens + timings.computed_tokens == len(prompt)
+    assert on_d.handle is not None and on_d.handle.remote_num_tokens == len(prompt) + len(on_d.token_ids) - 1
+
+    longer = prompt + list(on_d.token_ids) + [7, 8, 9]
+    after, _ = await _step(pair, longer, on_d.handle, "prefill", "on-d")
+    assert after.timings.prefill_engine == "prefill" and after.timings.pulled_tokens > 0
+    assert after.handle is not None and reference.handle is not None
+    await pair.release(after.handle)
+    await pair.release(reference.handle)
+    assert await _d_holds_no_block(pair)  # every pin freed: the steps on D included
+
+
+async def _d_holds_no_block(pair: EmbeddedPair) -> bool:
+    """vLLM resets D's prefix cache only when no block is in use (no pin left)."""
+    assert pair._d is not None
+    for _ in range(50):
+        if await pair._d.llm.reset_prefix_cache():
+            return True
+        await anyio.sleep(0.1)  # D frees a released pin on its next poll
+    return False
+
+
+def test_each_worker_computes_from_its_own_first_core(pair: EmbeddedPair) -> None:
+    """Elastic cores: an engine's thread team starts on its own cores (vLLM's NIXL worker moves the main
+    thread to the last core; the budget follower moves it back), so P's and D's teams of their own size
+    never share a core."""
+    if pair.info.extra["core_policy"] != "elastic":
+        pytest.skip("the pair runs with split cores (one core only?)")
+    own = {"prefill": pair.info.extra["prefill_cores"], "decode": pair.info.extra["decode_cores"]}
+    for role, engine in (("prefill", pair._p), ("decode", pair._d)):
+        assert engine is not None
+        workers = [pid for pid in engine.pids if _comm(pid).startswith("VLLM::Worker")]
+        assert workers, f"no worker process found for {role}"
+        for pid in workers:
+            assert os.sched_getaffinity(pid) == {own[role][0]}, role
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as file:
+            return file.read().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,338 @@
+"""Per-step placement without engines: the cost model, the pair's choice, and session mode "auto" on the doubles.
+
+A step is prefilled on P with push-back or on D alone from D's cache of the pinned conversation
+(`PlacementCosts` compares the two estimates). Mode "auto" asks the pair to choose; every other
+mode asks for P. The doubles do not place steps; a wrapper below reports a step as D's, as the
+pair does, to check what the session makes of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pydantic
+import pytest
+
+from agentkv import (
+    EmbeddedPair,
+    KVHandle,
+    Mode,
+    Sampling,
+    Session,
+    StepDone,
+    StepEvent,
+    StepRequest,
+    StepStats,
+    UserError,
+)
+from agentkv._engines import Placement
+from agentkv._engines._base import pair_modes
+from agentkv._engines._cores import ThreadBudget
+from agentkv._engines._placement import PlacementChoice, PlacementCosts
+from agentkv._engines._vllm import first_token_of_prefill
+from agentkv._pinning import miss_after_step
+from agentkv.testing import HonestPairEngine, ScriptedEngine
+
+BLOCK = 128
+
+# ----------------------------------------------------------------- the cost model
+
+
+def test_the_first_observation_replaces_the_prior_and_later_ones_blend() -> None:
+    costs = PlacementCosts()
+    costs.observe("prefill", computed_tokens=100, ttft_s=0.5, prefill_s=0.2)
+    assert costs.per_token_s["prefill"] == pytest.approx(0.002)  # 0.2 s / 100 tokens
+    assert costs.fixed_s["prefill"] == pytest.approx(0.3)  # the rest of the TTFT
+    costs.observe("prefill", computed_tokens=100, ttft_s=1.0, prefill_s=0.4)
+    rate = 0.7 * 0.002 + 0.3 * 0.004
+    assert costs.per_token_s["prefill"] == pytest.approx(rate)
+    assert costs.fixed_s["prefill"] == pytest.approx(0.7 * 0.3 + 0.3 * (1.0 - 100 * rate))
+    assert costs.estimate("prefill", 50) == pytest.approx(costs.fixed_s["prefill"] + 50 * rate)
+    assert (costs.fixed_s["decode"], costs.per_token_s["decode"]) == (
+        PlacementCosts().fixed_s["decode"],
+        PlacementCosts().per_token_s["decode"],
+    )  # the other engine's estimates are its own
+
+
+def test_a_short_step_teaches_the_fixed_cost_but_not_the_rate() -> None:
+    costs = PlacementCosts()
+    prior_rate = costs.per_token_s["decode"]
+    costs.observe("decode", computed_tokens=31, ttft_s=0.2, prefill_s=0.15)
+    assert costs.per_token_s["decode"] == prior_rate
+    assert costs.fixed_s["decode"] == pytest.approx(0.2 - 31 * prior_rate)
+    costs.observe("decode", computed_tokens=500, ttft_s=0.2, prefill_s=None)  # no engine timing: no rate either
+    assert costs.per_token_s["decode"] == prior_rate
+    costs.observe("decode", computed_tokens=200, ttft_s=0.9, prefill_s=0.8)
+    assert costs.per_token_s["decode"] == pytest.approx(0.004)  # the first rate seen still replaces the prior
+
+
+def test_the_fixed_cost_is_never_negative() -> None:
+    costs = PlacementCosts()
+    costs.observe("prefill", computed_tokens=400, ttft_s=0.5, prefill_s=0.8)  # compute longer than the TTFT
+    assert costs.fixed_s["prefill"] == 0.0
+
+
+def _choose(costs: PlacementCosts, **changes: int) -> PlacementChoice:
+    arguments = {"prompt_tokens": 1000, "held_tokens": 900, "block_size": BLOCK}
+    arguments |= {"decode_in_flight": 0, "prefill_in_flight": 0} | changes
+    return costs.choose(**arguments)
+
+
+def test_a_busy_decode_engine_sends_the_step_to_prefill() -> None:
+    costs = PlacementCosts(fixed_s={"prefill": 5.0, "decode": 0.0})  # D far cheaper, but busy
+    choice = _choose(costs, decode_in_flight=3, prefill_in_flight=2)
+    assert choice.engine == "prefill"
+    assert "D busy" in choice.reason and "3" in choice.reason
+
+
+def test_a_busy_prefill_engine_sends_the_step_to_an_idle_decode_engine() -> None:
+    costs = PlacementCosts(fixed_s={"prefill": 0.0, "decode": 5.0})  # P far cheaper, but busy
+    choice = _choose(costs, prefill_in_flight=1)
+    assert choice.engine == "decode"
+    assert "P busy" in choice.reason and "104 tokens on D" in choice.reason  # 1000 - 7 whole blocks of 900
+
+
+@pytest.mark.parametrize(
+    ("prompt", "held", "on_decode"),
+    [
+        (1000, 900, 1000 - 7 * BLOCK),
+        (300, 256, 300 - 256),  # the pin ends on a block boundary: nothing recomputed
+        (300, 255, 300 - BLOCK),  # one token short of it: a whole block recomputed
+        (100, 90, 100),  # less than a block pinned: the whole prompt
+    ],
+)
+def test_the_choice_compares_the_two_estimates(prompt: int, held: int, on_decode: int) -> None:
+    on_prefill = prompt - held
+    cheap_decode = PlacementCosts(fixed_s={"prefill": 0.1, "decode": 0.0}, per_token_s={"prefill": 1e-3, "decode": 0})
+    choice = _choose(cheap_decode, prompt_tokens=prompt, held_tokens=held)
+    assert choice.engine == "decode"
+    via_prefill = 0.1 + on_prefill * 1e-3
+    assert choice.reason == f"estimated D 0.000 s ({on_decode} tokens), P {via_prefill:.3f} s ({on_prefill} tokens)"
+    cheap_prefill = PlacementCosts(fixed_s={"prefill": 0.0, "decode": 0.1}, per_token_s={"prefill": 0, "decode": 1e-3})
+    choice = _choose(cheap_prefill, prompt_tokens=prompt, held_tokens=held)
+    assert choice.engine == "prefill"
+    assert f"D {0.1 + on_decode * 1e-3:.3f} s ({on_decode} tokens)" in choice.reason
+    assert f"P 0.000 s ({on_prefill} tokens)" in choice.reason
+
+
+def test_the_recomputed_partial_block_can_tip_the_choice() -> None:
+    """Same costs per token and fixed costs either side: D wins only when its recomputed tail is short."""
+    costs = PlacementCosts(fixed_s={"prefill": 0.05, "decode": 0.0}, per_token_s={"prefill": 1e-3, "decode": 1e-3})
+    assert _choose(costs, prompt_tokens=276, held_tokens=256).engine == "decode"  # 20 on D vs 20 on P + hop
+    assert _choose(costs, prompt_tokens=383, held_tokens=383 - 20).engine == "prefill"  # 127 on D vs 20 on P
+
+
+# ----------------------------------------------------------------- the pair's choice
+
+
+def _handle(tokens: int) -> KVHandle:
+    return KVHandle(
+        do_remote_decode=True,
+        do_remote_prefill=False,
+        remote_block_ids=[[1, 2, 3]],
+        remote_engine_id="agentkv-decode-test",
+        remote_request_id="r-d-test",
+        remote_host="127.0.0.1",
+        remote_port=5701,
+        tp_size=1,
+        dcp_size=1,
+        pp_size=1,
+        transfer_mode="pull",
+        remote_num_tokens=tokens,
+        remote_blocks_expiry_time=1e9,
+    )
+
+
+@pytest.fixture
+def unstarted_pair() -> Any:
+    pair = EmbeddedPair(warmup=False)
+    pair._budget = ThreadBudget("elastic", {"prefill": [0], "decode": [1]})
+    yield pair
+    pair._budget.close()
+
+
+def _request(placement: Placement, *, handle: KVHandle | None, prompt: int = 300) -> StepRequest:
+    return StepRequest(
+        request_id="r", prompt_token_ids=list(range(prompt)), sampling=Sampling(), handle=handle, placement=placement
+    )
+
+
+def test_the_pair_places_as_asked_and_auto_only_with_a_pin(unstarted_pair: Any) -> None:
+    d = SimpleNamespace(block_size=BLOCK)
+    assert unstarted_pair._place(_request("prefill", handle=_handle(256)), d).engine == "prefill"
+    assert unstarted_pair._place(_request("decode", handle=_handle(256)), d) == PlacementChoice("decode", "asked")
+    placements: tuple[Placement, ...] = ("auto", "decode")
+    for placement in placements:  # nothing pinned on D to extend: P, whatever was asked
+        choice = unstarted_pair._place(_request(placement, handle=None), d)
+        assert choice == PlacementChoice("prefill", "no pin to extend on D")
+
+
+def test_the_pair_passes_what_is_in_flight_to_its_choice(unstarted_pair: Any) -> None:
+    d = SimpleNamespace(block_size=BLOCK)
+    request = _request("auto", handle=_handle(256), prompt=300)
+    unstarted_pair.costs = PlacementCosts(fixed_s={"prefill": 0.0, "decode": 5.0})
+    assert unstarted_pair._place(request, d).engine == "prefill"  # estimated
+    unstarted_pair._budget.started("prefill")
+    choice = unstarted_pair._place(request, d)
+    assert choice.engine == "decode" and "P busy (1 in flight)" in choice.reason
+    unstarted_pair._budget.started("decode")
+    assert unstarted_pair._place(request, d).engine == "prefill"  # D busy wins over P busy
+
+
+def test_auto_never_places_a_second_step_on_d_beside_one_not_finished(unstarted_pair: Any) -> None:
+    d = SimpleNamespace(block_size=BLOCK)
+    request = _request("auto", handle=_handle(256), prompt=300)
+    unstarted_pair.costs = PlacementCosts(fixed_s={"prefill": 5.0, "decode": 0.0})
+    assert unstarted_pair._place(request, d).engine == "decode"
+    unstarted_pair._steps_on_decode = 1  # chosen, its request not yet on D
+    choice = unstarted_pair._place(request, d)
+    assert choice.engine == "prefill" and "D busy (1 in flight)" in choice.reason
+
+
+# ----------------------------------------------------------------- P's token as the first
+
+
+def _p_out(token_ids: list[int], text: str, finish_reason: str = "length") -> Any:
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids, text=text, finish_reason=finish_reason)])
+
+
+def test_prefills_token_is_streamed_as_the_first_when_it_can_be() -> None:
+    request = StepRequest(request_id="r", prompt_token_ids=list(range(300)), sampling=Sampling(max_tokens=8))
+    first = first_token_of_prefill(request, _p_out([42], "Hi"), BLOCK)
+    assert first is not None and first.token_ids == [42] and first.text == "Hi"
+
+
+@pytest.mark.parametrize(
+    ("sampling", "prompt", "p_out", "why"),
+    [
+        ({"max_tokens": 8, "json_schema": {"type": "object"}}, 300, _p_out([42], "{"), "P sampled without the grammar"),
+        ({"max_tokens": 1}, 300, _p_out([42], "Hi"), "the answer is one token: D must still run"),
+        ({"max_tokens": 8}, 256, _p_out([42], "Hi"), "the prompt fills its last block"),
+        ({"max_tokens": 8}, 300, _p_out([2], "", "stop"), "the token ended the answer"),
+        ({"max_tokens": 8}, 300, _p_out([42], "\ufffd"), "half a character"),
+        ({"max_tokens": 8}, 300, _p_out([42], ""), "no text"),
+    ],
+)
+def test_prefills_token_is_not_used_when_it_cannot_serve(
+    sampling: dict[str, Any], prompt: int, p_out: Any, why: str
+) -> None:
+    request = StepRequest(request_id="r", prompt_token_ids=list(range(prompt)), sampling=Sampling(**sampling))
+    assert first_token_of_prefill(request, p_out, BLOCK) is None, why
+
+
+# ----------------------------------------------------------------- mode "auto" in sessions
+
+
+def test_pair_modes_offer_auto_only_with_push_back_and_placement() -> None:
+    assert "auto" in pair_modes(push_back=True, placement=True)
+    assert "auto" not in pair_modes(push_back=True)
+    assert pair_modes(push_back=False, placement=True) == {"disaggregated"}
+
+
+class _Recorder:
+    """A `respond` for `HonestPairEngine` that records each request it answers."""
+
+    def __init__(self) -> None:
+        self.requests: list[StepRequest] = []
+
+    def __call__(self, request: StepRequest) -> str:
+        self.requests.append(request)
+        return f"Answer {len(self.requests)}."
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("mode", "placement", "forwarded"),
+    [("auto", "auto", True), ("bidirectional", "prefill", True), ("disaggregated", "prefill", False)],
+)
+async def test_the_session_asks_for_its_modes_placement(mode: Mode, placement: str, forwarded: bool) -> None:
+    recorder = _Recorder()
+    async with HonestPairEngine(recorder) as engine, Session(engine=engine, mode=mode) as session:
+        assert session.mode == mode
+        for question in ("One?", "Two?", "Three?"):
+            await session.run(question)
+    assert [request.placement for request in recorder.requests] == [placement] * 3
+    assert [request.handle is not None for request in recorder.requests] == [False, forwarded, forwarded]
+    assert [step.handle_forwarded for step in session.stats.steps] == [False, forwarded, forwarded]
+    engine.assert_honest()
+
+
+@pytest.mark.anyio
+async def test_auto_on_an_engine_without_push_back_is_a_user_error() -> None:
+    async with ScriptedEngine(["unused"]) as engine:
+        with pytest.raises(UserError, match="mode='auto' needs an engine with push-back"):
+            async with Session(engine=engine, mode="auto"):
+                pass
+        assert engine.requests == []
+
+
+class _DecodePlacedPair(HonestPairEngine):
+    """The honest double, except that steps with a handle are reported as the pair reports a step on D:
+    D's cache hit is the pin's whole blocks, the rest computed on D, nothing pulled."""
+
+    async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
+        async for event in super().step(request):
+            if isinstance(event, StepDone) and request.handle is not None:
+                prompt = len(request.prompt_token_ids)
+                hit = request.handle.remote_num_tokens // BLOCK * BLOCK
+                timings = dataclasses.replace(
+                    event.timings,
+                    local_hit_tokens=hit,
+                    pulled_tokens=0,
+                    computed_tokens=prompt - hit,
+                    handoff_tokens=0,
+                    prefill_engine="decode",
+                    placement_reason="estimated D (test)",
+                )
+                event = dataclasses.replace(event, timings=timings)
+            yield event
+
+
+@pytest.mark.anyio
+async def test_a_step_placed_on_decode_reports_its_engine_and_no_miss() -> None:
+    async with _DecodePlacedPair() as engine, Session(engine=engine, mode="auto") as session:
+        await session.run("A question long enough to fill a block of the cache? " * 30)
+        await session.run("And a second one?")
+    first, second = session.stats.steps
+    assert first.prefill_engine is None and first.miss_reason == "no_handle"
+    assert second.handle_forwarded and second.prefill_engine == "decode"
+    assert second.placement_reason == "estimated D (test)"
+    assert second.pulled_tokens == 0 and second.local_hit_tokens > 0  # the whole blocks of the pin, on D
+    assert second.miss_reason is None  # not "below_threshold": D reused its pin without a pull
+    assert second.local_hit_tokens + second.computed_tokens == second.prompt_tokens
+    rows = session.stats.rows()
+    assert rows[1]["prefill_engine"] == "decode" and rows[1]["placement_reason"] == "estimated D (test)"
+
+
+def _miss(handle: KVHandle | None, **changes: Any) -> Any:
+    arguments = {"prompt_tokens": 300, "local_hit_tokens": 256, "pulled_tokens": 0, "declined": False} | changes
+    return miss_after_step(handle, "no_handle" if handle is None else None, **arguments)
+
+
+def test_a_forwarded_handle_placed_on_decode_is_no_miss() -> None:
+    handle = _handle(280)
+    assert _miss(handle) == "below_threshold"  # on P, with nothing pulled, 256 < 280 is a miss
+    assert _miss(handle, placed_on_decode=True) is None
+    assert _miss(handle, declined=True) == "declined"
+    assert _miss(None, placed_on_decode=True) == "no_handle"  # no handle: the session's reason stands
+
+
+def _stats(**changes: Any) -> StepStats:
+    fields: dict[str, Any] = {"turn": 1, "step": 2, "ttft_s": 0.1, "prompt_tokens": 300, "output_tokens": 4}
+    fields |= {"local_hit_tokens": 256, "pulled_tokens": 0, "computed_tokens": 44, "prefill_engine": "decode"}
+    return StepStats(**(fields | changes))
+
+
+def test_step_stats_on_decode_keep_the_token_invariant() -> None:
+    stats = _stats(placement_reason="P busy (1 in flight), D idle: 44 tokens on D")
+    assert stats.reuse_ratio == pytest.approx(256 / 300)
+    assert StepStats.model_validate_json(stats.model_dump_json()) == stats
+    with pytest.raises(pydantic.ValidationError, match="!= prompt 300"):
+        _stats(computed_tokens=45)
+    with pytest.raises(pydantic.ValidationError, match="!= prompt 300"):
+        _stats(pulled_tokens=1)
+    with pytest.raises(pydantic.ValidationError):
+        _stats(prefill_engine="colocated")
