@@ -135,10 +135,13 @@ class _ThreadBudgetFollower:
     """The worker's side of a `ThreadBudget`: two bytes, (own threads, lent threads or 0)."""
 
     def __init__(self, path: str) -> None:
-        self._fd = os.open(path, os.O_RDONLY)
+        self._path = path
+        self._fd: int | None = None  # opened at the first pass: only a worker runs passes
         self._threads = 0
 
     def apply(self, tokens: int) -> None:
+        if self._fd is None:
+            self._fd = os.open(self._path, os.O_RDONLY)
         own, lent = os.pread(self._fd, 2, 0)
         wanted = lent if lent and tokens >= LENT_MIN_TOKENS else own
         if wanted and wanted != self._threads:
