@@ -20,9 +20,10 @@ import pytest
 
 from agentkv import EmbeddedPair, EngineDeadError, EngineError, EngineState, Session, TextDelta
 from agentkv._engines._pair import run_warmup_steps
-from agentkv._engines._system import alive, listening_ports
+from agentkv._engines._system import alive
 from agentkv._pinning import Pin
 from agentkv.testing import HonestPairEngine
+from freed import assert_ports_freed, running_pids
 from test_lifecycle import _engine_core_pid
 from test_pair import QUESTIONS, SYSTEM, _assert_invariant
 
@@ -148,6 +149,7 @@ def test_stalled_and_dying_engines_fail_the_step_clearly_and_the_session_goes_on
 ) -> None:
     """A session that owns its pair: P stalls (EngineError after step_timeout_s), P dies mid-prefill and
     D dies mid-step (EngineDeadError, the pair's processes all stopped); the session starts a new pair."""
+    running_before = running_pids()
     options = {"max_model_len": 1024, "pin_ttl_s": 30.0, "warmup": False, "step_timeout_s": 10.0}
     with Session(system=SYSTEM, max_tokens=MAX_TOKENS, engine_options=options) as session:
         session.run_sync(QUESTIONS[0])
@@ -197,4 +199,4 @@ def test_stalled_and_dying_engines_fail_the_step_clearly_and_the_session_goes_on
             session.run_sync("And f5?", on_event=kill_d)
         assert session.messages == before
         assert _wait_gone(second_pids) == set()
-    assert not ports & listening_ports()
+    assert_ports_freed(ports, running_before=running_before)

@@ -13,7 +13,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from agentkv import EmbeddedPair, EngineUnavailableError, LaunchedPair, RemotePair, Session, TextDelta, TurnResult
-from agentkv._engines._system import alive, listening_ports
+from agentkv._engines._system import alive
+from freed import assert_ports_freed, running_pids
 from test_pair import MAX_TOKENS, QUESTIONS, SYSTEM, _assert_invariant, _first_difference
 
 pytestmark = pytest.mark.pair
@@ -21,12 +22,13 @@ pytestmark = pytest.mark.pair
 
 @pytest.fixture(scope="module")
 def launched() -> Iterator[LaunchedPair]:
+    running_before = running_pids()
     with LaunchedPair(max_model_len=2048, pin_ttl_s=30, dtype="float32") as engine:  # as `pair`: exact
         yield engine
         pids, ports = engine.pids, engine.ports
         assert pids and ports
     assert alive(pids) == set()
-    assert not set(ports) & listening_ports()
+    assert_ports_freed(ports, running_before=running_before)
 
 
 def _run(session: Session, questions: Sequence[str] = QUESTIONS) -> list[TurnResult]:

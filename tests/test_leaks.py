@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pytest
 
 from agentkv import EmbeddedPair, Session
-from agentkv._engines._system import descendants, is_helper
+from agentkv._engines._system import descendants, is_helper, listening_ports
 
 pytestmark = pytest.mark.pair
 
@@ -54,29 +53,8 @@ def footprint() -> Footprint:
         threads=threading.active_count(),
         fds=len(os.listdir("/proc/self/fd")),
         shm=frozenset(os.listdir("/dev/shm")),
-        ports=frozenset(_listening_ports_of({os.getpid(), *children})),
+        ports=frozenset(listening_ports(held_by={os.getpid(), *children})),
     )
-
-
-def _listening_ports_of(pids: Iterable[int]) -> set[int]:
-    """TCP ports in LISTEN state whose socket one of ``pids`` holds open."""
-    inodes: set[str] = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:
-            continue
-    ports: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as file:
-            for line in file.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 def test_a_hundred_sessions_on_a_shared_pair_leak_nothing(pair: EmbeddedPair) -> None:

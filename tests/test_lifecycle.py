@@ -15,8 +15,9 @@ import anyio
 import pytest
 
 from agentkv import EmbeddedPair, EngineDeadError, EngineState, EventLoopHome, Session, SessionClosedError, UserError
-from agentkv._engines._system import alive, listening_ports
+from agentkv._engines._system import alive
 from agentkv.testing import ScriptedEngine
+from freed import assert_ports_freed, running_pids
 
 SYSTEM = "You are terse."
 
@@ -33,6 +34,7 @@ def _engine_core_pid(pids: set[int]) -> int:
 @pytest.mark.pair
 def test_a_dead_engine_is_replaced_and_nothing_leaks() -> None:
     """The session starts its own pair, loses D, and starts another for the next turn."""
+    running_before = running_pids()
     with Session(system=SYSTEM, max_tokens=8, engine_options={"max_model_len": 1024, "pin_ttl_s": 30}) as own:
         first = own.engine
         assert isinstance(first, EmbeddedPair)
@@ -54,7 +56,7 @@ def test_a_dead_engine_is_replaced_and_nothing_leaks() -> None:
         assert not set(second.ports) & set(ports)
         second_pids, ports = second.pids, ports + list(second.ports)
     assert alive(second_pids) == set()
-    assert not set(ports) & listening_ports()
+    assert_ports_freed(ports, running_before=running_before)
 
 
 @pytest.mark.pair
@@ -129,6 +131,7 @@ def test_ctrl_c_during_a_turn_cancels_it_and_keeps_the_conversation(request: pyt
 @pytest.mark.pair
 def test_launched_servers_do_not_outlive_a_killed_parent() -> None:
     """The servers of a LaunchedPair run in their own sessions; the watchdog still stops them."""
+    running_before = running_pids()
     script = textwrap.dedent("""
         import os, signal
         from agentkv import LaunchedPair
@@ -147,7 +150,7 @@ def test_launched_servers_do_not_outlive_a_killed_parent() -> None:
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert alive(pids) == set()
-    assert not ports & listening_ports()
+    assert_ports_freed(ports, running_before=running_before)
 
 
 # ----------------------------------------------------------------- one lifecycle (unit tests, scripted engine)

@@ -13,7 +13,8 @@ import anyio
 import pytest
 
 from agentkv import Colocated, ContextLengthError, EmbeddedPair, InvalidMessageError, Session, StepStats, TurnResult
-from agentkv._engines._system import alive, listening_ports
+from agentkv._engines._system import alive
+from freed import assert_ports_freed, running_pids
 
 pytestmark = pytest.mark.pair
 
@@ -213,6 +214,7 @@ def test_greedy_answers_agree_across_modes(pair: EmbeddedPair) -> None:
 
 def test_two_pairs_run_side_by_side(pair: EmbeddedPair) -> None:
     """A second pair gets its own ports and processes, and closing it leaves the first one working."""
+    running_before = running_pids()
     with EmbeddedPair(max_model_len=1024, pin_ttl_s=pair.pin_ttl_s) as second:
         assert not set(second.ports) & set(pair.ports) and not second.pids & pair.pids
         second_pids, second_ports = second.pids, list(second.ports)
@@ -220,7 +222,7 @@ def test_two_pairs_run_side_by_side(pair: EmbeddedPair) -> None:
             assert session.run_sync(QUESTIONS[0]).text
             assert session.run_sync(QUESTIONS[1]).steps[0].stats.pulled_tokens > 0
     assert alive(second_pids) == set()
-    assert not set(second_ports) & listening_ports()
+    assert_ports_freed(second_ports, running_before=running_before)
     with Session(engine=pair, system=SYSTEM, max_tokens=4) as session:
         assert session.run_sync(QUESTIONS[0]).text
 

@@ -28,8 +28,9 @@ import anyio
 import pytest
 
 from agentkv import RemotePair, Session, TurnResult, UserError
-from agentkv._engines._system import alive, descendants, free_port, listening_ports, repin_threads, split_cores
+from agentkv._engines._system import alive, descendants, free_port, repin_threads, split_cores
 from agentkv._model import prepare_model
+from freed import assert_ports_freed, running_pids
 
 pytestmark = pytest.mark.pair
 
@@ -83,6 +84,7 @@ def model() -> Path:
 @pytest.fixture(scope="module")
 def stock_servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """A stock vLLM prefill server and decode server on disjoint cores; gone, with their ports, at the end."""
+    running_before = running_pids()
     logs = tmp_path_factory.mktemp("stock-vllm")
     cores = split_cores()
     ports = {role: (free_port(), free_port()) for role in ("prefill", "decode")}
@@ -129,7 +131,7 @@ def stock_servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         while alive(pids) and time.monotonic() < stop:
             time.sleep(0.5)
     assert alive(pids) == set()
-    assert not {port for pair in ports.values() for port in pair} & listening_ports()
+    assert_ports_freed({port for pair in ports.values() for port in pair}, running_before=running_before)
 
 
 def nixl_totals(url: str) -> tuple[float, float]:

@@ -20,7 +20,9 @@ __all__ = [
     "is_helper",
     "kill_and_reap",
     "listening_ports",
+    "port_holders",
     "repin_threads",
+    "running_pids",
     "split_cores",
 ]
 
@@ -179,13 +181,51 @@ def _reap(pids: Iterable[int], *, until: float) -> None:
             time.sleep(0.05)
 
 
-def listening_ports() -> set[int]:
-    """TCP ports in LISTEN state on this host (from /proc/net/tcp and tcp6)."""
-    ports: set[int] = set()
+def _listening_sockets() -> dict[str, int]:
+    """Socket inode -> port, for the TCP sockets in LISTEN state on this host (/proc/net/tcp and tcp6)."""
+    sockets: dict[str, int] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError), open(table) as file:
             for line in file.readlines()[1:]:
                 fields = line.split()
                 if fields[3] == "0A":  # TCP_LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+                    sockets[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
+    return sockets
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets ``pid`` holds open (empty if it is gone or not ours to read)."""
+    inodes: set[str] = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    return inodes
+
+
+def listening_ports(*, held_by: Iterable[int] | None = None) -> set[int]:
+    """TCP ports in LISTEN state on this host; with ``held_by``, only those whose socket one of these pids holds."""
+    sockets = _listening_sockets()
+    if held_by is None:
+        return set(sockets.values())
+    held = set().union(*(_socket_inodes(pid) for pid in held_by))
+    return {port for inode, port in sockets.items() if inode in held}
+
+
+def port_holders(ports: Iterable[int]) -> dict[int, set[int]]:
+    """For each of ``ports`` in LISTEN state, the processes holding its socket (an empty set: none this user can see)."""
+    wanted = set(ports)
+    by_inode = {inode: port for inode, port in _listening_sockets().items() if port in wanted}
+    holders: dict[int, set[int]] = {port: set() for port in by_inode.values()}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            for inode in _socket_inodes(int(entry)) & by_inode.keys():
+                holders[by_inode[inode]].add(int(entry))
+    return holders
+
+
+def running_pids() -> set[int]:
+    """Every process on this host (that /proc lists)."""
+    return {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
