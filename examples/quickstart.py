@@ -10,12 +10,8 @@ def main() -> None:
     with Session(system="You are a terse geography tutor.", max_tokens=24) as session:
         for question in ("What is the capital of France?", "And of Italy?", "And of Spain?"):
             result = session.run_sync(question)
-            stats = result.steps[-1].stats
             print(f"> {question}\n{result.text.strip()}")
-            print(
-                f"  ttft {stats.ttft_s:.3f} s, {stats.pulled_tokens} tokens pulled back from D, "
-                f"{stats.computed_tokens} computed, miss: {stats.miss_reason}"
-            )
+            print(f"  {result.steps[-1].stats.summary()}")  # TTFT and where each prompt token's KV came from
         print(session.stats.table())
 
 

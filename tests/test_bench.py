@@ -23,10 +23,10 @@ from agentkv._bench import (
     table,
 )
 from agentkv._bench._records import FloorFit, StepRecord, summarize
-from agentkv._cli import _BenchProgress, main
 from agentkv._engines import PrefillEngine, StepRequest
 from agentkv._engines._pair_config import EngineLaunch, resolve_dtype
-from agentkv._stats import StepStats
+from agentkv._stats._stats import StepStats
+from agentkv._surfaces._cli import _BenchProgress, main
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 
 

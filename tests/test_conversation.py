@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from agentkv import Message, TemplateError, UserError
-from agentkv._conversation import ChatRenderer, Conversation
+from agentkv._conversation._conversation import ChatRenderer, Conversation
 
 SYSTEM = Message(role="system", content="You are terse.")
 

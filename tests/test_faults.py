@@ -21,7 +21,7 @@ import pytest
 from agentkv import EmbeddedPair, EngineDeadError, EngineError, EngineState, Session, TextDelta
 from agentkv._engines._pair import run_warmup_steps
 from agentkv._engines._system import alive
-from agentkv._pinning import Pin
+from agentkv._session._pinning import Pin
 from agentkv.testing import HonestPairEngine
 from freed import assert_ports_freed, running_pids
 from test_lifecycle import _engine_core_pid

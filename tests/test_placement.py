@@ -33,7 +33,7 @@ from agentkv._engines._base import pair_modes
 from agentkv._engines._cores import ThreadBudget
 from agentkv._engines._placement import PlacementChoice, PlacementCosts
 from agentkv._engines._vllm import first_token_of_prefill
-from agentkv._pinning import miss_after_step
+from agentkv._session._pinning import miss_after_step
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 
 BLOCK = 128

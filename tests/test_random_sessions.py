@@ -46,7 +46,7 @@ from agentkv import (
     TurnResult,
     tool,
 )
-from agentkv._session import load_tokenizer
+from agentkv._session._session import load_tokenizer
 from agentkv.testing import MALFORMATIONS, Fault, HonestPairEngine
 
 BATCHES = 10

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from agentkv._cli import main
+from agentkv._surfaces._cli import main
 
 
 def test_serve_runs_agentkvs_server_with_the_pair_settings(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from agentkv import ModelPreparationError, PairConfig, UserError, prepare_model
-from agentkv._cli import main
 from agentkv._engines._pair_config import pair_engine_launch
 from agentkv._engines._server_process import ServerSpec, server_command
 from agentkv._engines._system import alive, cpu_list, descendants, free_port, split_cores
 from agentkv._model import BUNDLED_MODELS, DEFAULT_MODEL
+from agentkv._surfaces._cli import main
 
 
 def test_cores_are_split_without_overlap() -> None:

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from agentkv import Session, StepRequest, Tool, UserError, tool
-from agentkv._tools import output_schema, parse_output
+from agentkv._conversation._tools import output_schema, parse_output
 from agentkv.testing import ScriptedEngine
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agentkv import Session, UserError, tool
-from agentkv._tools import parse_native_output
+from agentkv._conversation._tools import parse_native_output
 from agentkv.testing import ScriptedEngine
 
 HERMES_TEMPLATE = """\

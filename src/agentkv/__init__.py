@@ -7,7 +7,8 @@ with Session(system="You are terse.") as s:
     print(r.text, r.steps[-1].stats.ttft_s, r.steps[-1].stats.pulled_tokens)
 """
 
-from ._conversation import Message
+from ._conversation._conversation import Message
+from ._conversation._tools import Tool, ToolCall, ToolChoice, ToolFormat, ToolResult, tool
 from ._engines import (
     Colocated,
     CorePolicy,
@@ -46,11 +47,10 @@ from ._errors import (
 from ._home import EventLoopHome
 from ._lifecycle import LifecycleState
 from ._model import DEFAULT_MODEL, prepare_model
-from ._plots import plot_stats
-from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
-from ._session import Mode, Session
-from ._stats import MissReason, SessionStats, StepStats, TurnStats
-from ._tools import Tool, ToolCall, ToolChoice, ToolFormat, ToolResult, tool
+from ._session._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
+from ._session._session import Mode, Session
+from ._stats._plots import plot_stats
+from ._stats._stats import MissReason, SessionStats, StepStats, TurnStats
 
 __version__ = "0.1.0"
 

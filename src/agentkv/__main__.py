@@ -1,5 +1,5 @@
 """``python -m agentkv``: the same as the ``agentkv`` command."""
 
-from ._cli import main
+from ._surfaces._cli import main
 
 raise SystemExit(main())

@@ -483,7 +483,7 @@ class HonestPairEngine(_BundledModelDouble):
         return str(self._tokenizer().decode(token_ids, skip_special_tokens=True))
 
     def _tokenizer(self) -> Any:
-        from ._session import load_tokenizer
+        from ._session._session import load_tokenizer
 
         return load_tokenizer(str(self.info.model_path))
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict
 
 from .._engines import PrefillEngine
-from .._stats import StepStats
+from .._stats._stats import StepStats
 
 __all__ = ["BenchReport", "FloorFit", "ModeSummary", "StepRecord", "summarize"]
 

@@ -6,8 +6,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from .._plots import plot_turns
-from .._stats import text_table
+from .._stats._plots import plot_turns
+from .._stats._stats import text_table
 from ._records import BenchReport, ModeSummary, StepRecord
 
 __all__ = ["header", "per_turn", "plot", "table"]

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from .._conversation import ChatRenderer, Conversation, Message
+from .._conversation._conversation import ChatRenderer, Conversation, Message
 from .._engines import Colocated, EmbeddedPair, Engine, LaunchedPair
 from .._engines._base import Sampling, StepDone, StepRequest, TokenDelta
 from .._engines._handle import KVHandle
 from .._engines._netns import two_hosts
 from .._errors import UserError
-from .._results import TextDelta
-from .._session import Mode, Session, load_tokenizer
-from .._stats import StepStats
+from .._session._results import TextDelta
+from .._session._session import Mode, Session, load_tokenizer
+from .._stats._stats import StepStats
 from ._records import FloorFit, StepRecord
 from ._workloads import Workload
 

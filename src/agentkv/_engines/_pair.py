@@ -430,7 +430,7 @@ async def run_warmup_steps(
     handle goes through `choose_handle`, the rule every session step obeys. The last pin is
     released: nothing of the warm-up stays parked on D.
     """
-    from .._pinning import Pin, choose_handle
+    from .._session._pinning import Pin, choose_handle
 
     prompt = [1] + [28] * 300  # two CPU blocks of one repeated token: shapes and handshakes only
     pin: Pin | None = None

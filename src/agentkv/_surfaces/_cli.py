@@ -14,13 +14,13 @@ from typing import Any, get_args
 
 from tqdm import tqdm
 
-from ._bench._runner import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
-from ._bench._workloads import WORKLOADS
-from ._engines import LaunchedPair, RemotePair
-from ._errors import AgentKVError, UserError
-from ._model import list_models, prepare_model
-from ._results import TextDelta
-from ._session import Mode, Session
+from .._bench._runner import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
+from .._bench._workloads import WORKLOADS
+from .._engines import LaunchedPair, RemotePair
+from .._errors import AgentKVError, UserError
+from .._model import list_models, prepare_model
+from .._session._results import TextDelta
+from .._session._session import Mode, Session
 
 __all__ = ["main"]
 
@@ -187,13 +187,8 @@ def _demo(args: argparse.Namespace) -> int:
         for number, message in enumerate(turns, start=1):
             print(f"\n[turn {number}] user: {message}")
             result = session.run_sync(message)
-            stats = result.steps[-1].stats
             print(f"[turn {number}] model: {result.text.strip()}")
-            print(
-                f"           ttft {stats.ttft_s:.3f} s | prompt {stats.prompt_tokens} = local {stats.local_hit_tokens}"
-                f" + pulled {stats.pulled_tokens} + computed {stats.computed_tokens}"
-                f" | {stats.miss_reason or 'reused'}"
-            )
+            print(f"           {result.steps[-1].stats.summary()}")
         summary = session.stats
         print(f"\nmode: {summary.mode}\n{summary.table()}")
         if summary.mean_ttft_after_first_turn_s is not None:
@@ -228,7 +223,7 @@ class _BenchProgress:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ._bench import header, load_replay, make_workload, plot, run_bench_sync, table
+    from .._bench import header, load_replay, make_workload, plot, run_bench_sync, table
 
     if args.replay:
         workload = load_replay(args.replay, max_tokens=args.max_tokens or 64, turns=args.turns)
@@ -291,8 +286,8 @@ def _serve(args: argparse.Namespace) -> int:
     import socket
     import uuid
 
-    from ._engines._pair_config import PairConfig, pair_engine_launch
-    from ._engines._server_process import ServerSpec, server_command, server_env
+    from .._engines._pair_config import PairConfig, pair_engine_launch
+    from .._engines._server_process import ServerSpec, server_command, server_env
 
     config = PairConfig(
         bidirectional=not args.no_push_back,

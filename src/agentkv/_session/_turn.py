@@ -15,14 +15,8 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from ._conversation import Conversation, Message
-from ._engines import Engine, KVHandle, Placement, Sampling, StepDone, StepRequest, TokenDelta
-from ._errors import ContextLengthError
-from ._pinning import Pin, choose_handle, miss_after_step
-from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
-from ._session_config import SessionConfig
-from ._stats import MissReason, StepStats, TurnStats
-from ._tools import (
+from .._conversation._conversation import Conversation, Message
+from .._conversation._tools import (
     ToolCall,
     ToolResult,
     output_schema,
@@ -31,6 +25,12 @@ from ._tools import (
     result_message,
     run_tool_calls,
 )
+from .._engines import Engine, KVHandle, Placement, Sampling, StepDone, StepRequest, TokenDelta
+from .._errors import ContextLengthError
+from .._stats._stats import MissReason, StepStats, TurnStats
+from ._pinning import Pin, choose_handle, miss_after_step
+from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
+from ._session_config import SessionConfig
 
 __all__ = ["Turn", "model_step", "turn_events"]
 

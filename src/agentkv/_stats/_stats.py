@@ -97,6 +97,13 @@ class StepStats(BaseModel):
         """Share of the prompt whose KV was not computed: (local + pulled) / prompt."""
         return (self.local_hit_tokens + self.pulled_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    def summary(self) -> str:
+        """One line: TTFT, where each prompt token's KV came from, and why it was not reused if so."""
+        return (
+            f"ttft {self.ttft_s:.3f} s | prompt {self.prompt_tokens} = local {self.local_hit_tokens}"
+            f" + pulled {self.pulled_tokens} + computed {self.computed_tokens} | {self.miss_reason or 'reused'}"
+        )
+
 
 class TurnStats(BaseModel):
     """One turn: a user message until the final answer."""

@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ._engines._base import Mode
-from ._errors import InvalidMessageError, UserError
-from ._tools import Tool, ToolChoice, ToolFormat, check_tools, instructions
+from .._conversation._tools import Tool, ToolChoice, ToolFormat, check_tools, instructions
+from .._engines._base import Mode
+from .._errors import InvalidMessageError, UserError
 
 __all__ = ["Mode", "SessionConfig", "check_count", "check_message", "check_text"]
 

@@ -3,7 +3,7 @@
 A turn works on a copy of the conversation and is committed only when it ended well (and,
 with ``run(on_event=...)``, once the callback took the `TurnEnd`); a turn that fails, is
 cancelled or abandoned never shows in `messages` or `stats`. The session prepares a turn
-(`_begin_turn`), runs its steps (`agentkv._turn`: model step, tool round, finish) and
+(`_begin_turn`), runs its steps (`agentkv._session._turn`: model step, tool round, finish) and
 commits it (`_commit`) or drops it (`_end_turn`).
 """
 
@@ -20,16 +20,16 @@ from typing import Any
 
 import anyio.to_thread
 
-from ._conversation import ChatRenderer, Conversation, Message
-from ._engines import Colocated, EmbeddedPair, Engine, EngineState, KVHandle
-from ._errors import SessionClosedError, UserError
-from ._home import EventLoopHome
-from ._lifecycle import Lifecycle, LifecycleState
+from .._conversation._conversation import ChatRenderer, Conversation, Message
+from .._conversation._tools import Tool, ToolChoice, ToolFormat, template_tools
+from .._engines import Colocated, EmbeddedPair, Engine, EngineState, KVHandle
+from .._errors import SessionClosedError, UserError
+from .._home import EventLoopHome
+from .._lifecycle import Lifecycle, LifecycleState
+from .._stats._stats import SessionStats, TurnStats
 from ._pinning import Pin
 from ._results import Event, TurnEnd, TurnResult
 from ._session_config import Mode, SessionConfig, check_count, check_message
-from ._stats import SessionStats, TurnStats
-from ._tools import Tool, ToolChoice, ToolFormat, template_tools
 from ._turn import StepContext, Turn, turn_events
 
 __all__ = ["Mode", "Session"]

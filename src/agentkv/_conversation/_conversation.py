@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from ._errors import InvalidMessageError, TemplateError, UserError
+from .._errors import InvalidMessageError, TemplateError, UserError
 
 __all__ = ["ChatRenderer", "Conversation", "Message"]
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._errors import UserError
+from .._errors import UserError
 from ._stats import SessionStats
 
 if TYPE_CHECKING:

@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ._stats import StepStats, TurnStats
-from ._tools import ToolCall, ToolResult
+from .._conversation._tools import ToolCall, ToolResult
+from .._stats._stats import StepStats, TurnStats
 
 __all__ = ["Event", "Step", "StepEnd", "TextDelta", "ToolCallEvent", "ToolResultEvent", "TurnEnd", "TurnResult"]
 

@@ -20,7 +20,7 @@ import anyio.to_thread
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_core import to_jsonable_python
 
-from ._errors import UserError
+from .._errors import UserError
 
 __all__ = ["Tool", "ToolCall", "ToolChoice", "ToolFormat", "ToolResult", "check_tools", "run_tool_calls", "tool"]
 
