@@ -44,7 +44,7 @@ class FakeLLM:
     """The part of vLLM's ``AsyncLLM`` an embedded engine uses, run by a script per request."""
 
     errored = False
-    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=128))
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=128, num_gpu_blocks=181))
 
     def __init__(self, script: Script) -> None:
         self.script = script
@@ -289,3 +289,44 @@ async def test_a_step_on_d_alone_sends_d_the_prompt_marked_for_a_pin_and_release
     assert done.timings.pulled_tokens == 0 and done.timings.handoff_tokens == 0
     released = pair.p_llm.requests[0][1].extra_args["kv_transfer_params"]
     assert released["remote_request_id"] == old.remote_request_id and released["remote_num_tokens"] == 0
+
+
+async def test_a_pin_released_to_make_room_is_never_pushed_back() -> None:
+    """D's pins may not fill its cache: past `max_pinned_blocks` the oldest pin is released (through P),
+    and a step that brings that handle back runs without it (its blocks may hold another conversation)."""
+    expiry = time.perf_counter() + 60
+    pins = iter(
+        d_reply(remote_request_id=name, remote_block_ids=[blocks], remote_blocks_expiry_time=expiry)
+        for name, blocks in (("pin-a", [1, 2, 3]), ("pin-b", [4, 5, 6]), ("pin-c", [7]), ("pin-d", [8]))
+    )
+
+    a_released = anyio.Event()
+
+    async def prefill(prompt: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+        if not request_id.startswith("agentkv-release"):
+            async for output in prefill_ok(prompt, params, request_id):
+                yield output
+            return
+        if params.extra_args["kv_transfer_params"]["remote_request_id"] == "pin-a":
+            a_released.set()
+        for _ in range(params.max_tokens):
+            yield _output(token_ids=[5], finished=False)
+
+    async def decode(prompt: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+        yield _output(token_ids=[13], finished=True, params=next(pins))
+
+    def sent_to_p() -> list[dict[str, Any]]:
+        return [params.extra_args["kv_transfer_params"] for _, params, _ in pair.p_llm.requests]
+
+    pair = FakePair(prefill, decode, max_pinned_blocks=5, pin_ttl_s=60)
+    async with pair:
+        a = (await run_step(pair, request())).handle
+        await run_step(pair, request())  # a (3 blocks) + this step's 1 fit under 5
+        await run_step(pair, request())  # a + b = 6 do not: a is released
+        with anyio.fail_after(5):
+            await a_released.wait()
+        assert sent_to_p()[-1]["remote_num_tokens"] == 0  # the notify-only read that frees a pin
+        assert a is not None
+        done = await run_step(pair, request(handle=a))
+    assert done.timings.pin_evicted and not done.timings.stats_fields().get("pin_evicted")
+    assert "remote_request_id" not in sent_to_p()[-1]  # the step's prefill went without the handle

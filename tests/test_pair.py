@@ -212,6 +212,29 @@ def test_greedy_answers_agree_across_modes(pair: EmbeddedPair) -> None:
             assert a == b, f"{mode}, turn {turn}: {_first_difference(a, b)}"
 
 
+def test_pins_past_d_s_budget_are_released_and_their_conversations_recompute(pair: EmbeddedPair) -> None:
+    """D's pins never fill its cache: past the budget the least recently pinned conversation is released;
+    its next step recomputes (``evicted``) and answers as a session that never pushed back."""
+    budget = pair._pin_budget()
+    first, second = (Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) for _ in range(2))
+    with first, second, Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, mode="disaggregated") as plain:
+        answers = [first.run_sync(QUESTIONS[0])]
+        budget.max_pinned_blocks = 1  # below one conversation: the next step's pin evicts every other
+        try:
+            second.run_sync(QUESTIONS[0])
+        finally:
+            budget.max_pinned_blocks = None
+        answers += [first.run_sync(question) for question in QUESTIONS[1:]]
+        evicted, again = (answer.steps[0].stats for answer in answers[1:])
+        assert evicted.miss_reason == "evicted" and evicted.pulled_tokens == 0
+        assert again.miss_reason is None and again.pulled_tokens > 0  # pinned again, pushed back as before
+        assert second.run_sync(QUESTIONS[1]).steps[0].stats.pulled_tokens > 0  # the newer pin was kept
+        for answer in answers:
+            _assert_invariant(answer.steps[0].stats)
+        reference = [plain.run_sync(question).steps[0].token_ids for question in QUESTIONS]
+    assert [answer.steps[0].token_ids for answer in answers] == reference
+
+
 def test_two_pairs_run_side_by_side(pair: EmbeddedPair) -> None:
     """A second pair gets its own ports and processes, and closing it leaves the first one working."""
     running_before = running_pids()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentkv import ModelPreparationError, PairConfig, UserError, prepare_model
+from agentkv import LaunchedPair, ModelPreparationError, PairConfig, UserError, prepare_model
 from agentkv._engines._pair_config import pair_engine_launch
 from agentkv._engines._server_process import ServerSpec, server_command
 from agentkv._engines._system import alive, cpu_list, descendants, free_port, split_cores
@@ -69,12 +69,15 @@ def test_a_pair_config_refuses_settings_that_cannot_work() -> None:
         {"kv_cache_gib": 0.25},  # vLLM's CPU backend takes whole GiB: its start failed on this
         {"step_timeout_s": 0},
         {"cores": ([0], [])},
+        {"max_pinned_blocks": 0},
     ):
         with pytest.raises(UserError):
             PairConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(UserError, match="unknown pair setting"):
         PairConfig.of(pin_ttl=60)
     assert PairConfig.of(PairConfig(pin_ttl_s=60), warmup=False) == PairConfig(pin_ttl_s=60, warmup=False)
+    with pytest.raises(UserError, match="max_pinned_blocks bounds an EmbeddedPair"):
+        LaunchedPair(max_pinned_blocks=100)  # its D is a server: its pins end at their expiry
 
 
 def test_one_function_writes_each_engines_vllm_settings(tmp_path: Path) -> None:

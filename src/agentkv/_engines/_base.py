@@ -86,8 +86,8 @@ class StepTimings:
 
     Token counts are those of the engine that prefilled the prompt (P in a pair).
     Every field documents its source; `None` means the source did not report it. The user sees
-    these numbers in `StepStats`, built with `stats_fields` (every field but `pullback_declined`,
-    which becomes the step's ``miss_reason``).
+    these numbers in `StepStats`, built with `stats_fields` (every field but `pullback_declined` and
+    `pin_evicted`, which become the step's ``miss_reason``).
     """
 
     ttft_s: float
@@ -118,11 +118,13 @@ class StepTimings:
     """Why the step was prefilled where it was (``auto`` placement: the estimates compared)."""
     pullback_declined: bool = False
     """P declined to read D's blocks (NIXL ``num_kv_expired_reqs`` or a failed read)."""
+    pin_evicted: bool = False
+    """The handle was not used: the pair had released its pin to make room in D's cache."""
 
     def stats_fields(self) -> dict[str, Any]:
         """The measurements a `StepStats` reports under the same names: ``StepStats(..., **timings.stats_fields())``."""
         fields = dataclasses.asdict(self)
-        del fields["pullback_declined"]
+        del fields["pullback_declined"], fields["pin_evicted"]
         return fields
 
 

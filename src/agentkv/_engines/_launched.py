@@ -77,6 +77,8 @@ class LaunchedPair(HTTPPair):
         )
         if len(hosts) != 2 or len(launch_prefixes) != 2:
             raise UserError("hosts and launch_prefixes take two entries: prefill's, then decode's")
+        if self.config.max_pinned_blocks is not None:
+            raise UserError("max_pinned_blocks bounds an EmbeddedPair's D; a launched D's pins end at pin_ttl_s")
         self.bidirectional = self.config.bidirectional
         self._hosts = hosts
         self._prefixes = launch_prefixes

@@ -26,6 +26,7 @@ from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepReques
 from ._cores import ThreadBudget, elastic_bind_order
 from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params, release_params
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
+from ._pin_budget import PinBudget
 from ._placement import Placement, PlacementChoice, PlacementCosts
 from ._system import free_port, split_cores
 from ._vllm import AsyncLLMRunner, DecodeStream, TransferLedger, engine_seconds, first_token_of_prefill, vllm_sampling
@@ -48,7 +49,7 @@ class EmbeddedPair(Engine):
         config: the pair's settings (default: `PairConfig`'s defaults).
         progress: called with one line per start-up stage (default: the ``agentkv`` logger).
         **settings: `PairConfig` fields (``bidirectional``, ``prefill_prefix_cache``, ``cores``,
-            ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``, ``recompute_threshold``,
+            ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``, ``max_pinned_blocks``, ``recompute_threshold``,
             ``connector_options``, ``idle_poll_ms``, ``warmup``, ``step_timeout_s``).
     """
 
@@ -67,11 +68,12 @@ class EmbeddedPair(Engine):
         self._d: AsyncLLMRunner | None = None
         self._info: EngineInfo | None = None
         self._budget: ThreadBudget | None = None
+        self._pins: PinBudget | None = None
         self.costs = PlacementCosts()
         """What the pair has measured of its steps on P and on D (mode ``"auto"`` compares them)."""
         self._steps_on_decode = 0
         """Steps placed on D alone and not finished: counted from the choice, so that ``auto`` never places a
-        second one beside the first (with several at once, 8 concurrent sessions stalled on D; cause not found)."""
+        second one beside the first (a prefill on D stalls every decode in its batch)."""
 
     @property
     def bidirectional(self) -> bool:
@@ -132,6 +134,7 @@ class EmbeddedPair(Engine):
             else:
                 self._d = runner
             await runner.start_async(self._progress)
+        assert self._d is not None
         self._info = EngineInfo(
             model_path=model_path,
             max_model_len=config.max_model_len,
@@ -142,6 +145,7 @@ class EmbeddedPair(Engine):
                 "core_policy": budget.policy,
                 "pin_ttl_s": config.pin_ttl_s,
                 "prefill_prefix_cache": config.prefill_prefix_cache,
+                "decode_kv_blocks": self._d.num_blocks,
             },
         )
 
@@ -181,6 +185,27 @@ class EmbeddedPair(Engine):
             raise
 
     async def _step(self, request: StepRequest) -> AsyncGenerator[StepEvent, None]:
+        """The step within D's budget of pins: room is made first, and a handle whose pin was released to
+        make room for others is not forwarded (its blocks may hold another conversation now)."""
+        pins = self._pin_budget()
+        evicted = request.handle is not None and pins.was_evicted(request.handle)
+        if evicted:
+            request = dataclasses.replace(request, handle=None)
+        tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+        for released in pins.reserve(request.request_id, tokens=tokens, reused=request.handle):
+            self._spawn_release(released)
+        try:
+            async with contextlib.aclosing(self._placed_step(request)) as events:
+                async for event in events:
+                    if isinstance(event, StepDone):
+                        if event.handle is not None:
+                            pins.pinned(event.handle)
+                        event.timings.pin_evicted = evicted
+                    yield event
+        finally:
+            pins.finished(request.request_id)
+
+    async def _placed_step(self, request: StepRequest) -> AsyncGenerator[StepEvent, None]:
         p, d = self._engines()
         started = time.perf_counter()
         choice = self._place(request, d)
@@ -344,6 +369,8 @@ class EmbeddedPair(Engine):
         within 10 s of its expiry is left to expire (D counts a notification that comes after
         expiry as an error).
         """
+        if self._pins is not None:
+            self._pins.gone(handle)
         if not self.is_open or self.is_dead or not self.bidirectional or self._p is None:
             return
         if time.perf_counter() + _RELEASE_MARGIN_S >= handle.remote_blocks_expiry_time:
@@ -368,6 +395,13 @@ class EmbeddedPair(Engine):
             await outputs.aclose()  # aborts the rest
 
     # ----------------------------------------------------------------- engines
+
+    def _pin_budget(self) -> PinBudget:
+        """D's pins and reservations (made at the first step, once D reports its cache size)."""
+        if self._pins is None:
+            _, d = self._engines()
+            self._pins = PinBudget(d.num_blocks, d.block_size, max_pinned_blocks=self.config.max_pinned_blocks)
+        return self._pins
 
     def _engines(self) -> tuple[AsyncLLMRunner, AsyncLLMRunner]:
         if self._p is None or self._d is None:

@@ -68,6 +68,10 @@ class PairConfig:
     """KV cache per engine, whole GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
     pin_ttl_s: float = 480.0
     """How long D pins a step's blocks (``decoder_kv_blocks_ttl``)."""
+    max_pinned_blocks: int | None = None
+    """At most this many of D's KV blocks held by pins (an embedded pair: the least recently pinned
+    conversations are released first; None: as many as leave room in D's cache for the steps in flight).
+    See ``docs/reliability.md``."""
     recompute_threshold: int = 16
     """P recomputes instead of pulling fewer tokens than this (``kv_recompute_threshold``)."""
     connector_options: Mapping[str, Any] = field(default_factory=dict[str, Any])
@@ -88,6 +92,8 @@ class PairConfig:
             raise UserError("idle_poll_ms must be at least 1 ms (or None for the busy loops)")
         if self.max_model_len < 16:
             raise UserError("max_model_len must be at least 16 tokens")
+        if self.max_pinned_blocks is not None and self.max_pinned_blocks < 1:
+            raise UserError("max_pinned_blocks must be at least 1 block (or None: bounded by D's cache)")
         if self.recompute_threshold < 0:
             raise UserError("recompute_threshold must be 0 (always pull) or more")
         kv_cache_space(self.kv_cache_gib)
@@ -139,6 +145,7 @@ class PairSettings(TypedDict, total=False):
     max_model_len: int
     kv_cache_gib: float
     pin_ttl_s: float
+    max_pinned_blocks: int | None
     recompute_threshold: int
     connector_options: Mapping[str, Any]
     idle_poll_ms: int | None

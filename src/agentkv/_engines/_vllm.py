@@ -173,6 +173,11 @@ class AsyncLLMRunner:
         return self._llm
 
     @property
+    def num_blocks(self) -> int:
+        """Blocks in the engine's KV cache (vLLM ``cache_config.num_gpu_blocks``, set once the engine started)."""
+        return int(self.llm.vllm_config.cache_config.num_gpu_blocks or 0)
+
+    @property
     def block_size(self) -> int:
         """Tokens per KV block (a prefix cache holds whole blocks only)."""
         return int(self.llm.vllm_config.cache_config.block_size)

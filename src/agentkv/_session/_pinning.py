@@ -55,11 +55,14 @@ def miss_after_step(
     pulled_tokens: int,
     declined: bool,
     placed_on_decode: bool = False,
+    evicted: bool = False,
 ) -> MissReason | None:
     """The step's miss reason once the engine has answered (a step D prefilled from its own cache of the
-    pin reused it: no miss)."""
+    pin reused it: no miss; a handle whose pin the pair had released to make room was not used)."""
     if handle is None:
         return reason
+    if evicted:
+        return "evicted"
     if placed_on_decode:
         return None
     if declined:

@@ -243,6 +243,7 @@ def _step_stats(
             pulled_tokens=timings.pulled_tokens,
             declined=timings.pullback_declined,
             placed_on_decode=timings.prefill_engine == "decode",
+            evicted=timings.pin_evicted,
         ),
         **timings.stats_fields(),
     )

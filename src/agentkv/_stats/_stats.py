@@ -22,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 
 __all__ = ["MissReason", "SessionStats", "StepStats", "TurnStats", "text_table"]
 
-MissReason = Literal["no_handle", "push_back_off", "expired", "prefix_mismatch", "declined", "below_threshold"]
+MissReason = Literal[
+    "no_handle", "push_back_off", "expired", "prefix_mismatch", "declined", "evicted", "below_threshold"
+]
 """Why a step reused no KV from D:
 
 * ``no_handle``: there was no pin to push back (first step, after a rewind or fork, or D returned none);
@@ -30,6 +32,8 @@ MissReason = Literal["no_handle", "push_back_off", "expired", "prefix_mismatch",
 * ``expired``: the pin was expired or too close to expiry to be read safely;
 * ``prefix_mismatch``: the new prompt does not extend the pinned tokens exactly (edited history);
 * ``declined``: the handle was forwarded but P could not read D's blocks; P recomputed;
+* ``evicted``: D's cache was full, and the pair had released this conversation's pin (the least recently
+  pinned) to make room for others; P recomputed;
 * ``below_threshold``: what was left to pull after P's own cache hit was under the engine's threshold.
 """
 

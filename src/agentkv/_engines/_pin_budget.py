@@ -1,0 +1,112 @@
+"""The pins of a pair's D, bounded so that they never fill D's KV cache.
+
+vLLM never evicts a pinned block: a pin is freed by P's read, its release, or its expiry
+(8 minutes by default). A D whose cache is all pins can schedule nothing; requests wait
+until pins expire. Seen here: 8 concurrent agentic sessions on the default 1 GiB float32
+cache (181 blocks of 128 tokens), D 98% full of pins, no request running, two waiting.
+A conversation of 2k tokens pins 16 blocks, so about 10 such conversations fill it.
+
+So the pair keeps a ledger of the pins it handed out. Before a step it reserves the blocks
+the step will need on D; when the pins held plus the steps in flight would not fit, it
+releases the least recently pinned conversations first. A session that later pushes an
+evicted handle back gets a recompute (``miss_reason="evicted"``), never wrong KV.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from ._handle import KVHandle
+
+__all__ = ["PinBudget"]
+
+_EVICTED_REMEMBERED = 4096
+"""How many evicted handles are remembered (a session holds one pin at a time)."""
+
+
+@dataclass(frozen=True)
+class _Pin:
+    handle: KVHandle
+    blocks: frozenset[int]
+
+
+class PinBudget:
+    """D's pins and the blocks reserved by steps in flight, against D's ``capacity_blocks``.
+
+    ``max_pinned_blocks`` caps the pins alone (None: whatever leaves room for the steps in flight).
+    """
+
+    def __init__(self, capacity_blocks: int, block_size: int, *, max_pinned_blocks: int | None = None) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.block_size = block_size
+        self.max_pinned_blocks = max_pinned_blocks
+        self._pins: OrderedDict[str, _Pin] = OrderedDict()
+        """Live pins by D's request id, least recently pinned first."""
+        self._reserved: dict[str, int] = {}
+        """Blocks each step in flight may still allocate on D, by the step's request id."""
+        self._evicted: deque[str] = deque(maxlen=_EVICTED_REMEMBERED)
+
+    # ----------------------------------------------------------------- reading
+
+    @property
+    def pinned_blocks(self) -> int:
+        """Distinct blocks the live pins hold (conversations that share a prefix share its blocks)."""
+        self._drop_expired()
+        return len(frozenset().union(*(pin.blocks for pin in self._pins.values())))
+
+    @property
+    def reserved_blocks(self) -> int:
+        return sum(self._reserved.values())
+
+    def was_evicted(self, handle: KVHandle) -> bool:
+        """Whether the budget released ``handle``'s pin (its blocks may hold another conversation now)."""
+        return handle.remote_request_id in self._evicted
+
+    # ----------------------------------------------------------------- changes
+
+    def pinned(self, handle: KVHandle) -> None:
+        """D returned ``handle``: its blocks stay held until read, released or expired."""
+        self._pins[handle.remote_request_id] = _Pin(handle, frozenset(handle.remote_block_ids[0]))
+
+    def gone(self, handle: KVHandle) -> None:
+        """``handle`` was pushed back (P's read frees it) or released."""
+        self._pins.pop(handle.remote_request_id, None)
+
+    def reserve(self, step_id: str, *, tokens: int, reused: KVHandle | None) -> list[KVHandle]:
+        """Reserve D's blocks for a step of ``tokens`` (prompt + answer); the pins to release to make room.
+
+        ``reused``: the handle the step extends; D finds those blocks in its own cache, so they
+        are not counted again, and that pin is never one to evict.
+        """
+        if reused is not None:
+            self.gone(reused)
+        next_pin = math.ceil(tokens / self.block_size)
+        held_by_reused = len(reused.remote_block_ids[0]) if reused is not None else 0
+        self._reserved[step_id] = max(1, next_pin - held_by_reused)
+        evict: list[KVHandle] = []
+        while self._pins and self._over_budget(next_pin=next_pin):
+            _, pin = self._pins.popitem(last=False)
+            self._evicted.append(pin.handle.remote_request_id)
+            evict.append(pin.handle)
+        return evict
+
+    def finished(self, step_id: str) -> None:
+        """The step ended (its blocks are now its pin, counted by `pinned`, or free)."""
+        self._reserved.pop(step_id, None)
+
+    # ----------------------------------------------------------------- internals
+
+    def _over_budget(self, *, next_pin: int) -> bool:
+        """Whether the pins and the reservations overflow D, or the pins with the step's own ``next_pin`` the cap."""
+        pinned = self.pinned_blocks
+        if self.max_pinned_blocks is not None and pinned + next_pin > self.max_pinned_blocks:
+            return True
+        return pinned + self.reserved_blocks > self.capacity_blocks
+
+    def _drop_expired(self) -> None:
+        now = time.perf_counter()
+        for key in [key for key, pin in self._pins.items() if pin.handle.remote_blocks_expiry_time <= now]:
+            del self._pins[key]

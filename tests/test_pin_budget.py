@@ -1,0 +1,96 @@
+"""D's pin budget: pins never fill D's cache; the least recently pinned conversation is released first."""
+
+from __future__ import annotations
+
+import time
+
+from agentkv._engines._handle import KVHandle
+from agentkv._engines._pin_budget import PinBudget
+
+
+def handle(name: str, blocks: list[int], *, ttl_s: float = 60.0) -> KVHandle:
+    return KVHandle.model_validate(
+        {
+            "do_remote_prefill": False,
+            "do_remote_decode": True,
+            "remote_block_ids": [blocks],
+            "remote_engine_id": "agentkv-decode-1",
+            "remote_request_id": name,
+            "remote_host": "127.0.0.1",
+            "remote_port": 41000,
+            "tp_size": 1,
+            "remote_num_tokens": 128 * len(blocks),
+            "remote_blocks_expiry_time": time.perf_counter() + ttl_s,
+        }
+    )
+
+
+def names(handles: list[KVHandle]) -> list[str]:
+    return [h.remote_request_id for h in handles]
+
+
+def test_pins_that_fit_beside_a_step_are_kept() -> None:
+    budget = PinBudget(10, 128)
+    budget.pinned(handle("a", [1, 2, 3]))
+    budget.pinned(handle("b", [4, 5, 6]))
+    assert budget.reserve("s", tokens=4 * 128, reused=None) == []  # 6 pinned + 4 reserved = 10: fits
+    assert budget.pinned_blocks == 6 and budget.reserved_blocks == 4
+
+
+def test_the_least_recently_pinned_conversation_is_released_first() -> None:
+    budget = PinBudget(10, 128)
+    for name, blocks in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("c", [7, 8])):
+        budget.pinned(handle(name, blocks))
+    assert names(budget.reserve("s", tokens=3 * 128 + 1, reused=None)) == ["a"]  # 8 + 4 > 10; 5 + 4 fits
+    assert budget.was_evicted(handle("a", [1])) and not budget.was_evicted(handle("b", [4]))
+    assert budget.pinned_blocks == 5
+
+
+def test_the_pin_a_step_extends_is_never_evicted_and_its_blocks_are_not_counted_twice() -> None:
+    budget = PinBudget(8, 128)
+    own, other = handle("own", [1, 2, 3, 4, 5]), handle("other", [6, 7])
+    budget.pinned(own)
+    budget.pinned(other)
+    # The step extends `own` (5 blocks D still caches) to 7 blocks: 2 new ones; `other` keeps its 2.
+    assert budget.reserve("s", tokens=7 * 128, reused=own) == []
+    assert budget.pinned_blocks == 2 and budget.reserved_blocks == 2
+    assert not budget.was_evicted(own)
+
+
+def test_conversations_sharing_a_prefix_share_its_blocks() -> None:
+    budget = PinBudget(10, 128)
+    budget.pinned(handle("a", [1, 2, 3, 4]))
+    budget.pinned(handle("b", [1, 2, 3, 5]))  # the same system prompt and tools: three shared blocks
+    assert budget.pinned_blocks == 5
+    assert budget.reserve("s", tokens=5 * 128, reused=None) == []
+
+
+def test_expired_and_released_pins_hold_nothing() -> None:
+    budget = PinBudget(10, 128)
+    budget.pinned(handle("old", [1, 2, 3], ttl_s=-1))
+    budget.pinned(handle("gone", [4, 5]))
+    budget.gone(handle("gone", [4, 5]))
+    assert budget.pinned_blocks == 0
+
+
+def test_a_step_in_flight_counts_until_it_finishes() -> None:
+    budget = PinBudget(10, 128)
+    budget.reserve("s", tokens=6 * 128, reused=None)
+    budget.pinned(handle("a", [1, 2, 3]))
+    budget.finished("s")
+    assert budget.reserved_blocks == 0
+    assert budget.reserve("t", tokens=7 * 128, reused=None) == []  # 3 + 7: fits now that `s` is done
+    assert names(budget.reserve("u", tokens=128, reused=None)) == ["a"]  # 3 + 7 + 1 does not
+
+
+def test_max_pinned_blocks_caps_the_pins_with_the_step_to_come() -> None:
+    budget = PinBudget(100, 128, max_pinned_blocks=6)
+    budget.pinned(handle("a", [1, 2, 3]))
+    budget.pinned(handle("b", [4, 5]))
+    # The step will pin 2 blocks: 5 + 2 > 6, so `a` goes (b + the step = 4).
+    assert names(budget.reserve("s", tokens=2 * 128, reused=None)) == ["a"]
+
+
+def test_nothing_to_evict_is_not_an_error() -> None:
+    budget = PinBudget(2, 128)
+    assert budget.reserve("s", tokens=10 * 128, reused=None) == []  # bigger than D: vLLM itself refuses it
