@@ -193,6 +193,7 @@ class EmbeddedPair(Engine):
             request = dataclasses.replace(request, handle=None)
         tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
         for released in pins.reserve(request.request_id, tokens=tokens, reused=request.handle):
+            logger.debug("agentkv: D's cache is full; releasing the least recently pinned conversation")
             self._spawn_release(released)
         try:
             async with contextlib.aclosing(self._placed_step(request)) as events:
