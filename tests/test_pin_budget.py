@@ -46,15 +46,18 @@ def test_the_least_recently_pinned_conversation_is_released_first() -> None:
     assert budget.pinned_blocks == 5
 
 
-def test_the_pin_a_step_extends_is_never_evicted_and_its_blocks_are_not_counted_twice() -> None:
-    budget = PinBudget(8, 128)
+def test_the_pin_a_step_extends_stays_counted_until_the_step_ends_and_is_never_evicted() -> None:
+    budget = PinBudget(9, 128)
     own, other = handle("own", [1, 2, 3, 4, 5]), handle("other", [6, 7])
     budget.pinned(own)
     budget.pinned(other)
-    # The step extends `own` (5 blocks D still caches) to 7 blocks: 2 new ones; `other` keeps its 2.
+    # The step extends `own` (5 blocks, its prefix on D) to 7 blocks: 2 new ones are reserved.
     assert budget.reserve("s", tokens=7 * 128, reused=own) == []
-    assert budget.pinned_blocks == 2 and budget.reserved_blocks == 2
-    assert not budget.was_evicted(own)
+    assert budget.pinned_blocks == 7 and budget.reserved_blocks == 2
+    assert names(budget.reserve("t", tokens=128, reused=None)) == ["other"]  # 7 + 2 + 1 > 9; `own` is in use
+    budget.pinned(handle("own-next", [1, 2, 3, 4, 5, 8, 9]))
+    budget.finished("s")
+    assert budget.pinned_blocks == 7 and not budget.was_evicted(own)
 
 
 def test_conversations_sharing_a_prefix_share_its_blocks() -> None:

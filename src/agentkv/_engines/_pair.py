@@ -191,7 +191,9 @@ class EmbeddedPair(Engine):
         evicted = request.handle is not None and pins.was_evicted(request.handle)
         if evicted:
             request = dataclasses.replace(request, handle=None)
-        tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+        # What the step needs to start on D: vLLM grows a running answer by preempting other running requests,
+        # but it never preempts a pin, so only the prompt and the answer's first block must fit beside the pins.
+        tokens = len(request.prompt_token_ids) + min(request.sampling.max_tokens, pins.block_size)
         for released in pins.reserve(request.request_id, tokens=tokens, reused=request.handle):
             logger.debug("agentkv: D's cache is full; releasing the least recently pinned conversation")
             self._spawn_release(released)

@@ -47,6 +47,8 @@ class PinBudget:
         """Live pins by D's request id, least recently pinned first."""
         self._reserved: dict[str, int] = {}
         """Blocks each step in flight may still allocate on D, by the step's request id."""
+        self._extended: dict[str, str] = {}
+        """The pin each step in flight extends (its blocks are the step's prefix on D), by the step's request id."""
         self._evicted: deque[str] = deque(maxlen=_EVICTED_REMEMBERED)
 
     # ----------------------------------------------------------------- reading
@@ -72,35 +74,44 @@ class PinBudget:
         self._pins[handle.remote_request_id] = _Pin(handle, frozenset(handle.remote_block_ids[0]))
 
     def gone(self, handle: KVHandle) -> None:
-        """``handle`` was pushed back (P's read frees it) or released."""
+        """``handle``'s pin was released (or a step that extended it ended, see `finished`)."""
         self._pins.pop(handle.remote_request_id, None)
 
     def reserve(self, step_id: str, *, tokens: int, reused: KVHandle | None) -> list[KVHandle]:
         """Reserve D's blocks for a step of ``tokens`` (prompt + answer); the pins to release to make room.
 
-        ``reused``: the handle the step extends; D finds those blocks in its own cache, so they
-        are not counted again, and that pin is never one to evict.
+        ``reused``: the pin the step extends. Its blocks stay held on D for the whole step (P reads
+        them, and D's new request finds them in its cache as its prefix), so the pin stays counted,
+        is never evicted, and only the step's new blocks are reserved; `finished` drops it.
         """
-        if reused is not None:
-            self.gone(reused)
         next_pin = math.ceil(tokens / self.block_size)
-        held_by_reused = len(reused.remote_block_ids[0]) if reused is not None else 0
+        held_by_reused = 0
+        if reused is not None and reused.remote_request_id in self._pins:
+            held_by_reused = len(self._pins[reused.remote_request_id].blocks)
+            self._extended[step_id] = reused.remote_request_id
         self._reserved[step_id] = max(1, next_pin - held_by_reused)
         evict: list[KVHandle] = []
-        while self._pins and self._over_budget(next_pin=next_pin):
-            _, pin = self._pins.popitem(last=False)
-            self._evicted.append(pin.handle.remote_request_id)
+        while self._over_budget(next_pin=next_pin - held_by_reused):
+            oldest = next((key for key in self._pins if key not in self._extended.values()), None)
+            if oldest is None:
+                break
+            pin = self._pins.pop(oldest)
+            self._evicted.append(oldest)
             evict.append(pin.handle)
         return evict
 
     def finished(self, step_id: str) -> None:
-        """The step ended (its blocks are now its pin, counted by `pinned`, or free)."""
+        """The step ended: its reservation is over, and the pin it extended is replaced by its own (`pinned`)."""
         self._reserved.pop(step_id, None)
+        extended = self._extended.pop(step_id, None)
+        if extended is not None:
+            self._pins.pop(extended, None)
 
     # ----------------------------------------------------------------- internals
 
     def _over_budget(self, *, next_pin: int) -> bool:
-        """Whether the pins and the reservations overflow D, or the pins with the step's own ``next_pin`` the cap."""
+        """Whether the pins and the reservations overflow D, or the pins with the step's ``next_pin`` new blocks
+        pass the cap."""
         pinned = self.pinned_blocks
         if self.max_pinned_blocks is not None and pinned + next_pin > self.max_pinned_blocks:
             return True
