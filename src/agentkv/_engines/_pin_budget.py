@@ -3,7 +3,7 @@
 vLLM never evicts a pinned block: a pin is freed by P's read, its release, or its expiry
 (8 minutes by default). A D whose cache is all pins can schedule nothing; requests wait
 until pins expire. Seen here: 8 concurrent agentic sessions on the default 1 GiB float32
-cache (181 blocks of 128 tokens), D 98% full of pins, no request running, two waiting.
+cache (182 blocks of 128 tokens), D 98% full of pins, no request running, two waiting.
 A conversation of 2k tokens pins 16 blocks, so about 10 such conversations fill it.
 
 So the pair keeps a ledger of the pins it handed out. Before a step it reserves the blocks

@@ -219,10 +219,9 @@ def port_holders(ports: Iterable[int]) -> dict[int, set[int]]:
     wanted = set(ports)
     by_inode = {inode: port for inode, port in _listening_sockets().items() if port in wanted}
     holders: dict[int, set[int]] = {port: set() for port in by_inode.values()}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            for inode in _socket_inodes(int(entry)) & by_inode.keys():
-                holders[by_inode[inode]].add(int(entry))
+    for pid in running_pids():
+        for inode in _socket_inodes(pid) & by_inode.keys():
+            holders[by_inode[inode]].add(pid)
     return holders
 
 
