@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from agentkv import EmbeddedPair, Session, tool
+from agentkv import EmbeddedPair, Message, Session, tool
 
 pytestmark = pytest.mark.pair
 
@@ -56,3 +57,25 @@ def test_the_tools_example_runs_end_to_end(pair: EmbeddedPair, capsys: pytest.Ca
     assert any("Dana" in r.content for step in called for r in step.tool_results)
     _assert_pulled_from_step_two(result.steps)
     assert "answer:" in capsys.readouterr().out
+
+
+def test_a_tool_loop_the_caller_runs_equals_the_one_the_session_runs(pair: EmbeddedPair) -> None:
+    """`Session.step` with the caller running `add` gives the answers `Session.run` gives, and pushes back."""
+    question = "What is 1234 + 4321?"
+    apart = "by-step"  # P's cache of the run must not serve the steps: they pull from D or compute
+    with Session(engine=pair, tools=[add], tool_choice="required", max_steps=3, max_tokens=48) as session:
+        by_run = session.run_sync(question)
+    history: list[Message] = [Message(role="user", content=question)]
+    replies = []
+    with Session(engine=pair, max_tokens=48, cache_salt=apart) as session:
+        for choice in ("required", "auto", "none"):  # what run does: forced once, then free, the last must answer
+            reply = session.step_sync(history, tools=[add], tool_choice=choice)
+            replies.append(reply)
+            history.append(reply.message)
+            if not reply.tool_calls:
+                break
+            for call in reply.tool_calls:
+                history.append(Message(role="tool", tool_call_id=call.id, content=json.dumps(add(**call.arguments))))
+    assert [r.step.text for r in replies] == [s.text for s in by_run.steps]
+    assert replies[-1].text == by_run.text
+    _assert_pulled_from_step_two([r.step for r in replies])

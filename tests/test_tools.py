@@ -174,8 +174,8 @@ def test_tool_choice_shapes_the_first_step_only() -> None:
     forced, free = (schema(r) for r in engine.requests)
     assert "answer" not in json.dumps(forced) and '"const": "opaque"' not in json.dumps(forced)
     assert "anyOf" in free and "answer" in json.dumps(free)
-    assert output_schema({"add": add}, "required")["required"] == ["tool_calls"]
-    assert output_schema({"add": add}, "none")["required"] == ["answer"]
+    assert output_schema({"add": add.spec}, "required")["required"] == ["tool_calls"]
+    assert output_schema({"add": add.spec}, "none")["required"] == ["answer"]
 
 
 def test_parse_output_cases() -> None:

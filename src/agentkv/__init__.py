@@ -8,7 +8,7 @@ with Session(system="You are terse.") as s:
 """
 
 from ._conversation._conversation import Message
-from ._conversation._tools import Tool, ToolCall, ToolChoice, ToolFormat, ToolResult, tool
+from ._conversation._tools import Tool, ToolCall, ToolChoice, ToolFormat, ToolResult, ToolSpec, tool
 from ._engines import (
     Colocated,
     CorePolicy,
@@ -47,7 +47,19 @@ from ._errors import (
 from ._home import EventLoopHome
 from ._lifecycle import LifecycleState
 from ._model import DEFAULT_MODEL, prepare_model
-from ._session._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
+from ._session._message_step import StepOptions
+from ._session._pool import SessionPool
+from ._session._results import (
+    Event,
+    Step,
+    StepEnd,
+    StepReply,
+    TextDelta,
+    ToolCallEvent,
+    ToolResultEvent,
+    TurnEnd,
+    TurnResult,
+)
 from ._session._session import Mode, Session
 from ._stats._plots import plot_stats
 from ._stats._stats import MissReason, SessionStats, StepStats, TurnStats
@@ -87,11 +99,14 @@ __all__ = [
     "ServerCapabilities",
     "Session",
     "SessionClosedError",
+    "SessionPool",
     "SessionStats",
     "Step",
     "StepDone",
     "StepEnd",
     "StepEvent",
+    "StepOptions",
+    "StepReply",
     "StepRequest",
     "StepStats",
     "StepTimings",
@@ -105,6 +120,7 @@ __all__ = [
     "ToolFormat",
     "ToolResult",
     "ToolResultEvent",
+    "ToolSpec",
     "TurnEnd",
     "TurnResult",
     "TurnStats",

@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from .._errors import InvalidMessageError, TemplateError, UserError
+from ._tools import ToolCall
 
 __all__ = ["ChatRenderer", "Conversation", "Message"]
 
@@ -37,7 +38,11 @@ def _content_marker(index: int) -> str:
 
 
 class Message(BaseModel):
-    """One chat message."""
+    """One chat message.
+
+    In `Session.step` an assistant message may carry the tool calls the model made (its
+    content is then usually empty) and a tool message names the call it answers.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -45,6 +50,18 @@ class Message(BaseModel):
     content: str
     name: str | None = None
     """The tool's name, on tool messages."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """On assistant messages: the tools the model called."""
+    tool_call_id: str | None = None
+    """On tool messages: the id of the call this message answers."""
+
+    @model_validator(mode="after")
+    def _fields_fit_the_role(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages answer a tool call")
+        return self
 
     def template_dict(self) -> dict[str, Any]:
         """The dict a chat template renders."""

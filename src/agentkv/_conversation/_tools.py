@@ -12,17 +12,28 @@ import inspect
 import json
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import anyio
 import anyio.to_thread
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic_core import to_jsonable_python
 
 from .._errors import UserError
 
-__all__ = ["Tool", "ToolCall", "ToolChoice", "ToolFormat", "ToolResult", "check_tools", "run_tool_calls", "tool"]
+__all__ = [
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
+    "ToolFormat",
+    "ToolResult",
+    "ToolSpec",
+    "check_tool_specs",
+    "check_tools",
+    "run_tool_calls",
+    "tool",
+]
 
 ToolChoice = Literal["auto", "required", "none"] | str
 """``"auto"`` (the model decides), ``"required"`` (the first step must call a tool),
@@ -62,6 +73,44 @@ class ToolResult(BaseModel):
     duration_s: float = 0.0
 
 
+class ToolSpec(BaseModel):
+    """What the model is told about a tool: its name, description and JSON schema of arguments.
+
+    A `Tool` has one (``tool.spec``). On its own it describes a tool that the caller runs
+    (`Session.step`): the model may call it, and the call comes back to the caller.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    @field_validator("name")
+    @classmethod
+    def _identifier(cls, name: str) -> str:
+        if not _NAME.match(name):
+            raise ValueError(f"tool name {name!r} must be a Python-style identifier")
+        return name
+
+    @classmethod
+    def from_openai(cls, data: dict[str, Any]) -> ToolSpec:
+        """From an OpenAI tool (``{"type": "function", "function": {...}}``) or its ``function`` part."""
+        function = data.get("function", data) if data.get("type", "function") == "function" else None
+        if not isinstance(function, dict):
+            raise UserError(f"only function tools are supported, not {data.get('type')!r}")
+        try:
+            return cls.model_validate({k: v for k, v in function.items() if k in ("name", "description", "parameters")})
+        except ValidationError as exc:
+            raise UserError(f"tool {function.get('name')!r}: {exc.errors()[0]['msg']}") from None
+
+    def signature_line(self) -> str:
+        """``name(arg: type, ...): description``, for the model's instructions."""
+        properties = self.parameters.get("properties", {})
+        arguments = ", ".join(f"{key}: {value.get('type', 'any')}" for key, value in properties.items())
+        return f"{self.name}({arguments}): {self.description}"
+
+
 class Tool:
     """A function the model can call, with its name, description and argument schema."""
 
@@ -86,18 +135,14 @@ class Tool:
         self._arguments = _arguments_model(function, self.name, argument_docs)
         self.parameters: dict[str, Any] = self._arguments.model_json_schema()
         """JSON schema of the arguments."""
+        self.spec = ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
+        """What the model is told about this tool."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.function(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"Tool({self.name!r})"
-
-    def signature_line(self) -> str:
-        """``name(arg: type, ...): description``, for the model's instructions."""
-        properties = self.parameters.get("properties", {})
-        arguments = ", ".join(f"{key}: {value.get('type', 'any')}" for key, value in properties.items())
-        return f"{self.name}({arguments}): {self.description}"
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         """Validated keyword arguments; raises pydantic's ValidationError."""
@@ -145,6 +190,24 @@ def check_tools(tools: Sequence[Tool | Callable[..., Any]]) -> dict[str, Tool]:
     return by_name
 
 
+def check_tool_specs(tools: Sequence[ToolSpec | Tool | dict[str, Any]]) -> dict[str, ToolSpec]:
+    """Specs by name from specs, tools or OpenAI tool dicts; duplicate names raise `UserError`."""
+    by_name: dict[str, ToolSpec] = {}
+    for item in tools:
+        if isinstance(item, Tool):
+            spec = item.spec
+        elif isinstance(item, ToolSpec):
+            spec = item
+        elif isinstance(item, dict):
+            spec = ToolSpec.from_openai(item)
+        else:
+            raise UserError(f"a tool must be a ToolSpec, a Tool or an OpenAI tool dict, not {type(item).__name__}")
+        if spec.name in by_name:
+            raise UserError(f"two tools are named {spec.name!r}")
+        by_name[spec.name] = spec
+    return by_name
+
+
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     """The first paragraph, and ``name: description`` lines of an ``Args:`` section."""
     summary = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
@@ -159,8 +222,6 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
 
 
 def _arguments_model(function: Callable[..., Any], name: str, described: dict[str, str]) -> type[BaseModel]:
-    from pydantic import Field
-
     try:
         hints = inspect.get_annotations(function, eval_str=True)
     except Exception as exc:
@@ -179,7 +240,7 @@ def _arguments_model(function: Callable[..., Any], name: str, described: dict[st
 # ----------------------------------------------------------------- the call protocol
 
 
-def instructions(tools: dict[str, Tool]) -> str:
+def instructions(tools: Mapping[str, ToolSpec]) -> str:
     """The text that tells the model its tools and how to call them (appended to the system message)."""
     lines = "\n".join(f"- {t.signature_line()}" for t in tools.values())
     return (
@@ -189,7 +250,7 @@ def instructions(tools: dict[str, Tool]) -> str:
     )
 
 
-def template_tools(tools: dict[str, Tool]) -> list[dict[str, Any]]:
+def template_tools(tools: Mapping[str, ToolSpec]) -> list[dict[str, Any]]:
     """The tools as chat templates take them (``apply_chat_template(..., tools=...)``)."""
     return [
         {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
@@ -197,7 +258,7 @@ def template_tools(tools: dict[str, Tool]) -> list[dict[str, Any]]:
     ]
 
 
-def output_schema(tools: dict[str, Tool], choice: ToolChoice) -> dict[str, Any]:
+def output_schema(tools: Mapping[str, ToolSpec], choice: ToolChoice) -> dict[str, Any]:
     """The JSON schema the model's output is forced to (vLLM structured outputs) for this step."""
     answer = {
         "type": "object",

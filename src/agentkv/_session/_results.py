@@ -6,10 +6,21 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .._conversation._conversation import Message
 from .._conversation._tools import ToolCall, ToolResult
 from .._stats._stats import StepStats, TurnStats
 
-__all__ = ["Event", "Step", "StepEnd", "TextDelta", "ToolCallEvent", "ToolResultEvent", "TurnEnd", "TurnResult"]
+__all__ = [
+    "Event",
+    "Step",
+    "StepEnd",
+    "StepReply",
+    "TextDelta",
+    "ToolCallEvent",
+    "ToolResultEvent",
+    "TurnEnd",
+    "TurnResult",
+]
 
 
 class Step(BaseModel):
@@ -88,3 +99,37 @@ class TurnEnd(BaseModel):
 Event = Annotated[TextDelta | ToolCallEvent | ToolResultEvent | StepEnd | TurnEnd, Field(discriminator="kind")]
 """What `Session.stream` yields, in order: per step its text deltas, tool calls, tool results
 and step end; then one turn end."""
+
+
+class StepReply(BaseModel):
+    """What `Session.step` returns: the model's next message for the caller's conversation.
+
+    No tool has run: when the model called tools, `message` carries the calls (and `text` is
+    empty); the caller runs them and sends their results back as tool messages.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    message: Message
+    """The assistant message to append to the conversation the caller keeps."""
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    """``tool_calls`` (the model called tools), ``stop`` (it answered) or ``length`` (``max_tokens`` reached)."""
+    step: Step
+    """The model call: its raw output, token ids and stats."""
+    error: str | None = None
+    """Why the output could not be read as an answer or as tool calls (it is then the message's text)."""
+
+    @property
+    def text(self) -> str:
+        """The answer ("" when the model called tools)."""
+        return self.message.content
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The tools the model called, for the caller to run."""
+        return list(self.message.tool_calls)
+
+    @property
+    def stats(self) -> StepStats:
+        """The model call's stats."""
+        return self.step.stats

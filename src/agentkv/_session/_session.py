@@ -13,31 +13,36 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Unpack
 
 import anyio.to_thread
 
 from .._conversation._conversation import ChatRenderer, Conversation, Message
 from .._conversation._tools import Tool, ToolChoice, ToolFormat, template_tools
-from .._engines import Colocated, EmbeddedPair, Engine, EngineState, KVHandle
+from .._conversation._transcript import Transcript, TranscriptKey, model_messages, rebuild
+from .._engines import Colocated, EmbeddedPair, Engine, KVHandle
 from .._errors import SessionClosedError, UserError
 from .._home import EventLoopHome
-from .._lifecycle import Lifecycle, LifecycleState
+from .._lifecycle import LifecycleState
 from .._stats._stats import SessionStats, TurnStats
+from ._answer_text import AnswerText
+from ._engine_user import EngineUser
+from ._message_step import MessageRequest, StepOptions, ToolsArgument, read_reply
 from ._pinning import Pin
-from ._results import Event, TurnEnd, TurnResult
+from ._results import Event, Step, StepReply, TurnEnd, TurnResult
 from ._session_config import Mode, SessionConfig, check_count, check_message
-from ._turn import StepContext, Turn, turn_events
+from ._turn import StepContext, Turn, model_step, turn_events
 
-__all__ = ["Mode", "Session"]
+__all__ = ["Mode", "Session", "make_engine"]
 
 logger = logging.getLogger("agentkv")
 
 
-class Session(Lifecycle):
+class Session(EngineUser):
     """A multi-turn conversation on an engine, with its KV pinned between steps.
 
     Use it as a context manager: ``async with Session() as s`` on your event loop, or
@@ -92,8 +97,6 @@ class Session(Lifecycle):
         cache_salt: str | None = None,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if engine is not None and not isinstance(engine, Engine):
-            raise UserError(f"engine must be an agentkv Engine, not {type(engine).__name__}")
         if engine is not None and (model is not None or engine_options):
             raise UserError("model= and engine_options= configure the session's own engine; not with engine=")
         config = SessionConfig.build(
@@ -116,10 +119,7 @@ class Session(Lifecycle):
     def _setup(self, config: SessionConfig, engine: Engine | None) -> None:
         super().__init__()
         self._config = config
-        self._given_engine = engine
-        self._engine: Engine | None = engine
-        self._owns_engine = False
-        """Whether this session opened its engine (and so closes it); decided by `open`."""
+        self._use_engine(engine)
         self._conversation: Conversation | None = None
         self._pin: Pin | None = None
         self._turns: list[TurnStats] = []
@@ -132,37 +132,28 @@ class Session(Lifecycle):
         """Forks (and forks of forks) that run on this session's own engine: they close with it."""
         self._engine_owner: Session | None = None
         """For a fork: the session whose own engine it runs on (None: a shared engine)."""
+        self._tokenizer: Any = None
+        self._transcript: Transcript | None = None
+        """What `step` last answered, as the caller sees it (None after `run` or an edit)."""
+        self._renderer: tuple[TranscriptKey, ChatRenderer] | None = None
+        """The renderer `step` made last, for its key (a session's key rarely changes)."""
         self.mode: Mode = config.mode or "bidirectional"
 
     # ----------------------------------------------------------------- lifecycle
 
-    def _blocking_home(self) -> tuple[EventLoopHome, bool]:
-        engine = self._given_engine
-        if engine is not None and engine.state is EngineState.OPEN:
-            if engine.home is None or not engine.home.owns_thread:
-                raise UserError("this engine was opened with `async with`: use `async with Session(...)` too")
-            return engine.home, False  # a shared engine's loop, which its owner stops
-        return super()._blocking_home()
+    def _make_engine(self) -> Engine:
+        return make_engine(self._config)
 
     async def _open_resources(self) -> None:
-        engine = self._given_engine if self._given_engine is not None else self._make_engine()
-        self._engine = engine
-        if engine.state is EngineState.UNOPENED:
-            self._owns_engine = True
-            await engine.open(home=self.home)
-        elif engine.state is EngineState.OPEN:
-            self._home = engine.home  # a shared engine: the session runs its turns on the engine's loop
-        else:
-            raise SessionClosedError(
-                f"the engine given to this session is {engine.state.value}; give an open or a new one"
-            )
+        engine = await self._open_engine()
         self.mode = self._resolve_mode(engine)
         tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
         config = self._config
-        native_tools = template_tools(config.tools) if config.tools and config.format == "native" else None
+        native_tools = template_tools(config.tool_specs) if config.tools and config.format == "native" else None
         text = config.system_text(config.system)
         system = Message(role="system", content=text) if text is not None else None
         renderer = ChatRenderer(tokenizer, system=system, tools=native_tools)
+        self._tokenizer = tokenizer
         self._conversation = Conversation(renderer, system=system)
 
     async def _close_resources(self) -> None:
@@ -174,16 +165,7 @@ class Session(Lifecycle):
                 self._releases.append(self._pin.handle)
                 self._pin = None
         await self._release_pins()
-        if self._owns_engine and self._engine is not None:
-            await self._engine.aclose()
-
-    def _make_engine(self) -> Engine:
-        mode = self._config.mode or "bidirectional"
-        options = dict(self._config.engine_options)
-        if mode == "colocated":
-            return Colocated(self._config.model, **options)
-        options.setdefault("bidirectional", mode in ("bidirectional", "auto"))
-        return EmbeddedPair(self._config.model, **options)
+        await self._close_engine()
 
     def _resolve_mode(self, engine: Engine) -> Mode:
         info = engine.info
@@ -195,13 +177,6 @@ class Session(Lifecycle):
         return wanted
 
     # ----------------------------------------------------------------- reading
-
-    @property
-    def engine(self) -> Engine:
-        """The engine this session runs on."""
-        if self._engine is None:
-            raise SessionClosedError("the session is not open")
-        return self._engine
 
     @property
     def messages(self) -> list[Message]:
@@ -246,6 +221,124 @@ class Session(Lifecycle):
         events = self._stream(message, consumer)
         consumer.append(weakref.ref(events))
         return events
+
+    async def step(
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        *,
+        tools: ToolsArgument = None,
+        tool_choice: ToolChoice | Mapping[str, Any] = "auto",
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> StepReply:
+        """One model call over the whole conversation as the caller keeps it; the caller runs the tools.
+
+        ``messages`` are `Message` objects or OpenAI chat dicts (assistant ``tool_calls``, tool
+        ``tool_call_id``). When they extend what this session last answered, only the new ones
+        are appended and D's KV of the rest is pushed back; otherwise the conversation is
+        rebuilt from them (its KV recomputed unless the rebuilt tokens still extend the pin).
+        The reply is an answer or tool calls; nothing runs them here.
+
+        Args:
+            tools: the tools the model may call this step (`ToolSpec`, `Tool` or OpenAI tool
+                dicts); default: the session's tools. A new tool list re-renders the conversation.
+            tool_choice: as in `Session`, or OpenAI's ``{"type": "function", "function": {"name": ...}}``.
+            max_tokens, temperature, seed: this step's sampling; default: the session's.
+            on_text: called with the answer's text as it is generated (not for tool calls).
+
+        A failed step (bad input, an engine error, cancellation) changes nothing in the session.
+        """
+        request = MessageRequest.build(
+            self._config,
+            messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+        )
+        home = self._require_home()
+        if not home.is_current():
+            return await home.call_async(self._step, request, on_text)
+        return await self._step(request, on_text)
+
+    def step_sync(self, messages: Sequence[Message | Mapping[str, Any]], **options: Unpack[StepOptions]) -> StepReply:
+        """Blocking `step` (the same arguments), for a session opened with ``with``."""
+        return self._require_home().call(functools.partial(self.step, messages, **options))
+
+    def extends(self, messages: Sequence[Message | Mapping[str, Any]], *, tools: ToolsArgument = None) -> bool:
+        """Whether ``messages`` extend what this session last answered in `step` (a front door routes by it)."""
+        request = MessageRequest.build(self._config, messages, tools=tools)
+        with self._lock:
+            transcript = self._transcript
+        return transcript is not None and transcript.new_messages(request.key, request.messages) is not None
+
+    async def _step(self, request: MessageRequest, on_text: Callable[[str], None] | None) -> StepReply:
+        turn, continues = await self._begin_step(request)
+        number = len(self._turns[-1].steps) + 1 if continues else 1
+        context = self._step_context(request.config)
+        answer = AnswerText(request.shape)
+        try:
+            step: Step | None = None
+            async with aclosing(model_step(turn, number, context, json_schema=request.json_schema())) as events:
+                async for event in events:
+                    if isinstance(event, Step):
+                        step = event
+                    elif on_text is not None and (text := answer.feed(event.text)):
+                        on_text(text)
+            assert step is not None
+            reply = read_reply(request, step)
+            with self._lock:
+                self._take(turn)
+                self._transcript = Transcript(request.key, (*request.messages, reply.message))
+                wall_s = time.perf_counter() - turn.started
+                if continues:
+                    last = self._turns[-1]
+                    wall_s += last.wall_s
+                    self._turns[-1] = TurnStats(turn=last.turn, steps=[*last.steps, step.stats], wall_s=wall_s)
+                else:
+                    self._turns.append(TurnStats(turn=turn.number, steps=[step.stats], wall_s=wall_s))
+            return reply
+        finally:
+            self._end_turn(turn)
+
+    async def _begin_step(self, request: MessageRequest) -> tuple[Turn, bool]:
+        """Claim the session and make the step's conversation: the committed one extended, or a rebuilt one.
+
+        Also says whether the step continues the last turn (the caller added only tool results)."""
+        with self._lock:
+            conversation = self._require_conversation()
+            self._drop_abandoned_turn()
+            if self._active is not None:
+                raise UserError("a step is already running in this session; sessions take one at a time")
+            transcript = self._transcript
+            new = transcript.new_messages(request.key, request.messages) if transcript is not None else None
+            continues = new is not None and not any(m.role == "user" for m in new) and bool(self._turns)
+            number = len(self._turns) if continues else len(self._turns) + 1
+            turn = Turn(number, conversation.copy(), self._pin, self._pin)
+            self._pin, self._active = None, turn
+        try:
+            await self._release_pins()
+            await self._ensure_engine(turn)
+            if new is not None:
+                turn.conversation.add_messages(model_messages(new, request.key.format))
+            else:
+                turn.conversation = rebuild(self._renderer_for(request.key), request.key, request.messages)
+        except BaseException:
+            self._end_turn(turn)
+            raise
+        return turn, continues
+
+    def _renderer_for(self, key: TranscriptKey) -> ChatRenderer:
+        if self._renderer is not None and self._renderer[0] == key:
+            return self._renderer[1]
+        native = template_tools({t.name: t for t in key.tools}) if key.tools and key.format == "native" else None
+        system = Message(role="system", content=key.system) if key.system is not None else None
+        renderer = ChatRenderer(self._tokenizer, system=system, tools=native)
+        self._renderer = (key, renderer)
+        return renderer
 
     async def _run(self, message: str, on_event: Callable[[Event], None] | None) -> TurnResult:
         turn = await self._begin_turn(message)
@@ -292,10 +385,10 @@ class Session(Lifecycle):
             raise
         return turn
 
-    def _step_context(self) -> StepContext:
+    def _step_context(self, config: SessionConfig | None = None) -> StepContext:
         return StepContext(
             self.engine,
-            self._config,
+            config or self._config,
             self.mode in ("bidirectional", "auto"),
             self._discard_pin,
             placement="auto" if self.mode == "auto" else "prefill",
@@ -304,13 +397,20 @@ class Session(Lifecycle):
     def _commit(self, turn: Turn) -> None:
         """Make a finished turn part of the session: its conversation, its pin, its stats."""
         with self._lock:
-            if turn.ended or self._active is not turn or turn.result is None:
+            if turn.result is None:
                 raise UserError("this turn was abandoned and cannot be kept")
-            self._conversation = turn.conversation
-            self._pin, turn.pin = turn.pin, None
+            self._take(turn)
+            self._transcript = None
             self._turns.append(turn.result.stats)
-            turn.ended = True
-            self._active = None
+
+    def _take(self, turn: Turn) -> None:
+        """Make a finished turn's conversation and pin the session's (called with the lock held)."""
+        if turn.ended or self._active is not turn:
+            raise UserError("this turn was abandoned and cannot be kept")
+        self._conversation = turn.conversation
+        self._pin, turn.pin = turn.pin, None
+        turn.ended = True
+        self._active = None
 
     def _end_turn(self, turn: Turn) -> None:
         """Drop a turn that was not committed (failed, cancelled, abandoned). Safe to call twice."""
@@ -342,7 +442,7 @@ class Session(Lifecycle):
         logger.warning("agentkv: the session's engine died; starting a new one (the conversation is kept)")
         turn.pin = turn.taken_pin = None
         await engine.aclose()
-        replacement = self._make_engine()
+        replacement = make_engine(self._config)
         await replacement.open(home=self.home)
         self._engine = replacement
 
@@ -383,6 +483,7 @@ class Session(Lifecycle):
             conversation = self._require_idle()
             conversation.rewind(turns)
             del self._turns[len(conversation.turn_starts()) :]
+            self._transcript = None
             self._drop_pin()
 
     def replace_message(self, index: int, content: str) -> None:
@@ -399,6 +500,7 @@ class Session(Lifecycle):
             if index == 0 and conversation.system is not None:
                 content = self._config.system_text(content) or content
             conversation.replace(index, content)
+            self._transcript = None
             self._drop_pin()
 
     def fork(self) -> Session:
@@ -416,6 +518,7 @@ class Session(Lifecycle):
             twin._home = self._home
             twin._conversation = conversation.copy()
             twin._turns = list(self._turns)
+            twin._tokenizer, twin._transcript = self._tokenizer, self._transcript
             twin._state = LifecycleState.OPEN
             twin._engine_owner = self if self._owns_engine else self._engine_owner
             if twin._engine_owner is not None:
@@ -452,6 +555,16 @@ class Session(Lifecycle):
         self._require_conversation()
         assert self._home is not None
         return self._home
+
+
+def make_engine(config: SessionConfig) -> Engine:
+    """The engine a session (or a pool) starts for itself: the embedded pair, or one engine for ``colocated``."""
+    mode = config.mode or "bidirectional"
+    options = dict(config.engine_options)
+    if mode == "colocated":
+        return Colocated(config.model, **options)
+    options.setdefault("bidirectional", mode in ("bidirectional", "auto"))
+    return EmbeddedPair(config.model, **options)
 
 
 @functools.lru_cache(maxsize=4)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .._conversation._tools import Tool, ToolChoice, ToolFormat, check_tools, instructions
+from .._conversation._tools import Tool, ToolChoice, ToolFormat, ToolSpec, check_tools, instructions
 from .._engines._base import Mode
 from .._errors import InvalidMessageError, UserError
 
@@ -49,6 +49,16 @@ class SessionConfig(BaseModel):
         except ValidationError as exc:
             raise UserError(_describe(exc)) from None
 
+    def with_sampling(self, **values: Any) -> SessionConfig:
+        """This configuration with other sampling settings (``max_tokens``, ``temperature``, ``seed``), checked."""
+        given = {name: value for name, value in values.items() if value is not None}
+        if not given:
+            return self
+        try:
+            return SessionConfig(**{**{name: getattr(self, name) for name in type(self).model_fields}, **given})
+        except ValidationError as exc:
+            raise UserError(_describe(exc)) from None
+
     @model_validator(mode="after")
     def _consistent(self) -> SessionConfig:
         choice = self.tool_choice
@@ -73,9 +83,14 @@ class SessionConfig(BaseModel):
         return self.tool_format
 
     @property
+    def tool_specs(self) -> dict[str, ToolSpec]:
+        """What the model is told about each tool."""
+        return {name: tool.spec for name, tool in self.tools.items()}
+
+    @property
     def tool_instructions(self) -> str:
         """What schema-format tools append to the system message ("" otherwise)."""
-        return instructions(self.tools) if self.tools and self.tool_format == "schema" else ""
+        return instructions(self.tool_specs) if self.tools and self.tool_format == "schema" else ""
 
     def system_text(self, system: str | None) -> str | None:
         """The system message the model reads: ``system`` with the tool instructions appended once."""

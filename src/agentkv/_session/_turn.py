@@ -82,7 +82,7 @@ async def turn_events(turn: Turn, context: StepContext) -> AsyncGenerator[Event]
     forces_json = bool(config.tools) and config.format == "schema"
     for number in range(1, config.max_steps + 1):
         last = number == config.max_steps or not config.tools
-        schema = output_schema(config.tools, "none" if last else choice) if forces_json else None
+        schema = output_schema(config.tool_specs, "none" if last else choice) if forces_json else None
         step: Step | None = None
         async with aclosing(model_step(turn, number, context, json_schema=schema)) as step_events:
             async for step_event in step_events:

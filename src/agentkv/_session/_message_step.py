@@ -1,0 +1,128 @@
+"""The parts of `Session.step` that are not the session's bookkeeping: the request, checked once,
+and the model's output read back as a message (an answer or tool calls for the caller to run)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from .._conversation._conversation import Message
+from .._conversation._tools import (
+    Tool,
+    ToolChoice,
+    ToolSpec,
+    check_tool_specs,
+    instructions,
+    output_schema,
+    parse_native_output,
+    parse_output,
+)
+from .._conversation._transcript import MessageLike, TranscriptKey, read_messages
+from .._errors import UserError
+from ._answer_text import OutputShape
+from ._results import Step, StepReply
+from ._session_config import SessionConfig
+
+__all__ = ["MessageRequest", "StepOptions", "ToolsArgument", "read_reply"]
+
+ToolsArgument = Sequence[ToolSpec | Tool | Mapping[str, Any]] | None
+
+
+class StepOptions(TypedDict, total=False):
+    """The keyword arguments of `Session.step` (see there)."""
+
+    tools: ToolsArgument
+    tool_choice: ToolChoice | Mapping[str, Any]
+    max_tokens: int | None
+    temperature: float | None
+    seed: int | None
+    on_text: Callable[[str], None] | None
+
+
+@dataclass(frozen=True)
+class MessageRequest:
+    """One `Session.step` call, checked: the caller's messages, the tools it runs, the step's settings."""
+
+    messages: list[Message]
+    key: TranscriptKey
+    tools: dict[str, ToolSpec]
+    choice: ToolChoice
+    config: SessionConfig
+    """The session's configuration with this call's sampling settings."""
+
+    @classmethod
+    def build(
+        cls,
+        config: SessionConfig,
+        messages: Sequence[MessageLike],
+        *,
+        tools: ToolsArgument = None,
+        tool_choice: ToolChoice | Mapping[str, Any] = "auto",
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> MessageRequest:
+        read = read_messages(messages)
+        if tools is None:
+            specs = config.tool_specs
+        elif isinstance(tools, str | bytes) or not isinstance(tools, Sequence):
+            raise UserError(f"tools must be a list, not {type(tools).__name__}")
+        else:
+            specs = check_tool_specs([dict(t) if isinstance(t, Mapping) else t for t in tools])
+        choice = _choice(tool_choice, specs, config)
+        system = read[0].content if read[0].role == "system" else config.system
+        if specs and config.format == "schema":
+            system = (system or "") + instructions(specs)
+        key = TranscriptKey(system=system, tools=tuple(specs.values()), format=config.format)
+        step_config = config.with_sampling(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        return cls(read, key, specs, choice, step_config)
+
+    @property
+    def shape(self) -> OutputShape:
+        """How the model writes this step's output."""
+        if not self.tools:
+            return "plain"
+        return "json" if self.key.format == "schema" else "native"
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """What the output is forced to: in schema format with tools, an answer or calls of these tools."""
+        if not self.tools or self.key.format != "schema":
+            return None
+        return output_schema(self.tools, self.choice)
+
+
+def _choice(choice: ToolChoice | Mapping[str, Any], tools: dict[str, ToolSpec], config: SessionConfig) -> ToolChoice:
+    if isinstance(choice, Mapping):  # OpenAI's {"type": "function", "function": {"name": ...}}
+        choice = str((choice.get("function") or {}).get("name", ""))
+    if choice not in ("auto", "required", "none") and choice not in tools:
+        raise UserError(f"tool_choice {choice!r} is neither auto, required, none nor one of the tools")
+    if choice == "required" and not tools:
+        raise UserError("tool_choice='required' needs tools")
+    if config.format == "native" and choice not in ("auto", "none"):
+        raise UserError("with tool_format='native' the model decides; forced calls need tool_format='schema'")
+    return choice
+
+
+def read_reply(request: MessageRequest, step: Step) -> StepReply:
+    """The model's output as the caller's next message (calls get ids unique to this step)."""
+    if request.shape == "plain":
+        return _answer(step, step.text.strip())
+    parse = parse_output if request.key.format == "schema" else parse_native_output
+    calls, answer, error = parse(step.text, call_prefix=f"call_{uuid.uuid4().hex[:16]}")
+    if error is not None:
+        message = Message(role="assistant", content=step.text)
+        return StepReply(message=message, finish_reason=_finish(step), step=step, error=error)
+    if answer is not None:
+        return _answer(step, answer)
+    message = Message(role="assistant", content="", tool_calls=tuple(calls))
+    return StepReply(message=message, finish_reason="tool_calls", step=step)
+
+
+def _answer(step: Step, text: str) -> StepReply:
+    return StepReply(message=Message(role="assistant", content=text), finish_reason=_finish(step), step=step)
+
+
+def _finish(step: Step) -> Any:
+    return "length" if step.finish_reason == "length" else "stop"

@@ -1,0 +1,195 @@
+"""`SessionPool`: whole conversations in, each routed to the session that holds its KV.
+
+Agent frameworks and HTTP clients send the whole conversation with every model call and
+rarely say which conversation it is. The pool keeps one `Session` per conversation on one
+engine and sends each `step` to the session named by ``conversation_id``, else to an idle
+session whose history the messages extend exactly (`Session.extends`), else to a new one.
+Idle sessions past ``idle_ttl_s`` or beyond ``max_sessions`` (least recently used first)
+are closed, and D's blocks for them released.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Unpack
+
+from .._conversation._conversation import Message
+from .._engines import Engine
+from .._errors import UserError
+from ._engine_user import EngineUser
+from ._message_step import StepOptions, ToolsArgument
+from ._results import StepReply
+from ._session import Session, make_engine
+from ._session_config import SessionConfig
+
+__all__ = ["SessionPool"]
+
+logger = logging.getLogger("agentkv")
+
+
+@dataclass(eq=False)
+class _Member:
+    session: Session
+    conversation_id: str | None
+    busy: bool = False
+    used: float = field(default_factory=time.monotonic)
+
+
+class SessionPool(EngineUser):
+    """Sessions on one engine, one per conversation, for callers that send whole conversations.
+
+    Open it like a session (``with SessionPool() as pool`` or ``async with``); closing it closes
+    its sessions and, when the pool opened it, its engine.
+
+    Args:
+        engine: the engine for every session. An open engine is shared (its owner closes it);
+            an unopened one is opened by the pool and closes with it. Default: the pool starts
+            the embedded pair (or the engine ``mode`` asks for).
+        max_sessions: the most sessions kept; beyond it the least recently used idle one is closed.
+        idle_ttl_s: a session unused this long is closed (its pin released).
+        session_options: keyword arguments of each `Session` (``system``, ``mode``, ``tool_format``,
+            ``max_tokens``, ``temperature``, ``seed``, ``cache_salt``; ``model`` and ``engine_options``
+            for the pool's own engine).
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: Engine | None = None,
+        max_sessions: int = 64,
+        idle_ttl_s: float = 600.0,
+        **session_options: Any,
+    ) -> None:
+        super().__init__()
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise UserError(f"max_sessions must be a positive int, not {max_sessions!r}")
+        if not idle_ttl_s > 0:
+            raise UserError(f"idle_ttl_s must be positive, not {idle_ttl_s!r}")
+        engine_options = {k: session_options.pop(k) for k in ("model", "engine_options") if k in session_options}
+        if engine is not None and engine_options:
+            raise UserError("model= and engine_options= configure the pool's own engine; not with engine=")
+        Session(**session_options)  # the options are checked now, not at the first step
+        self._engine_config = SessionConfig.build(
+            tools=(),
+            engine_options=engine_options.get("engine_options"),
+            model=engine_options.get("model"),
+            mode=session_options.get("mode"),
+        )
+        """What the pool's own engine is made from (as a session makes its own)."""
+        self._session_options = session_options
+        self._use_engine(engine)
+        self._members: list[_Member] = []
+        self.max_sessions = max_sessions
+        self.idle_ttl_s = idle_ttl_s
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _make_engine(self) -> Engine:
+        return make_engine(self._engine_config)
+
+    async def _open_resources(self) -> None:
+        await self._open_engine()
+
+    async def _close_resources(self) -> None:
+        members, self._members = self._members, []
+        for member in members:
+            await member.session.aclose()
+        await self._close_engine()
+
+    # ----------------------------------------------------------------- reading
+
+    @property
+    def sessions(self) -> list[Session]:
+        """The live sessions, least recently used first."""
+        return [m.session for m in sorted(self._members, key=lambda m: m.used)]
+
+    def session_for(self, conversation_id: str) -> Session | None:
+        """The session of a named conversation, if it is live."""
+        return next((m.session for m in self._members if m.conversation_id == conversation_id), None)
+
+    # ----------------------------------------------------------------- stepping
+
+    async def step(
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        *,
+        conversation_id: str | None = None,
+        **options: Unpack[StepOptions],
+    ) -> StepReply:
+        """`Session.step` (the same arguments) on the conversation's session (see the class for how it is found).
+
+        A named conversation whose session is running a step raises `UserError`.
+        """
+        self._require_open()
+        assert self._home is not None
+        if not self._home.is_current():
+            return await self._home.call_async(functools.partial(self._step, messages, conversation_id, options))
+        return await self._step(messages, conversation_id, options)
+
+    def step_sync(
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        *,
+        conversation_id: str | None = None,
+        **options: Unpack[StepOptions],
+    ) -> StepReply:
+        """Blocking `step`, for a pool opened with ``with``."""
+        self._require_open()
+        assert self._home is not None
+        return self._home.call(functools.partial(self._step, messages, conversation_id, options))
+
+    async def _step(
+        self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, options: StepOptions
+    ) -> StepReply:
+        await self._close_idle()
+        member = await self._member_for(messages, conversation_id, options.get("tools"))
+        try:
+            return await member.session.step(messages, **options)
+        finally:
+            member.busy = False
+            member.used = time.monotonic()
+
+    async def _member_for(
+        self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, tools: ToolsArgument
+    ) -> _Member:
+        """The conversation's member, marked busy (no await between the choice and the mark)."""
+        if conversation_id is not None:
+            named = next((m for m in self._members if m.conversation_id == conversation_id), None)
+            if named is not None and named.busy:
+                raise UserError(f"conversation {conversation_id!r} is already running a step")
+            if named is not None:
+                named.busy = True
+                return named
+        else:
+            for member in sorted(self._members, key=lambda m: m.used, reverse=True):
+                if not member.busy and member.conversation_id is None and member.session.extends(messages, tools=tools):
+                    member.busy = True
+                    return member
+        member = _Member(Session(engine=self.engine, **self._session_options), conversation_id, busy=True)
+        self._members.append(member)  # before opening: a second step of this conversation sees it busy
+        try:
+            await member.session.open(home=self.home)
+        except BaseException:
+            self._members.remove(member)
+            raise
+        await self._close_beyond_limit()
+        return member
+
+    async def _close_idle(self) -> None:
+        now = time.monotonic()
+        for member in [m for m in self._members if not m.busy and now - m.used > self.idle_ttl_s]:
+            await self._close(member, "idle")
+
+    async def _close_beyond_limit(self) -> None:
+        idle = sorted((m for m in self._members if not m.busy), key=lambda m: m.used)
+        for member in idle[: max(0, len(self._members) - self.max_sessions)]:
+            await self._close(member, "over max_sessions")
+
+    async def _close(self, member: _Member, why: str) -> None:
+        logger.debug("agentkv: closing a pooled session (%s)", why)
+        self._members.remove(member)
+        await member.session.aclose()
