@@ -190,7 +190,7 @@ def test_a_stock_decode_server_is_refused_for_streaming_at_open() -> None:
         pair = RemotePair(p.url, d.url)
         with pytest.raises(UserError, match="stock vLLM") as refused:
             pair.__enter__()
-        assert "agentkv serve --role decode" in str(refused.value) and "decode_streaming=False" in str(refused.value)
+        assert "agentkv engine --role decode" in str(refused.value) and "decode_streaming=False" in str(refused.value)
         assert not pair.is_open
         assert not p.bodies and not d.bodies  # no step ran, so nothing was pinned
 

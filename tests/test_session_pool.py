@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,3 +110,14 @@ def test_import_agentkv_imports_no_framework() -> None:
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
     assert agentkv.SessionPool is SessionPool
+
+
+def test_idle_sessions_are_closed_on_their_own_and_release_their_pins(pair: HonestPairEngine) -> None:
+    with SessionPool(engine=pair, idle_ttl_s=0.4) as pool:
+        pool.step_sync([user("Hi")])
+        assert pair.live_pins == 1
+        for _ in range(50):  # no request comes: the pool's reaper closes the session
+            if not pool.sessions:
+                break
+            time.sleep(0.1)
+        assert pool.sessions == [] and pair.live_pins == 0

@@ -181,7 +181,9 @@ def test_bad_tools_and_settings_are_user_errors(pair: HonestPairEngine, script: 
             session.step_sync(user, max_tokens=0)
         with pytest.raises(UserError, match="temperature"):
             session.step_sync(user, temperature=-1.0)
-        forced = session.step_sync(user, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "weather"}})
+        forced = session.step_sync(
+            user, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "weather"}}
+        )
     assert forced.tool_calls and script.requests[-1].sampling.json_schema is not None
 
 

@@ -201,7 +201,7 @@ def test_stock_decode_server_is_refused_for_streaming(stock_servers: tuple[str, 
         pair = RemotePair(*stock_servers, model=model)
         with anyio.fail_after(OPEN_BOUND_S), pytest.raises(UserError) as refused:
             await pair.open()
-        assert "agentkv serve --role decode" in str(refused.value)
+        assert "agentkv engine --role decode" in str(refused.value)
         assert "decode_streaming=False" in str(refused.value)
         assert not pair.is_open
 

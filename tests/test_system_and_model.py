@@ -103,7 +103,7 @@ def test_one_function_writes_each_engines_vllm_settings(tmp_path: Path) -> None:
     assert json.loads(command[command.index("--kv-transfer-config") + 1]) == p.engine_args["kv_transfer_config"]
 
 
-def test_agentkv_serve_uses_the_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_agentkv_engine_uses_the_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: dict[str, list[str]] = {}
 
     def exec_instead(file: str, args: list[str], env: dict[str, str]) -> None:
@@ -112,6 +112,6 @@ def test_agentkv_serve_uses_the_config_defaults(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr("os.execvpe", exec_instead)
     with pytest.raises(SystemExit):
-        main(["serve", "--role", "decode", "--nixl-host", "10.0.0.2"])
+        main(["engine", "--role", "decode", "--nixl-host", "10.0.0.2"])
     kv = json.loads(ran["args"][ran["args"].index("--kv-transfer-config") + 1])
     assert kv["kv_connector_extra_config"]["kv_recompute_threshold"] == PairConfig().recompute_threshold

@@ -40,6 +40,7 @@ from ._errors import (
     EngineUnavailableError,
     InvalidMessageError,
     ModelPreparationError,
+    SessionBusyError,
     SessionClosedError,
     TemplateError,
     UserError,
@@ -63,6 +64,7 @@ from ._session._results import (
 from ._session._session import Mode, Session
 from ._stats._plots import plot_stats
 from ._stats._stats import MissReason, SessionStats, StepStats, TurnStats
+from ._surfaces._serve import FrontDoor
 
 __version__ = "0.1.0"
 
@@ -82,6 +84,7 @@ __all__ = [
     "EngineUnavailableError",
     "Event",
     "EventLoopHome",
+    "FrontDoor",
     "InvalidMessageError",
     "KVHandle",
     "LaunchedPair",
@@ -98,6 +101,7 @@ __all__ = [
     "Sampling",
     "ServerCapabilities",
     "Session",
+    "SessionBusyError",
     "SessionClosedError",
     "SessionPool",
     "SessionStats",

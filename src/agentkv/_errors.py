@@ -4,7 +4,8 @@ Every error agentkv raises on purpose derives from `AgentKVError`::
 
     AgentKVError
     ├── UserError                  a mistake in the calling code (bad argument, bad tool definition)
-    │   └── InvalidMessageError    a message that cannot be sent (empty, not a string)
+    │   ├── InvalidMessageError    a message that cannot be sent (empty, not a string)
+    │   └── SessionBusyError       a turn or step is already running on that session (or conversation)
     ├── SessionClosedError         the session or engine was used after close (or before open)
     ├── ModelPreparationError      the bundled or given model could not be prepared or loaded
     ├── TemplateError              the chat template cannot give token-exact deltas
@@ -29,6 +30,7 @@ __all__ = [
     "EngineUnavailableError",
     "InvalidMessageError",
     "ModelPreparationError",
+    "SessionBusyError",
     "SessionClosedError",
     "TemplateError",
     "UserError",
@@ -45,6 +47,10 @@ class UserError(AgentKVError):
 
 class InvalidMessageError(UserError):
     """A message that cannot be sent: empty, not a string, or of an unknown role."""
+
+
+class SessionBusyError(UserError):
+    """A turn or step was started on a session (or a pool's named conversation) that is running one."""
 
 
 class SessionClosedError(AgentKVError):

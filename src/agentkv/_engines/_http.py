@@ -82,7 +82,7 @@ def stock_decode_streaming_error(decode_url: str) -> UserError:
         f"the decode server at {decode_url} is a stock vLLM server: its streamed responses carry no "
         "KV handle (vLLM 0.32 returns it only in non-streamed responses), so push-back cannot work, "
         "and with bidirectional_kv_xfer it keeps every step's KV pinned for decoder_kv_blocks_ttl "
-        "(480 s) where nothing can free it. Run the decode server with `agentkv serve --role decode` "
+        "(480 s) where nothing can free it. Run the decode server with `agentkv engine --role decode` "
         "(streaming and push-back), or pass decode_streaming=False (push-back; each answer arrives whole)."
     )
 
@@ -178,7 +178,7 @@ class HTTPPair(Engine):
         if not capabilities.exact_split:
             logger.warning(
                 "agentkv: the prefill server at %s is a stock vLLM server: it does not report where cached "
-                "tokens came from, so they are all reported as local_hit_tokens (`agentkv serve --role prefill` "
+                "tokens came from, so they are all reported as local_hit_tokens (`agentkv engine --role prefill` "
                 "reports the split)",
                 prefill_url,
             )

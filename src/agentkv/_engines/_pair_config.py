@@ -1,7 +1,7 @@
 """`PairConfig`: the settings of a P/D pair, and the one place they become vLLM's settings.
 
 `EmbeddedPair` and `LaunchedPair` take the same settings (a `PairConfig`, or its fields as
-keyword arguments); `agentkv serve` builds one from its flags. `engine_launch` turns the
+keyword arguments); `agentkv engine` builds one from its flags. `engine_launch` turns the
 settings of one engine into vLLM engine arguments (``AsyncEngineArgs`` fields, or the
 same as ``vllm serve`` flags), its ``kv_transfer_config``, and the environment the
 engine's processes need: the embedded engines, the launched servers and ``agentkv

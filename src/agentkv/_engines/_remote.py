@@ -11,7 +11,7 @@ __all__ = ["RemotePair"]
 
 
 class RemotePair(HTTPPair):
-    """A prefill server and a decode server already running (``agentkv serve`` or ``vllm serve``).
+    """A prefill server and a decode server already running (``agentkv engine`` or ``vllm serve``).
 
     The servers must run vLLM's NIXL connector (P ``kv_producer``, D ``kv_consumer``, with
     ``bidirectional_kv_xfer`` for push-back) on the model named by ``model``: the session
@@ -20,7 +20,7 @@ class RemotePair(HTTPPair):
     What the session gets depends on the servers. The pair asks each server for one token
     when it opens (`capabilities`, `server_kind`, `handle_in_stream`) and decides then:
 
-    * servers started with ``agentkv serve``: token streaming **and** push-back, the exact
+    * servers started with ``agentkv engine``: token streaming **and** push-back, the exact
       prefill split, NIXL bytes (with ``exclusive=True``);
     * stock vLLM 0.32 servers: only with ``decode_streaming=False`` (push-back, each answer
       arrives whole; cached tokens are reported as local). A stock decode server streams no

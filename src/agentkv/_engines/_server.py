@@ -1,7 +1,7 @@
 """agentkv's vLLM server: vLLM's own OpenAI API server, plus what a stateful client needs.
 
 Run as ``python -m agentkv._engines._server <vllm serve arguments>`` (``LaunchedPair`` and
-``agentkv serve`` build that command). It is vLLM's server unchanged, with one addition (made in ``_vllm_patches.py``):
+``agentkv engine`` build that command). It is vLLM's server unchanged, with one addition (made in ``_vllm_patches.py``):
 every ``/v1/completions`` response carries an ``agentkv`` object, and a streamed response
 ends with one more chunk (no choices) that carries it and the ``kv_transfer_params``.
 

@@ -1,6 +1,6 @@
 """Launching one vLLM API server process: its command, environment, log file, readiness and stop.
 
-Used by `LaunchedPair` (two servers on this host) and by ``agentkv serve`` (one server, in
+Used by `LaunchedPair` (two servers on this host) and by ``agentkv engine`` (one server, in
 the foreground, for a pair spread over hosts).
 """
 

@@ -10,16 +10,17 @@ are closed, and D's blocks for them released.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Unpack
 
 from .._conversation._conversation import Message
 from .._engines import Engine
-from .._errors import UserError
+from .._errors import SessionBusyError, UserError
 from ._engine_user import EngineUser
 from ._message_step import StepOptions, ToolsArgument
 from ._results import StepReply
@@ -83,6 +84,7 @@ class SessionPool(EngineUser):
         self._session_options = session_options
         self._use_engine(engine)
         self._members: list[_Member] = []
+        self._reaper: asyncio.Future[None] | None = None
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
 
@@ -93,8 +95,18 @@ class SessionPool(EngineUser):
 
     async def _open_resources(self) -> None:
         await self._open_engine()
+        self._reaper = asyncio.ensure_future(self._reap())
+
+    async def _reap(self) -> None:
+        """Close idle sessions as they pass ``idle_ttl_s``, whether or not requests come."""
+        while True:
+            await asyncio.sleep(min(self.idle_ttl_s / 2, 30.0))
+            await self._close_idle()
 
     async def _close_resources(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
         members, self._members = self._members, []
         for member in members:
             await member.session.aclose()
@@ -122,7 +134,7 @@ class SessionPool(EngineUser):
     ) -> StepReply:
         """`Session.step` (the same arguments) on the conversation's session (see the class for how it is found).
 
-        A named conversation whose session is running a step raises `UserError`.
+        A named conversation whose session is running a step raises `SessionBusyError`.
         """
         self._require_open()
         assert self._home is not None
@@ -142,6 +154,45 @@ class SessionPool(EngineUser):
         assert self._home is not None
         return self._home.call(functools.partial(self._step, messages, conversation_id, options))
 
+    async def stream(
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        *,
+        conversation_id: str | None = None,
+        **options: Unpack[StepOptions],
+    ) -> AsyncGenerator[str | StepReply]:
+        """`step`, as the answer's text pieces while they are generated, then the `StepReply`.
+
+        Works from any asyncio loop (the pool may run on another). A consumer that stops early
+        cancels the step, which then changes nothing in the session.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[str | StepReply | BaseException] = asyncio.Queue()
+
+        def on_text(text: str) -> None:  # called on the pool's loop, maybe in another thread
+            loop.call_soon_threadsafe(queue.put_nowait, text)
+
+        streamed: StepOptions = {**options, "on_text": on_text}
+
+        async def run() -> None:
+            try:
+                queue.put_nowait(await self.step(messages, conversation_id=conversation_id, **streamed))
+            except BaseException as exc:  # handed to the consumer, who raises it
+                queue.put_nowait(exc)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, StepReply):
+                    return
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # the step is cancelled before the consumer goes on
+
     async def _step(
         self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, options: StepOptions
     ) -> StepReply:
@@ -160,7 +211,7 @@ class SessionPool(EngineUser):
         if conversation_id is not None:
             named = next((m for m in self._members if m.conversation_id == conversation_id), None)
             if named is not None and named.busy:
-                raise UserError(f"conversation {conversation_id!r} is already running a step")
+                raise SessionBusyError(f"conversation {conversation_id!r} is already running a step")
             if named is not None:
                 named.busy = True
                 return named
@@ -180,14 +231,16 @@ class SessionPool(EngineUser):
         return member
 
     async def _close_idle(self) -> None:
-        now = time.monotonic()
-        for member in [m for m in self._members if not m.busy and now - m.used > self.idle_ttl_s]:
-            await self._close(member, "idle")
+        for member in list(self._members):
+            if not member.busy and time.monotonic() - member.used > self.idle_ttl_s:  # rechecked: closing awaits
+                await self._close(member, "idle")
 
     async def _close_beyond_limit(self) -> None:
-        idle = sorted((m for m in self._members if not m.busy), key=lambda m: m.used)
-        for member in idle[: max(0, len(self._members) - self.max_sessions)]:
-            await self._close(member, "over max_sessions")
+        while len(self._members) > self.max_sessions:
+            idle = [m for m in self._members if not m.busy]
+            if not idle:
+                return
+            await self._close(min(idle, key=lambda m: m.used), "over max_sessions")
 
     async def _close(self, member: _Member, why: str) -> None:
         logger.debug("agentkv: closing a pooled session (%s)", why)

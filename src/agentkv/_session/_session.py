@@ -25,7 +25,7 @@ from .._conversation._conversation import ChatRenderer, Conversation, Message
 from .._conversation._tools import Tool, ToolChoice, ToolFormat, template_tools
 from .._conversation._transcript import Transcript, TranscriptKey, model_messages, rebuild
 from .._engines import Colocated, EmbeddedPair, Engine, KVHandle
-from .._errors import SessionClosedError, UserError
+from .._errors import SessionBusyError, SessionClosedError, UserError
 from .._home import EventLoopHome
 from .._lifecycle import LifecycleState
 from .._stats._stats import SessionStats, TurnStats
@@ -189,6 +189,12 @@ class Session(EngineUser):
         return list(self._readable_conversation().tokens)
 
     @property
+    def pinned_tokens(self) -> int:
+        """Tokens whose KV D holds for this conversation now, for the next step to pull back (0: no pin)."""
+        pin = self._pin
+        return pin.handle.remote_num_tokens if pin is not None else 0
+
+    @property
     def stats(self) -> SessionStats:
         """Statistics of every turn of the conversation."""
         return SessionStats(mode=self.mode, turns=list(self._turns))
@@ -312,7 +318,7 @@ class Session(EngineUser):
             conversation = self._require_conversation()
             self._drop_abandoned_turn()
             if self._active is not None:
-                raise UserError("a step is already running in this session; sessions take one at a time")
+                raise SessionBusyError("a step is already running in this session; sessions take one at a time")
             transcript = self._transcript
             new = transcript.new_messages(request.key, request.messages) if transcript is not None else None
             continues = new is not None and not any(m.role == "user" for m in new) and bool(self._turns)
@@ -373,7 +379,7 @@ class Session(EngineUser):
             conversation = self._require_conversation()
             self._drop_abandoned_turn()
             if self._active is not None:
-                raise UserError("a turn is already running in this session; sessions take one turn at a time")
+                raise SessionBusyError("a turn is already running in this session; sessions take one turn at a time")
             turn = Turn(len(self._turns) + 1, conversation.copy(), self._pin, self._pin, consumer)
             self._pin, self._active = None, turn
         try:

@@ -1,4 +1,4 @@
-"""The ``agentkv`` command: ``demo``, ``chat``, ``bench``, ``serve`` and ``models``."""
+"""The ``agentkv`` command: ``demo``, ``chat``, ``bench``, ``serve`` (the front door), ``engine`` (one server of a pair) and ``models``."""
 
 from __future__ import annotations
 
@@ -96,23 +96,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--plot", default="agentkv-bench.png", help="draw the plot here ('' for none)")
 
     serve = commands.add_parser(
-        "serve", help="run one server of a P/D pair in the foreground (for a pair across hosts: RemotePair)"
+        "serve", help="the front door: OpenAI's chat-completions API on pinned sessions (docs/serve.md)"
     )
     serve.set_defaults(run=_serve)
-    serve.add_argument("--role", choices=("prefill", "decode"), required=True)
+    serve.add_argument("--mode", choices=get_args(Mode), default=None)
     serve.add_argument("--model", default=None, help="bundled model name or HF folder (default: bundled SmolLM2)")
-    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
-    serve.add_argument("--port", type=int, default=8100)
-    serve.add_argument("--nixl-host", required=True, help="this host's address as the peer server reaches it")
-    serve.add_argument("--nixl-port", type=int, default=5600, help="NIXL side-channel port")
+    _engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this host only)")
+    serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
+        "--api-key",
+        default=os.environ.get("AGENTKV_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $AGENTKV_API_KEY; none: no key needed)",
+    )
+    serve.add_argument("--max-sessions", type=int, default=64, help="sessions kept; least recently used closed first")
+    serve.add_argument("--idle-ttl-s", type=float, default=600.0, help="a session idle this long is closed")
+    serve.add_argument("--max-tokens", type=int, default=256, help="answer length when a request names none")
+    serve.add_argument("--max-request-mb", type=float, default=4.0, help="largest request body")
+    serve.add_argument("--timeout-s", type=float, default=300.0, help="the most one request may take")
+
+    engine = commands.add_parser(
+        "engine", help="run one server of a P/D pair in the foreground (for a pair across hosts: RemotePair)"
+    )
+    engine.set_defaults(run=_engine_server)
+    engine.add_argument("--role", choices=("prefill", "decode"), required=True)
+    engine.add_argument("--model", default=None, help="bundled model name or HF folder (default: bundled SmolLM2)")
+    engine.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    engine.add_argument("--port", type=int, default=8100)
+    engine.add_argument("--nixl-host", required=True, help="this host's address as the peer server reaches it")
+    engine.add_argument("--nixl-port", type=int, default=5600, help="NIXL side-channel port")
+    engine.add_argument(
         "--cores", type=_cores, default=None, help="cores for the engine, e.g. 0-3,6 (default: all available)"
     )
-    serve.add_argument("--max-model-len", type=int, default=4096)
-    serve.add_argument("--kv-cache-gib", type=float, default=4.0)
-    serve.add_argument("--pin-ttl-s", type=float, default=480.0)
-    serve.add_argument("--no-push-back", action="store_true", help="standard disaggregated (no bidirectional)")
-    serve.add_argument("--no-prefix-cache", action="store_true", help="a prefill server without its own prefix cache")
+    engine.add_argument("--max-model-len", type=int, default=4096)
+    engine.add_argument("--kv-cache-gib", type=float, default=4.0)
+    engine.add_argument("--pin-ttl-s", type=float, default=480.0)
+    engine.add_argument("--no-push-back", action="store_true", help="standard disaggregated (no bidirectional)")
+    engine.add_argument("--no-prefix-cache", action="store_true", help="a prefill server without its own prefix cache")
 
     models = commands.add_parser("models", help="list the bundled models, or prepare one")
     models.set_defaults(run=_models)
@@ -168,17 +188,51 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine", choices=("embedded", "launched"), default="embedded", help="the pair in-process or as two servers"
     )
     parser.add_argument(
-        "--remote", nargs=2, metavar=("PREFILL_URL", "DECODE_URL"), help="use servers started elsewhere (agentkv serve)"
+        "--remote",
+        nargs=2,
+        metavar=("PREFILL_URL", "DECODE_URL"),
+        help="use servers started elsewhere (agentkv engine)",
     )
 
 
-def _session(args: argparse.Namespace, **options: Any) -> Session:
-    """The session the command line asks for (its engine opens and closes with it)."""
+def _engine(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments of a session or pool the command line asks for (the engine opens and closes with it)."""
     if args.remote:
-        return Session(engine=RemotePair(*args.remote, model=args.model), mode=args.mode, **options)
+        return {"engine": RemotePair(*args.remote, model=args.model)}
     if args.engine == "launched":
-        return Session(engine=LaunchedPair(args.model), mode=args.mode, **options)
-    return Session(mode=args.mode, model=args.model, **options)
+        return {"engine": LaunchedPair(args.model)}
+    return {"model": args.model}
+
+
+def _session(args: argparse.Namespace, **options: Any) -> Session:
+    """The session the command line asks for."""
+    return Session(mode=args.mode, **_engine(args), **options)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .._session._pool import SessionPool
+    from ._serve import FrontDoor
+
+    pool = SessionPool(
+        mode=args.mode,
+        max_sessions=args.max_sessions,
+        idle_ttl_s=args.idle_ttl_s,
+        max_tokens=args.max_tokens,
+        **_engine(args),
+    )
+    with pool:
+        door = FrontDoor(
+            pool,
+            api_key=args.api_key or None,
+            max_request_bytes=int(args.max_request_mb * 1024 * 1024),
+            timeout_s=args.timeout_s,
+            host=args.host,
+            port=args.port,
+        )
+        key = "an API key" if door.settings.api_key else "no API key"
+        print(f"agentkv serve: {door.url}/v1 (model {door.settings.model_name!r}, {key}); Ctrl-C to stop", flush=True)
+        door.run()
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -282,7 +336,7 @@ def _print_delta(event: object) -> None:
         print(event.text, end="", flush=True)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _engine_server(args: argparse.Namespace) -> int:
     import socket
     import uuid
 
@@ -308,7 +362,7 @@ def _serve(args: argparse.Namespace) -> int:
     spec = ServerSpec(role=args.role, launch=launch, host=args.host, port=args.port)
     command = server_command(spec)
     print(
-        f"agentkv serve: {args.role} server on http://{args.host}:{args.port}, NIXL at {args.nixl_host}:{args.nixl_port}"
+        f"agentkv engine: {args.role} server on http://{args.host}:{args.port}, NIXL at {args.nixl_host}:{args.nixl_port}"
     )
     sys.stdout.flush()
     os.execvpe(command[0], command, {**os.environ, **server_env(spec)})

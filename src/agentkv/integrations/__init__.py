@@ -2,7 +2,7 @@
 
 One module per framework, each importing its framework (``import agentkv`` imports none):
 
-* `agentkv.integrations.openai_agents`: ``AgentKVModel`` for openai-agents (``pip install agentkv[openai-agents]``);
+* `agentkv.integrations.openai_agents`: ``AgentKVModel`` (and ``AgentKVProvider``) for openai-agents (``pip install agentkv[openai-agents]``);
 * `agentkv.integrations.pydantic_ai`: ``AgentKVModel`` for pydantic-ai (``agentkv[pydantic-ai]``);
 * `agentkv.integrations.langchain`: ``ChatAgentKV`` for LangChain and LangGraph (``agentkv[langchain]``).
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import aclosing
 from typing import Any
+
+import anyio.to_thread
 
 from .._conversation._conversation import Message
 from .._engines import Engine
-from .._errors import UserError
+from .._errors import SessionClosedError, UserError
 from .._session._pool import SessionPool
 from .._session._results import StepReply
 from .._stats._stats import StepStats
@@ -37,6 +39,7 @@ class PooledModel:
         if self._owns_pool:
             SessionPool(**self._pool_arguments)  # check the options now, not at the first call
         self._lock = threading.Lock()
+        self._closed = False
         self.last_reply: StepReply | None = None
         """The last model call's reply (its `StepReply.stats` say where each prompt token's KV came from)."""
 
@@ -44,6 +47,8 @@ class PooledModel:
     def pool(self) -> SessionPool:
         """The pool the model calls go to (started on first use)."""
         with self._lock:
+            if self._closed:
+                raise SessionClosedError("this model was closed; make a new one")
             if self._pool is None:
                 pool = SessionPool(**self._pool_arguments)
                 pool.__enter__()  # on an event loop thread of its own: frameworks run (and end) their own loops
@@ -65,35 +70,14 @@ class PooledModel:
 
     async def stream(
         self, messages: Sequence[Message | Mapping[str, Any]], *, conversation_id: str | None = None, **options: Any
-    ) -> AsyncIterator[str | StepReply]:
-        """`call`, as the answer's text pieces while they are generated, then the `StepReply`.
-
-        Works from any asyncio loop (the pool runs on its own). Stopping early cancels the step,
-        which then changes nothing in the session.
-        """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[str | StepReply | BaseException] = asyncio.Queue()
-
-        def on_text(text: str) -> None:  # called on the pool's loop thread
-            loop.call_soon_threadsafe(queue.put_nowait, text)
-
-        async def run() -> None:
-            try:
-                queue.put_nowait(await self.call(messages, conversation_id=conversation_id, on_text=on_text, **options))
-            except BaseException as exc:  # handed to the consumer, who raises it
-                queue.put_nowait(exc)
-
-        task = asyncio.ensure_future(run())
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+    ) -> AsyncGenerator[str | StepReply]:
+        """`call`, as the answer's text pieces while they are generated, then the `StepReply`
+        (see `SessionPool.stream`); closing it early cancels the step."""
+        async with aclosing(self.pool.stream(messages, conversation_id=conversation_id, **options)) as items:
+            async for item in items:
                 if isinstance(item, StepReply):
-                    return
-        finally:
-            task.cancel()
+                    self.last_reply = item
+                yield item
 
     def call_sync(
         self, messages: Sequence[Message | Mapping[str, Any]], *, conversation_id: str | None = None, **options: Any
@@ -103,9 +87,14 @@ class PooledModel:
         self.last_reply = reply
         return reply
 
+    async def aclose(self) -> None:
+        """`close`, from async code (the pool closes on its own loop; this loop keeps running)."""
+        await anyio.to_thread.run_sync(self.close)
+
     def close(self) -> None:
-        """Close the pool if this adapter started it (and with it an engine it started)."""
+        """Close the pool if this adapter started it (and with it an engine it started); later calls raise
+        `SessionClosedError`."""
         with self._lock:
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._closed = self._pool, None, True
         if pool is not None and self._owns_pool:
             pool.close()

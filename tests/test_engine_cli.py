@@ -1,4 +1,4 @@
-"""``agentkv serve``: the command line that runs one server of a pair on a host of its own."""
+"""``agentkv engine``: the command line that runs one server of a pair on a host of its own."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from agentkv._surfaces._cli import main
 
 
-def test_serve_runs_agentkvs_server_with_the_pair_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_runs_agentkvs_server_with_the_pair_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: dict[str, Any] = {}
 
     def exec_instead(file: str, args: list[str], env: dict[str, str]) -> None:
@@ -18,7 +18,7 @@ def test_serve_runs_agentkvs_server_with_the_pair_settings(monkeypatch: pytest.M
         raise SystemExit(0)
 
     monkeypatch.setattr("os.execvpe", exec_instead)
-    argv = ["serve", "--role", "prefill", "--nixl-host", "10.0.0.1", "--port", "8123", "--cores", "0-2,5"]
+    argv = ["engine", "--role", "prefill", "--nixl-host", "10.0.0.1", "--port", "8123", "--cores", "0-2,5"]
     with pytest.raises(SystemExit):
         main(argv)
     args, env = ran["args"], ran["env"]
@@ -34,6 +34,6 @@ def test_serve_runs_agentkvs_server_with_the_pair_settings(monkeypatch: pytest.M
 @pytest.mark.parametrize("cores", ["0-x", ",", "0-2,3-1"])
 def test_a_bad_core_list_is_a_usage_error(cores: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        main(["serve", "--role", "decode", "--nixl-host", "10.0.0.1", "--cores", cores])
+        main(["engine", "--role", "decode", "--nixl-host", "10.0.0.1", "--cores", cores])
     assert exited.value.code == 2
     assert "--cores" in capsys.readouterr().err

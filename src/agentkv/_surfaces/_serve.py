@@ -1,0 +1,291 @@
+"""``agentkv serve``: the front door. OpenAI's chat-completions API over a `SessionPool`.
+
+Every request carries the whole conversation; the pool sends it to the session that holds its
+KV (named by the ``x-session-id`` header, else the body's ``session_id`` or ``user``, else the
+session whose history it extends exactly), so turns 2+ of a conversation push D's KV back.
+The pool runs on its own event loop thread; the HTTP server (uvicorn) on another.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .._engines import EngineState
+from .._errors import (
+    AgentKVError,
+    ContextLengthError,
+    EngineError,
+    EngineStartError,
+    EngineUnavailableError,
+    SessionBusyError,
+    SessionClosedError,
+    UserError,
+)
+from .._session._pool import SessionPool
+from .._session._results import StepReply
+from ._metrics import ServeMetrics
+from ._openai_chat import ChatRequest, CompletionIds, chunk, completion, read_request
+
+__all__ = ["FrontDoor", "ServeSettings", "create_app"]
+
+logger = logging.getLogger("agentkv")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeSettings:
+    """What the front door enforces besides the pool's own limits."""
+
+    model_name: str
+    """The model id clients name (and ``GET /v1/models`` lists)."""
+    api_key: str | None = None
+    """When set, every ``/v1`` and ``/metrics`` request needs ``Authorization: Bearer <key>``."""
+    max_request_bytes: int = 4 * 1024 * 1024
+    timeout_s: float = 300.0
+    """The most one request may take (the step is cancelled after it: nothing is kept)."""
+
+
+def create_app(pool: SessionPool, settings: ServeSettings) -> Starlette:
+    """The ASGI app: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``."""
+    metrics = ServeMetrics(gauges=lambda: _gauges(pool))
+
+    async def chat(request: Request) -> Response:
+        try:
+            _authorize(request, settings)
+            parsed = read_request(await _body(request, settings))
+            conversation_id = request.headers.get("x-session-id") or parsed.session_id or parsed.user
+            headers = {"x-session-id": conversation_id} if conversation_id else {}
+            if parsed.stream:
+                return await _stream(pool, parsed, conversation_id, settings, metrics, headers)
+            with anyio.fail_after(settings.timeout_s):
+                reply = await pool.step(parsed.messages, conversation_id=conversation_id, **parsed.step_options())
+        except Exception as exc:
+            return _failure(exc, metrics)
+        metrics.step(reply.stats)
+        return JSONResponse(completion(reply, CompletionIds.new(settings.model_name)), headers=headers)
+
+    async def models(request: Request) -> Response:
+        try:
+            _authorize(request, settings)
+        except Exception as exc:
+            return _failure(exc, metrics)
+        model = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "agentkv"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(request: Request) -> Response:
+        engine = pool.engine if pool.is_open else None
+        if engine is None or engine.state is not EngineState.OPEN or engine.is_dead:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_page(request: Request) -> Response:
+        try:
+            _authorize(request, settings)
+        except Exception as exc:
+            return _failure(exc, metrics)
+        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics_page, methods=["GET"]),
+        ]
+    )
+
+
+async def _stream(
+    pool: SessionPool,
+    parsed: ChatRequest,
+    conversation_id: str | None,
+    settings: ServeSettings,
+    metrics: ServeMetrics,
+    headers: dict[str, str],
+) -> Response:
+    """Server-sent chunks. The first item is awaited before answering, so that a request refused
+    at once (bad input, a busy conversation, a prompt over the context) gets its HTTP status."""
+    items = pool.stream(parsed.messages, conversation_id=conversation_id, **parsed.step_options())
+    with anyio.fail_after(settings.timeout_s):
+        first = await anext(items)
+    ids = CompletionIds.new(settings.model_name)
+    include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
+
+    async def events() -> AsyncIterator[str]:
+        streamed = ""
+        try:
+            yield _sse(chunk("role", ids))
+            with anyio.fail_after(settings.timeout_s):
+                item: str | StepReply = first
+                while isinstance(item, str):
+                    streamed += item
+                    yield _sse(chunk("text", ids, text=item))
+                    item = await anext(items)
+            reply = item
+            if not reply.tool_calls and reply.text != streamed and reply.text.startswith(streamed):
+                yield _sse(chunk("text", ids, text=reply.text[len(streamed) :]))  # what was not streamed (raw output)
+            yield _sse(chunk("end", ids, reply=reply))
+            if include_usage:
+                yield _sse(chunk("usage", ids, reply=reply))
+            metrics.step(reply.stats)
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # after the status line: the error goes in the stream
+            failure = _failure(exc, metrics)
+            yield f"data: {bytes(failure.body).decode()}\n\n"
+        finally:
+            await items.aclose()  # a client that went away cancels the step (the session keeps nothing of it)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _authorize(request: Request, settings: ServeSettings) -> None:
+    if settings.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+        raise _Unauthorized
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _body(request: Request, settings: ServeSettings) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > settings.max_request_bytes:
+        raise _TooLarge
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > settings.max_request_bytes:
+            raise _TooLarge
+    return body
+
+
+_STATUS: list[tuple[type[BaseException], int, str]] = [
+    (_Unauthorized, 401, "authentication_error"),
+    (_TooLarge, 413, "invalid_request_error"),
+    (SessionBusyError, 409, "conflict_error"),
+    (ContextLengthError, 400, "invalid_request_error"),
+    (UserError, 400, "invalid_request_error"),
+    (TimeoutError, 504, "timeout_error"),
+    (SessionClosedError, 503, "service_unavailable"),
+    (EngineStartError, 503, "service_unavailable"),
+    (EngineUnavailableError, 503, "service_unavailable"),
+    (EngineError, 503, "service_unavailable"),
+    (AgentKVError, 500, "server_error"),
+]
+
+
+def _failure(exc: Exception, metrics: ServeMetrics) -> JSONResponse:
+    """The OpenAI error body and status for ``exc``; unexpected errors are logged, never their payload."""
+    status, kind = next(((s, k) for cls, s, k in _STATUS if isinstance(exc, cls)), (500, "server_error"))
+    if status == 500:
+        logger.exception("agentkv serve: a request failed")
+    message = {
+        _Unauthorized: "a valid API key is required (Authorization: Bearer ...)",
+        _TooLarge: "the request body is over the limit",
+        TimeoutError: "the request took longer than the server's timeout; nothing of it was kept",
+    }.get(type(exc), str(exc) or type(exc).__name__)
+    code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else type(exc).__name__
+    metrics.error(code)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
+
+
+def _gauges(pool: SessionPool) -> dict[str, int]:
+    sessions = pool.sessions if pool.is_open else []
+    return {"sessions": len(sessions), "pins": sum(1 for s in sessions if s.pinned_tokens)}
+
+
+class FrontDoor:
+    """``agentkv serve`` from Python: OpenAI's chat-completions API over a `SessionPool`.
+
+    ``agentkv serve`` runs one in the foreground; in your own process (a test, a notebook, an
+    app that also uses the pool directly) start it in a thread::
+
+        with SessionPool() as pool, FrontDoor(pool, port=8000) as door:
+            client = openai.OpenAI(base_url=door.url + "/v1", api_key="none")
+
+    Args:
+        pool: the open pool every request goes to (the door never closes it).
+        model_name: the model id clients name and ``GET /v1/models`` lists (default: the model folder's name).
+        api_key: when set, ``/v1`` and ``/metrics`` need ``Authorization: Bearer <key>``.
+        max_request_bytes: the largest request body (413 above it).
+        timeout_s: the most one request may take (504 after it; the step is cancelled and nothing is kept).
+        host, port: where to listen (default ``127.0.0.1:8000``: this host only).
+    """
+
+    def __init__(
+        self,
+        pool: SessionPool,
+        *,
+        model_name: str | None = None,
+        api_key: str | None = None,
+        max_request_bytes: int = 4 * 1024 * 1024,
+        timeout_s: float = 300.0,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+    ) -> None:
+        if not pool.is_open:
+            raise UserError("open the pool first: FrontDoor(pool) serves an open SessionPool")
+        settings = ServeSettings(
+            model_name=model_name or pool.engine.info.model_path.name,
+            api_key=api_key,
+            max_request_bytes=max_request_bytes,
+            timeout_s=timeout_s,
+        )
+        self.settings = settings
+        config = uvicorn.Config(
+            create_app(pool, settings), host=host, port=port, log_level="warning", lifespan="off", access_log=False
+        )
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        self.url = f"http://{host}:{port}"
+        """The server's address (the OpenAI base URL is this plus ``/v1``)."""
+
+    def run(self) -> None:
+        """Serve in the foreground until interrupted (Ctrl-C or SIGTERM)."""
+        self._server.run()
+
+    def start(self) -> FrontDoor:
+        """Serve in a thread of its own; return once it listens."""
+        self._thread = threading.Thread(target=self._server.run, name="agentkv-serve", daemon=True)
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise OSError(f"agentkv serve could not listen on {self.url}")
+            threading.Event().wait(0.02)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving (open streams end, their steps are cancelled) and wait for the thread."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def __enter__(self) -> FrontDoor:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

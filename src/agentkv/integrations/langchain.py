@@ -1,0 +1,416 @@
+"""agentkv as a LangChain chat model (LangChain and LangGraph agents): `ChatAgentKV`.
+
+Needs ``langchain-core`` (``pip install "agentkv[langchain]"``); LangGraph is optional.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.exceptions import (
+    ContextOverflowError,
+    ModelAPIError,
+    ModelConnectionError,
+    ModelError,
+    ModelInvalidRequestError,
+)
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call, tool_call_chunk
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.runnables.config import ensure_config
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import BaseModel, PrivateAttr
+
+from .._engines import Engine
+from .._errors import (
+    AgentKVError,
+    ContextLengthError,
+    EngineDeadError,
+    EngineError,
+    EngineUnavailableError,
+    UserError,
+)
+from .._session._pool import SessionPool
+from .._session._results import StepReply
+from .._stats._stats import StepStats
+from ._pooled import PooledModel
+
+__all__ = ["ChatAgentKV"]
+
+_CALL_OPTIONS = ("tools", "tool_choice", "max_tokens", "temperature", "seed")
+"""What a call may carry besides the messages (``bind_tools`` binds the first two)."""
+
+_LANGCHAIN_ERRORS: tuple[tuple[type[AgentKVError], type[ModelError]], ...] = (
+    (ContextLengthError, ContextOverflowError),
+    (UserError, ModelInvalidRequestError),  # bad messages or call options
+    (EngineUnavailableError, ModelConnectionError),  # the next call tries again
+    (EngineDeadError, ModelError),  # not worth retrying: the engine is closed
+    (EngineError, ModelAPIError),
+)
+
+
+class ChatAgentKV(BaseChatModel):
+    """A LangChain chat model whose calls run on agentkv sessions, one per conversation.
+
+    Every call sends the whole conversation; it goes to the session that holds that
+    conversation's KV (its LangGraph thread, else the session whose history the messages
+    extend exactly), so D's KV of everything before is pushed back instead of recomputed.
+    Tools bound with `bind_tools` come back as `AIMessage.tool_calls` for your code (or
+    LangGraph's ``ToolNode``) to run; send the `AIMessage` back unchanged.
+
+        from langchain_core.messages import HumanMessage
+        from langchain_core.tools import tool
+
+        @tool
+        def add(a: int, b: int) -> int:
+            '''Add two integers.'''
+            return a + b
+
+        model = ChatAgentKV(engine=pair, max_tokens=48)
+        messages = [HumanMessage("What is 1234 + 4321?")]
+        reply = model.bind_tools([add], tool_choice="any").invoke(messages)
+        messages += [reply, *(add.invoke(call) for call in reply.tool_calls)]
+        print(model.bind_tools([add]).invoke(messages).content)
+        model.close()
+
+    Args:
+        engine: an agentkv engine. One given open stays open (its owner closes it); one given
+            unopened, or the embedded pair started when none is given, `close` closes.
+        pool: a `SessionPool` shared with other models (its owner closes it); not with ``engine``
+            or session options.
+        max_tokens, temperature, seed: sampling of every call (default: the session's);
+            ``model.bind(max_tokens=...)`` or ``invoke(..., max_tokens=...)`` set them per call.
+        options: the other `Session` options (``system``, ``tool_format``, ``cache_salt``, ...),
+            `SessionPool`'s (``max_sessions``, ``idle_ttl_s``) and `BaseChatModel`'s fields.
+
+    Not supported (a clear error): images and other non-text content, stop sequences,
+    structured output other than by tool calling, and call options other than tools,
+    ``tool_choice``, ``max_tokens``, ``temperature`` and ``seed``.
+    """
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+
+    _pooled: PooledModel = PrivateAttr()
+    _running: set[str] = PrivateAttr(default_factory=set)
+    _running_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    def __init__(self, *, engine: Engine | None = None, pool: SessionPool | None = None, **options: Any) -> None:
+        fields = {name: options.pop(name) for name in list(options) if name in type(self).model_fields}
+        super().__init__(**fields)
+        self._pooled = PooledModel(engine=engine, pool=pool, **options)
+
+    # ----------------------------------------------------------------- agentkv side
+
+    @property
+    def pool(self) -> SessionPool:
+        """The pool the calls go to (started at the first call)."""
+        return self._pooled.pool
+
+    @property
+    def stats(self) -> list[StepStats]:
+        """Every call's stats, over the pool's live sessions."""
+        return self._pooled.stats
+
+    @property
+    def last_reply(self) -> StepReply | None:
+        """The last call's `StepReply` (its `stats` say where each prompt token's KV came from)."""
+        return self._pooled.last_reply
+
+    def close(self) -> None:
+        """Close the pool if this model started it (and with it an engine it started)."""
+        self._pooled.close()
+
+    # ----------------------------------------------------------------- LangChain side
+
+    @property
+    def _llm_type(self) -> str:
+        return "agentkv"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed}
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | bool | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """The model with ``tools`` offered on every call.
+
+        ``tool_choice``: ``"auto"`` (default), ``"any"``/``"required"``/``True`` (a call is
+        forced), ``"none"``, a tool's name, or OpenAI's ``{"type": "function", ...}`` dict.
+        """
+        if tool_choice is not None:
+            kwargs["tool_choice"] = tool_choice
+        return self.bind(tools=[convert_to_openai_tool(tool) for tool in tools], **kwargs)
+
+    def with_structured_output(
+        self, schema: dict[str, Any] | type, *, include_raw: bool = False, **kwargs: Any
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """Structured output by tool calling (``method="function_calling"``, the default), the only method."""
+        method = kwargs.get("method") or "function_calling"
+        if method != "function_calling":
+            raise NotImplementedError(
+                f"ChatAgentKV gives structured output by tool calling only, not method={method!r}"
+            )
+        return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        chat, options = _openai_messages(messages), self._call_options(stop, kwargs)
+        with self._conversation(run_manager) as conversation_id, _langchain_errors():
+            reply = self._pooled.call_sync(chat, conversation_id=conversation_id, **options)
+        return _result(reply)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        chat, options = _openai_messages(messages), self._call_options(stop, kwargs)
+        with self._conversation(run_manager) as conversation_id, _langchain_errors():
+            reply = await self._pooled.call(chat, conversation_id=conversation_id, **options)
+        return _result(reply)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        chat, options = _openai_messages(messages), self._call_options(stop, kwargs)
+        with self._conversation(run_manager) as conversation_id, _langchain_errors():
+            items = self._pooled.stream(chat, conversation_id=conversation_id, **options)
+            yield from _chunks(_iterate_blocking(items))
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        chat, options = _openai_messages(messages), self._call_options(stop, kwargs)
+        with self._conversation(run_manager) as conversation_id, _langchain_errors():
+            streamed: list[str] = []
+            async for item in self._pooled.stream(chat, conversation_id=conversation_id, **options):
+                yield _chunk(item, streamed)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The pool's step options from the model's fields and the call's (bound) options."""
+        if stop:
+            raise NotImplementedError("ChatAgentKV does not support stop sequences")
+        kwargs.pop("stream", None)  # LangChain's own switch, already acted on
+        unknown = sorted(set(kwargs) - set(_CALL_OPTIONS))
+        if unknown:
+            raise NotImplementedError(f"ChatAgentKV does not support the call options {', '.join(unknown)}")
+        options: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed}
+        options.update(kwargs)
+        choice = options.get("tool_choice")
+        if choice is None:
+            options.pop("tool_choice", None)
+        elif choice is True or choice == "any":  # LangChain's names for a forced call
+            options["tool_choice"] = "required"
+        return options
+
+    @contextlib.contextmanager
+    def _conversation(
+        self, run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None
+    ) -> Iterator[str | None]:
+        """The call's conversation id: its LangGraph thread and graph node, while no other call runs on it.
+
+        A second call on a conversation that is mid-call (parallel branches of one thread) is
+        matched by its messages instead, as calls outside a thread are.
+        """
+        conversation_id = _thread_conversation(run_manager)
+        with self._running_lock:
+            if conversation_id in self._running:
+                conversation_id = None
+            elif conversation_id is not None:
+                self._running.add(conversation_id)
+        try:
+            yield conversation_id
+        finally:
+            if conversation_id is not None:
+                with self._running_lock:
+                    self._running.discard(conversation_id)
+
+
+def _thread_conversation(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None) -> str | None:
+    """``thread_id`` from the run's metadata (LangGraph copies it there), with the node's path in the graph.
+
+    Streaming calls get no run manager: the metadata then comes from the runnable config the
+    call runs in (a LangGraph node's).
+    """
+    metadata = {**(ensure_config().get("metadata") or {}), **(run_manager.metadata if run_manager else {})}
+    thread_id = metadata.get("thread_id")
+    if thread_id is None:
+        return None
+    namespace = str(metadata.get("langgraph_checkpoint_ns") or metadata.get("checkpoint_ns") or "")
+    node_path = "|".join(part.split(":")[0] for part in namespace.split("|") if part)  # task ids dropped
+    return f"{thread_id}|{node_path}" if node_path else str(thread_id)
+
+
+def _openai_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as the OpenAI chat dicts a pool step reads."""
+    converted: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        content = _text(index, message)
+        if isinstance(message, SystemMessage):
+            converted.append({"role": "system", "content": content})
+        elif isinstance(message, HumanMessage):
+            converted.append({"role": "user", "content": content})
+        elif isinstance(message, AIMessage):
+            calls = [
+                {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["args"]}}
+                for call in message.tool_calls
+            ]
+            converted.append({"role": "assistant", "content": content, "tool_calls": calls})
+        elif isinstance(message, ToolMessage):
+            converted.append({"role": "tool", "content": content, "tool_call_id": message.tool_call_id})
+        else:
+            raise NotImplementedError(
+                f"message {index}: ChatAgentKV reads system, human, AI and tool messages, not {type(message).__name__}"
+            )
+    return converted
+
+
+def _text(index: int, message: BaseMessage) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    parts: list[str] = []
+    for block in message.content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif block.get("type") == "text":
+            parts.append(str(block.get("text", "")))
+        elif block.get("type") != "tool_call":  # output_version="v1" repeats the tool calls as blocks
+            raise NotImplementedError(
+                f"message {index}: ChatAgentKV reads text only, not {block.get('type')!r} content "
+                "(images, audio and files are not supported)"
+            )
+    return "".join(parts)
+
+
+def _result(reply: StepReply) -> ChatResult:
+    message = AIMessage(
+        content=reply.text,
+        tool_calls=[tool_call(name=call.name, args=call.arguments, id=call.id) for call in reply.tool_calls],
+        usage_metadata=_usage(reply.stats),
+        response_metadata=_response_metadata(reply),
+    )
+    return ChatResult(generations=[ChatGeneration(message=message)])
+
+
+def _chunks(items: Iterator[str | StepReply]) -> Iterator[ChatGenerationChunk]:
+    streamed: list[str] = []
+    for item in items:
+        yield _chunk(item, streamed)
+
+
+def _chunk(item: str | StepReply, streamed: list[str]) -> ChatGenerationChunk:
+    """A text piece, or the last chunk: the rest of the text, the tool calls, usage and stats."""
+    if isinstance(item, str):
+        streamed.append(item)
+        return ChatGenerationChunk(message=AIMessageChunk(content=item))
+    so_far = "".join(streamed)
+    rest = item.text[len(so_far) :] if item.text.startswith(so_far) else ""
+    calls = [
+        tool_call_chunk(name=call.name, args=json.dumps(call.arguments), id=call.id, index=index)
+        for index, call in enumerate(item.tool_calls)
+    ]
+    message = AIMessageChunk(
+        content=rest,
+        tool_call_chunks=calls,
+        usage_metadata=_usage(item.stats),
+        response_metadata=_response_metadata(item),
+        chunk_position="last",
+    )
+    return ChatGenerationChunk(message=message)
+
+
+def _usage(stats: StepStats) -> UsageMetadata:
+    return UsageMetadata(
+        input_tokens=stats.prompt_tokens,
+        output_tokens=stats.output_tokens,
+        total_tokens=stats.prompt_tokens + stats.output_tokens,
+        input_token_details={"cache_read": stats.prompt_tokens - stats.computed_tokens},
+    )
+
+
+def _response_metadata(reply: StepReply) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"finish_reason": reply.finish_reason, "agentkv": reply.stats.model_dump()}
+    if reply.error is not None:
+        metadata["agentkv_error"] = reply.error  # the output could not be read; it is the message's text
+    return metadata
+
+
+@contextlib.contextmanager
+def _langchain_errors() -> Iterator[None]:
+    """agentkv's errors as LangChain's model errors (the agentkv error is the ``__cause__``)."""
+    try:
+        yield
+    except AgentKVError as exc:
+        for agentkv_error, langchain_error in _LANGCHAIN_ERRORS:
+            if isinstance(exc, agentkv_error):
+                raise langchain_error(str(exc)) from exc
+        raise
+
+
+def _iterate_blocking(items: AsyncIterator[str | StepReply]) -> Iterator[str | StepReply]:
+    """An async iterator read from synchronous code, on an event loop in a thread of its own.
+
+    Closing early cancels the iteration (and with it the step).
+    """
+    received: queue.Queue[str | StepReply | BaseException] = queue.Queue()
+
+    async def pump() -> None:
+        try:
+            async for item in items:
+                received.put(item)
+        except BaseException as exc:  # handed to the reader, who raises it
+            received.put(exc)
+        others = asyncio.all_tasks() - {asyncio.current_task()}  # a step stopped early, still unwinding
+        await asyncio.gather(*others, return_exceptions=True)
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(pump())
+    thread = threading.Thread(target=loop.run_until_complete, args=(task,), name="agentkv-langchain", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = received.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, StepReply):
+                return
+    finally:
+        loop.call_soon_threadsafe(task.cancel)
+        thread.join()
+        loop.close()

@@ -1,0 +1,451 @@
+"""agentkv as a model of openai-agents (``pip install "agentkv[openai-agents]"``).
+
+`AgentKVModel` implements openai-agents' `Model`: the framework's `Runner` runs the agent loop
+and the tools; every model call of a conversation goes to one pinned `agentkv.Session` (through
+a `agentkv.SessionPool`), so each call after the first pulls the conversation's KV back from D.
+`AgentKVProvider` serves it as a `ModelProvider` for ``RunConfig(model_provider=...)``.
+
+The framework's input items and tools become chat messages with its own Chat Completions
+converter, and the reply becomes its output items the same way, so what the runner sends back
+next call is exactly what agentkv answered (same tool call ids and arguments).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from typing import Any, cast
+
+from agents.agent_output import AgentOutputSchemaBase
+from agents.exceptions import ModelBehaviorError
+from agents.exceptions import UserError as AgentsUserError
+from agents.handoffs import Handoff
+from agents.items import ModelResponse, TResponseInputItem, TResponseStreamEvent
+from agents.model_settings import ModelSettings
+from agents.models.chatcmpl_converter import Converter
+from agents.models.chatcmpl_stream_handler import ChatCmplStreamHandler
+from agents.models.interface import Model, ModelProvider, ModelTracing
+from agents.retry import ModelRetryAdvice, ModelRetryAdviceRequest
+from agents.tool import FunctionTool, Tool
+from agents.tracing import generation_span
+from agents.usage import Usage
+from openai import AsyncStream, omit
+from openai.types.chat import (
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageToolCallUnion,
+)
+from openai.types.chat.chat_completion_chunk import (
+    Choice,
+    ChoiceDelta,
+    ChoiceDeltaToolCall,
+    ChoiceDeltaToolCallFunction,
+)
+from openai.types.chat.chat_completion_message_function_tool_call import Function
+from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
+from openai.types.responses import Response
+from openai.types.responses.response_prompt_param import ResponsePromptParam
+from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
+
+from .._conversation._conversation import Message
+from .._conversation._transcript import MessageLike
+from .._engines import Engine
+from .._errors import EngineUnavailableError
+from .._errors import UserError as AgentKVUserError
+from .._session._pool import SessionPool
+from .._session._results import StepReply
+from .._stats._stats import StepStats
+from ._pooled import PooledModel
+
+__all__ = ["AgentKVModel", "AgentKVProvider"]
+
+MODEL_NAME = "agentkv"
+"""The model name in the framework's responses and traces (the engine serves one model)."""
+
+REMEMBERED_RESPONSES = 256
+"""How many recent responses a model keeps the conversation of, for ``previous_response_id``."""
+
+_UNSUPPORTED_SETTINGS = ("top_p", "frequency_penalty", "presence_penalty", "top_logprobs")
+_ACCEPTED_EXTRA_ARGS = ("seed", "prompt_cache_key")
+"""``extra_args`` read (``seed``) or harmless to ignore (``prompt_cache_key``: agentkv pins conversations itself)."""
+
+
+class AgentKVModel(Model):
+    """An openai-agents `Model` running on an agentkv engine, one pinned session per conversation.
+
+    Example::
+
+        from agents import Agent, Runner, function_tool
+        from agentkv.integrations.openai_agents import AgentKVModel
+
+        @function_tool
+        def add(a: int, b: int) -> int:
+            "Add two integers."
+            return a + b
+
+        with AgentKVModel(engine=pair, max_tokens=48) as model:
+            agent = Agent(name="calc", instructions="Use the tools.", tools=[add], model=model)
+            result = Runner.run_sync(agent, "What is 2 + 3?")
+            print(result.final_output, model.last_reply.stats.summary())
+
+    Args:
+        engine: an agentkv engine, open or not. One given open is its owner's to close; one given
+            unopened, or the embedded pair started when none is given, `close` closes.
+        pool: a `SessionPool` shared with other adapters (its owner closes it); not with ``engine``.
+        session_options: keyword arguments of each `agentkv.Session` (``max_tokens``,
+            ``temperature``, ``seed``, ``tool_format``, ``cache_salt``, ...).
+
+    Conversations: the runner sends the whole conversation each call, and the pool finds the
+    session whose history it extends. With ``Runner.run(..., conversation_id=...)`` that id names
+    the conversation's session; the framework then sends only new items, and the model adds them
+    to the conversation it keeps for that id. With ``previous_response_id`` (or
+    ``auto_previous_response_id``) the model continues the conversation of that response, which
+    it keeps for its last `REMEMBERED_RESPONSES` responses; an id it does not know raises
+    `agents.exceptions.UserError`. These conversations live in this object's memory.
+
+    Function tools and handoffs only: hosted tools, structured output (``output_type``),
+    reusable prompts, images and the sampling settings ``top_p``, ``frequency_penalty``,
+    ``presence_penalty`` and ``top_logprobs`` raise `agents.exceptions.UserError`.
+    """
+
+    def __init__(self, *, engine: Engine | None = None, pool: SessionPool | None = None, **session_options: Any):
+        self._pooled = PooledModel(engine=engine, pool=pool, **session_options)
+        self._responses: OrderedDict[str, list[MessageLike]] = OrderedDict()
+        """Recent response ids -> the conversation through that response (no system message)."""
+        self._conversations: dict[str, list[MessageLike]] = {}
+        """Conversation ids the runner named -> the conversation so far (no system message)."""
+
+    # ----------------------------------------------------------------- agentkv side
+
+    @property
+    def pool(self) -> SessionPool:
+        """The pool the model calls go to (started on first use)."""
+        return self._pooled.pool
+
+    @property
+    def stats(self) -> list[StepStats]:
+        """Every model call's stats, over the pool's live sessions."""
+        return self._pooled.stats
+
+    @property
+    def last_reply(self) -> StepReply | None:
+        """The last model call's reply; its ``stats`` say where each prompt token's KV came from."""
+        return self._pooled.last_reply
+
+    async def close(self) -> None:
+        """Close the pool if this model started it (and the engine, if it started that); forget the conversations."""
+        await asyncio.to_thread(self._close)
+
+    def _close(self) -> None:
+        self._responses.clear()
+        self._conversations.clear()
+        self._pooled.close()
+
+    def __enter__(self) -> AgentKVModel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._close()
+
+    async def __aenter__(self) -> AgentKVModel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ----------------------------------------------------------------- the framework's Model
+
+    async def get_response(
+        self,
+        system_instructions: str | None,
+        input: str | list[TResponseInputItem],
+        model_settings: ModelSettings,
+        tools: list[Tool],
+        output_schema: AgentOutputSchemaBase | None,
+        handoffs: list[Handoff],
+        tracing: ModelTracing,
+        *,
+        previous_response_id: str | None = None,
+        conversation_id: str | None = None,
+        prompt: ResponsePromptParam | None = None,
+    ) -> ModelResponse:
+        call = _Call.build(system_instructions, input, model_settings, tools, output_schema, handoffs, prompt)
+        history = self._history(previous_response_id, conversation_id)
+        with generation_span(model=MODEL_NAME, disabled=tracing.is_disabled()) as span, _framework_errors():
+            reply = await self._pooled.call(
+                [*call.system, *history, *call.new], conversation_id=conversation_id, **call.options
+            )
+            usage = _usage(reply.stats)
+            span.span_data.usage = {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens}
+        _check_readable(reply)
+        response_id = self._remember([*history, *call.new, reply.message], conversation_id)
+        items = Converter.message_to_output_items(_chat_message(reply.message))
+        return ModelResponse(output=items, usage=usage, response_id=response_id)
+
+    async def stream_response(
+        self,
+        system_instructions: str | None,
+        input: str | list[TResponseInputItem],
+        model_settings: ModelSettings,
+        tools: list[Tool],
+        output_schema: AgentOutputSchemaBase | None,
+        handoffs: list[Handoff],
+        tracing: ModelTracing,
+        *,
+        previous_response_id: str | None = None,
+        conversation_id: str | None = None,
+        prompt: ResponsePromptParam | None = None,
+    ) -> AsyncIterator[TResponseStreamEvent]:
+        """`get_response`, as the framework's stream events: the answer's text deltas, then the
+        tool calls, then ``response.completed`` with the output items and usage."""
+        call = _Call.build(system_instructions, input, model_settings, tools, output_schema, handoffs, prompt)
+        history = self._history(previous_response_id, conversation_id)
+        response_id = _new_response_id()
+        response = Response(
+            id=response_id,
+            created_at=time.time(),
+            model=MODEL_NAME,
+            object="response",
+            output=[],
+            tool_choice="auto",
+            tools=[],
+            parallel_tool_calls=False,
+        )
+
+        async def chunks() -> AsyncGenerator[ChatCompletionChunk]:
+            messages = [*call.system, *history, *call.new]
+            stream = self._pooled.stream(messages, conversation_id=conversation_id, **call.options)
+            async with contextlib.aclosing(stream) as items:
+                async for item in items:
+                    if isinstance(item, str):
+                        yield _chunk(response_id, ChoiceDelta(content=item))
+                        continue
+                    _check_readable(item)
+                    self._remember([*history, *call.new, item.message], conversation_id, response_id)
+                    yield _last_chunk(response_id, item)
+
+        with generation_span(model=MODEL_NAME, disabled=tracing.is_disabled()) as span, _framework_errors():
+            async with contextlib.aclosing(chunks()) as stream:
+                events = ChatCmplStreamHandler.handle_stream(
+                    response, cast(AsyncStream[ChatCompletionChunk], stream), model=MODEL_NAME
+                )
+                async for event in events:
+                    if event.type == "response.completed" and event.response.usage is not None:
+                        usage = event.response.usage
+                        span.span_data.usage = {
+                            "input_tokens": usage.input_tokens,
+                            "output_tokens": usage.output_tokens,
+                        }
+                    yield event
+
+    def get_retry_advice(self, request: ModelRetryAdviceRequest) -> ModelRetryAdvice | None:
+        """An unreachable server of a launched or remote pair may be retried: the failed call changed nothing."""
+        if isinstance(request.error, EngineUnavailableError):
+            return ModelRetryAdvice(suggested=True, replay_safety="safe", reason=str(request.error))
+        return None
+
+    # ----------------------------------------------------------------- conversations
+
+    def _history(self, previous_response_id: str | None, conversation_id: str | None) -> list[MessageLike]:
+        """The conversation before the items the framework sends (it sends only new ones when it names one)."""
+        if previous_response_id is not None and conversation_id is not None:
+            raise AgentsUserError("give conversation_id or previous_response_id, not both")
+        if conversation_id is not None:
+            return self._conversations.get(conversation_id, [])
+        if previous_response_id is None:
+            return []
+        history = self._responses.get(previous_response_id)
+        if history is None:
+            raise AgentsUserError(
+                f"previous_response_id {previous_response_id!r} is not one of this AgentKVModel's last "
+                f"{REMEMBERED_RESPONSES} responses: agentkv cannot rebuild that conversation from the new "
+                "items alone; send the whole conversation (result.to_input_list()) instead"
+            )
+        self._responses.move_to_end(previous_response_id)
+        return history
+
+    def _remember(
+        self, conversation: list[MessageLike], conversation_id: str | None, response_id: str | None = None
+    ) -> str:
+        """Keep the conversation through a reply under its response id (and conversation id); return the id."""
+        response_id = response_id or _new_response_id()
+        self._responses[response_id] = conversation
+        while len(self._responses) > REMEMBERED_RESPONSES:
+            self._responses.popitem(last=False)
+        if conversation_id is not None:
+            self._conversations[conversation_id] = conversation
+        return response_id
+
+
+class AgentKVProvider(ModelProvider):
+    """A `ModelProvider` whose every model name is one `AgentKVModel` (the engine serves one model).
+
+    Example::
+
+        from agents import RunConfig, Runner
+
+        with AgentKVProvider(engine=pair, max_tokens=48) as provider:
+            result = Runner.run_sync(agent, "Hi", run_config=RunConfig(model_provider=provider))
+
+    Takes `AgentKVModel`'s arguments; `aclose` (or leaving ``with``) closes the model and what it
+    started. The runner never closes a provider it was given.
+    """
+
+    def __init__(self, *, engine: Engine | None = None, pool: SessionPool | None = None, **session_options: Any):
+        self.model = AgentKVModel(engine=engine, pool=pool, **session_options)
+
+    def get_model(self, model_name: str | None) -> Model:
+        return self.model
+
+    async def aclose(self) -> None:
+        await self.model.close()
+
+    def __enter__(self) -> AgentKVProvider:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.model.__exit__(*exc_info)
+
+
+# --------------------------------------------------------------------- the framework's shapes
+
+
+class _Call:
+    """One model call's new messages and options, from the framework's arguments (unsupported features raise)."""
+
+    def __init__(self, system: list[MessageLike], new: list[MessageLike], options: dict[str, Any]) -> None:
+        self.system = system
+        self.new = new
+        self.options = options
+
+    @classmethod
+    def build(
+        cls,
+        system_instructions: str | None,
+        input: str | list[TResponseInputItem],
+        settings: ModelSettings,
+        tools: Sequence[Tool],
+        output_schema: AgentOutputSchemaBase | None,
+        handoffs: Sequence[Handoff],
+        prompt: ResponsePromptParam | None,
+    ) -> _Call:
+        if output_schema is not None and not output_schema.is_plain_text():
+            raise AgentsUserError(
+                f"AgentKVModel does not support structured output (output_type {output_schema.name()}); "
+                "use a plain-text agent, or a function tool the model calls with the structure"
+            )
+        if prompt is not None:
+            raise AgentsUserError("AgentKVModel does not support reusable prompts (prompt=); give instructions")
+        for tool in tools:
+            if not isinstance(tool, FunctionTool):
+                raise AgentsUserError(
+                    f"AgentKVModel runs function tools only; the hosted tool {tool.name!r} "
+                    f"({type(tool).__name__}) is not supported"
+                )
+        unsupported = [name for name in _UNSUPPORTED_SETTINGS if getattr(settings, name) is not None]
+        extra = [key for key in settings.extra_args or {} if key not in _ACCEPTED_EXTRA_ARGS]
+        if unsupported or extra:
+            names = ", ".join([*unsupported, *(f"extra_args[{k!r}]" for k in extra)])
+            raise AgentsUserError(f"AgentKVModel does not support the model settings {names}")
+        chat_tools = [Converter.tool_to_openai(t) for t in tools] + [
+            Converter.convert_handoff_tool(h) for h in handoffs
+        ]
+        tool_choice = Converter.convert_tool_choice(settings.tool_choice)
+        options: dict[str, Any] = {
+            "tools": chat_tools,
+            "tool_choice": "auto" if tool_choice is omit else tool_choice,
+            "max_tokens": settings.max_tokens,
+            "temperature": settings.temperature,
+            "seed": (settings.extra_args or {}).get("seed"),
+        }
+        new = cast(list[MessageLike], Converter.items_to_messages(input, strict_feature_validation=True))
+        system: list[MessageLike] = [{"role": "system", "content": system_instructions}] if system_instructions else []
+        return cls(system, new, options)
+
+
+def _new_response_id() -> str:
+    return f"agentkv-{uuid.uuid4().hex}"
+
+
+@contextlib.contextmanager
+def _framework_errors() -> Iterator[None]:
+    """agentkv's usage errors as the framework's (engine and context-length errors stay agentkv's)."""
+    try:
+        yield
+    except AgentKVUserError as exc:
+        raise AgentsUserError(str(exc)) from exc
+
+
+def _check_readable(reply: StepReply) -> None:
+    if reply.error is not None:
+        raise ModelBehaviorError(
+            f"agentkv could not read the model's output ({reply.error}; finish_reason {reply.finish_reason})"
+        )
+
+
+def _chat_message(message: Message) -> ChatCompletionMessage:
+    """An agentkv assistant message as a Chat Completions message (arguments as JSON text)."""
+    calls: list[ChatCompletionMessageToolCallUnion] = [
+        ChatCompletionMessageFunctionToolCall(
+            id=call.id, type="function", function=Function(name=call.name, arguments=json.dumps(call.arguments))
+        )
+        for call in message.tool_calls
+    ]
+    return ChatCompletionMessage(role="assistant", content=message.content or None, tool_calls=calls or None)
+
+
+def _completion_usage(stats: StepStats) -> CompletionUsage:
+    return CompletionUsage(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.output_tokens,
+        total_tokens=stats.prompt_tokens + stats.output_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.prompt_tokens - stats.computed_tokens),
+    )
+
+
+def _usage(stats: StepStats) -> Usage:
+    """The framework's usage: cached tokens are the prompt tokens whose KV was not computed."""
+    return Usage(
+        requests=1,
+        input_tokens=stats.prompt_tokens,
+        output_tokens=stats.output_tokens,
+        total_tokens=stats.prompt_tokens + stats.output_tokens,
+        input_tokens_details=InputTokensDetails(
+            cached_tokens=stats.prompt_tokens - stats.computed_tokens, cache_write_tokens=0
+        ),
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+    )
+
+
+def _chunk(
+    response_id: str, delta: ChoiceDelta, finish_reason: Any = None, usage: CompletionUsage | None = None
+) -> ChatCompletionChunk:
+    return ChatCompletionChunk(
+        id=response_id,
+        choices=[Choice(index=0, delta=delta, finish_reason=finish_reason)],
+        created=int(time.time()),
+        model=MODEL_NAME,
+        object="chat.completion.chunk",
+        usage=usage,
+    )
+
+
+def _last_chunk(response_id: str, reply: StepReply) -> ChatCompletionChunk:
+    """The reply's tool calls (whole), its finish reason and its usage."""
+    calls = [
+        ChoiceDeltaToolCall(
+            index=index,
+            id=call.id,
+            type="function",
+            function=ChoiceDeltaToolCallFunction(name=call.name, arguments=json.dumps(call.arguments)),
+        )
+        for index, call in enumerate(reply.tool_calls)
+    ]
+    delta = ChoiceDelta(tool_calls=calls or None)
+    return _chunk(response_id, delta, reply.finish_reason, _completion_usage(reply.stats))

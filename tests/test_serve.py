@@ -1,0 +1,219 @@
+"""``agentkv serve``: the real `openai` client against the front door, on `HonestPairEngine` (no model runs here;
+the real pair behind the same server is in test_serve_pair.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from agentkv import FrontDoor, SessionPool, StepRequest
+from agentkv._engines._system import free_port
+from agentkv.testing import HonestPairEngine
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def respond(request: StepRequest) -> str:
+    """Calls the tool when tools are offered and the last message is the user's; answers otherwise."""
+    if request.sampling.json_schema is None:
+        return "A plain answer."
+    if request.sampling.json_schema.get("required") == ["answer"]:
+        return json.dumps({"answer": "It is sunny."})
+    return json.dumps({"tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}}]})
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, HonestPairEngine, SessionPool]]:
+    with HonestPairEngine(respond) as engine, SessionPool(engine=engine, max_tokens=64) as pool:
+        door = FrontDoor(pool, model_name="smol", api_key="k3y", max_request_bytes=64_000, port=free_port())
+        url = door.start().url
+        try:
+            yield url, engine, pool
+        finally:
+            door.stop()
+    assert engine.violations == []
+
+
+@pytest.fixture
+def client(server: tuple[str, HonestPairEngine, SessionPool]) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server[0] + "/v1", api_key="k3y", max_retries=0) as opened:
+        yield opened
+
+
+def tool_loop(client: openai.OpenAI, session: str, *, stream: bool) -> list[Any]:
+    """Two turns with a tool call each, as an OpenAI client app runs them; returns the answers' messages."""
+    messages: list[Any] = [{"role": "system", "content": "Be brief."}]
+    answers = []
+    for question in ("Weather in Paris?", "And tomorrow?"):
+        messages.append({"role": "user", "content": question})
+        for choice in ("required", "none"):
+            if stream:
+                message = _streamed(client, messages, session, choice)
+            else:
+                reply = client.chat.completions.create(
+                    model="smol",
+                    messages=messages,
+                    tools=[WEATHER],
+                    tool_choice=choice,  # type: ignore[arg-type]
+                    extra_headers={"x-session-id": session},
+                )
+                message = reply.choices[0].message.model_dump(exclude_none=True)
+            messages.append(message)
+            for call in message.get("tool_calls") or []:
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": "sunny"})
+        answers.append(messages[-1])
+    return answers
+
+
+def _streamed(client: openai.OpenAI, messages: list[Any], session: str, choice: str) -> dict[str, Any]:
+    text, calls = "", []
+    for part in client.chat.completions.create(
+        model="smol",
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice=choice,
+        stream=True,  # type: ignore[arg-type]
+        extra_headers={"x-session-id": session},
+    ):
+        delta = part.choices[0].delta
+        text += delta.content or ""
+        calls += [c.model_dump(exclude_none=True, exclude={"index"}) for c in delta.tool_calls or []]
+    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
+
+
+def test_a_tool_conversation_pushes_back_every_step(server: Any, client: openai.OpenAI) -> None:
+    _, engine, pool = server
+    answers = tool_loop(client, "plain", stream=False)
+    assert [a["content"] for a in answers] == ["It is sunny.", "It is sunny."]
+    turns = pool.session_for("plain").stats.turns  # type: ignore[union-attr]
+    assert [[s.handle_forwarded for s in t.steps] for t in turns] == [[False, True], [True, True]]
+
+
+def test_streamed_text_equals_the_plain_text(server: Any, client: openai.OpenAI) -> None:
+    assert tool_loop(client, "streamed", stream=True) == tool_loop(client, "unstreamed", stream=False)
+
+
+def test_usage_reports_cached_tokens_and_the_step_stats(server: Any, client: openai.OpenAI) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Hello"}]
+    first = client.chat.completions.create(model="smol", messages=messages)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again"}]
+    second = client.chat.completions.create(model="smol", messages=messages)  # no id: matched by its history
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    stats = second.model_extra["agentkv"]["stats"]  # type: ignore[index]
+    assert stats["handle_forwarded"] and stats["turn"] == 2
+
+
+def test_the_async_client_streams_with_usage(server: Any) -> None:
+    async def run() -> tuple[str, Any]:
+        text, usage = "", None
+        async with openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="k3y", max_retries=0) as client:
+            stream = await client.chat.completions.create(
+                model="smol",
+                messages=[{"role": "user", "content": "Hi"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            async for part in stream:
+                text += part.choices[0].delta.content or "" if part.choices else ""
+                usage = part.usage or usage
+        return text, usage
+
+    text, usage = asyncio.run(run())
+    assert text == "A plain answer." and usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"messages": []}, 400, "non-empty"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n must be 1"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"]}, 400, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "nope"}, 400, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "word " * 6000}]}, 400, "context"),
+        ({"messages": "hi"}, 400, "messages"),
+    ],
+)
+def test_bad_requests_get_clear_errors(server: Any, body: dict[str, Any], status: int, needle: str) -> None:
+    answer = httpx.post(server[0] + "/v1/chat/completions", json=body, headers={"authorization": "Bearer k3y"})
+    assert answer.status_code == status
+    assert needle in answer.json()["error"]["message"]
+
+
+def test_keys_sizes_and_busy_sessions(server: Any) -> None:
+    url = server[0] + "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(url, json=body).status_code == 401
+    assert httpx.post(url, json=body, headers={"authorization": "Bearer wrong"}).status_code == 401
+    big = {"messages": [{"role": "user", "content": "x" * 70_000}]}
+    assert httpx.post(url, json=big, headers={"authorization": "Bearer k3y"}).status_code == 413
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+    models = httpx.get(server[0] + "/v1/models", headers={"authorization": "Bearer k3y"}).json()
+    assert [m["id"] for m in models["data"]] == ["smol"]
+
+    server[1].inject("stall")
+    headers = {"authorization": "Bearer k3y", "x-session-id": "busy"}
+
+    async def two_at_once() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            slow = asyncio.ensure_future(http.post(url, json=body, headers=headers))
+            await asyncio.sleep(0.5)
+            second = await http.post(url, json=body, headers=headers)
+            slow.cancel()
+            return [second.status_code]
+
+    assert asyncio.run(two_at_once()) == [409]
+
+
+def test_metrics_count_tokens_by_source(server: Any, client: openai.OpenAI) -> None:
+    client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "count me"}])
+    text = httpx.get(server[0] + "/metrics", headers={"authorization": "Bearer k3y"}).text
+    assert "# TYPE agentkv_ttft_seconds histogram" in text
+    assert 'agentkv_prompt_tokens_total{source="pulled"}' in text and "agentkv_sessions " in text
+    assert 'agentkv_errors_total{kind="' in text  # the bad requests above were counted
+
+
+def test_eight_concurrent_clients_each_get_their_own_answers(tokenizer: Any) -> None:
+    """8 clients x 4 turns at once, named and unnamed: every answer echoes its own client's question."""
+
+    def echo(request: StepRequest) -> str:
+        prompt = tokenizer.decode(list(request.prompt_token_ids))
+        return "echo " + prompt.rsplit("question ", 1)[1].split("<", 1)[0].strip()
+
+    with HonestPairEngine(echo) as engine, SessionPool(engine=engine) as pool:
+        with FrontDoor(pool, port=free_port()) as door:
+
+            def client_run(number: int) -> list[str]:
+                headers = {"x-session-id": f"client-{number}"} if number % 2 else {}
+                messages: list[Any] = []
+                answers = []
+                with openai.OpenAI(base_url=door.url + "/v1", api_key="none", max_retries=0) as client:
+                    for turn in range(4):
+                        messages.append({"role": "user", "content": f"question {number}.{turn}"})
+                        reply = client.chat.completions.create(model="m", messages=messages, extra_headers=headers)
+                        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+                        answers.append(reply.choices[0].message.content or "")
+                return answers
+
+            async def all_clients() -> list[list[str]]:
+                return await asyncio.gather(*(asyncio.to_thread(client_run, n) for n in range(8)))
+
+            answers = asyncio.run(all_clients())
+            assert answers == [[f"echo {n}.{t}" for t in range(4)] for n in range(8)]
+            assert len(pool.sessions) == 8 and engine.live_pins == 8
+            steps = [s for session in pool.sessions for t in session.stats.turns for s in t.steps]
+            assert sum(s.handle_forwarded for s in steps) == 8 * 3  # turns 2-4 of every client pushed back
+    assert engine.violations == [] and engine.live_pins == 0

@@ -1,0 +1,145 @@
+"""``agentkv serve`` on the real pair: the real `openai` client and openai-agents' own OpenAI model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from agentkv import EmbeddedPair, FrontDoor, SessionPool
+from agentkv._engines._system import free_port
+
+pytestmark = pytest.mark.pair
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+QUESTIONS = ("What is 12 + 30?", "And 5 + 6?", "And 100 + 1?", "And 7 + 8?")
+
+
+@pytest.fixture(scope="module")
+def urls(pair: EmbeddedPair) -> Iterator[tuple[str, str]]:
+    """Two servers on the pair, each with its own cache salt: one's P cache never serves the other's prompts,
+    so both must pull back from D."""
+    with (
+        SessionPool(engine=pair, max_tokens=128, cache_salt="serve-pair-a") as a,
+        SessionPool(engine=pair, max_tokens=128, cache_salt="serve-pair-b") as b,
+        FrontDoor(a, model_name="smol", port=free_port()) as door_a,
+        FrontDoor(b, model_name="smol", port=free_port()) as door_b,
+    ):
+        yield door_a.url + "/v1", door_b.url + "/v1"
+
+
+def conversation(client: openai.OpenAI, session: str, *, stream: bool) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Four turns; each turn a forced `add` call, its result, then an answer. Returns the messages and each
+    step's agentkv stats (from the usage chunk when streaming)."""
+    messages: list[Any] = [{"role": "system", "content": "You add numbers."}]
+    stats: list[dict[str, Any]] = []
+    for question in QUESTIONS:
+        messages.append({"role": "user", "content": question})
+        for choice in ("required", "none"):
+            options: dict[str, Any] = {
+                "model": "smol",
+                "messages": messages,
+                "tools": [ADD],
+                "tool_choice": choice,
+                "extra_headers": {"x-session-id": session},
+            }
+            if stream:
+                message, step = _streamed(client, options)
+            else:
+                reply = client.chat.completions.create(**options)
+                message = reply.choices[0].message.model_dump(exclude_none=True)
+                step = reply.model_extra["agentkv"]["stats"]  # type: ignore[index]
+            messages.append(message)
+            stats.append(step)
+            if not message.get("tool_calls"):
+                break
+            for call in message.get("tool_calls") or []:
+                arguments = json.loads(call["function"]["arguments"])
+                result = int(arguments.get("a", 0)) + int(arguments.get("b", 0))
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": str(result)})
+    return messages, stats
+
+
+def _said(messages: list[Any]) -> list[tuple[str, str | None, list[tuple[str, str]]]]:
+    """What each message says, without the call ids (new for every request)."""
+    return [
+        (
+            m["role"],
+            m.get("content"),
+            [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])],
+        )
+        for m in messages
+    ]
+
+
+def _streamed(client: openai.OpenAI, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    text, calls, stats = "", [], {}
+    for part in client.chat.completions.create(**options, stream=True, stream_options={"include_usage": True}):
+        if not part.choices:
+            stats = part.model_extra["agentkv"]["stats"]  # type: ignore[index]
+            continue
+        delta = part.choices[0].delta
+        text += delta.content or ""
+        calls += [c.model_dump(exclude_none=True, exclude={"index"}) for c in delta.tool_calls or []]
+    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}, stats
+
+
+def test_four_tool_turns_pull_back_and_streaming_changes_nothing(urls: tuple[str, str]) -> None:
+    with (
+        openai.OpenAI(base_url=urls[0], api_key="none", max_retries=0) as client_a,
+        openai.OpenAI(base_url=urls[1], api_key="none", max_retries=0) as client_b,
+    ):
+        plain, plain_stats = conversation(client_a, "plain", stream=False)
+        streamed, streamed_stats = conversation(client_b, "streamed", stream=True)
+    assert _said(streamed) == _said(plain)  # greedy, float32: the streamed text is the plain text, call for call
+    assert [m.get("tool_calls", [{}])[0].get("function", {}).get("name") for m in plain if m["role"] == "assistant"][
+        ::2
+    ] == ["add"] * 4
+    for stats in (plain_stats, streamed_stats):
+        assert not stats[0]["handle_forwarded"]
+        pulled = [(s["turn"], s["step"], s["pulled_tokens"], s["miss_reason"]) for s in stats]
+        assert all(s["handle_forwarded"] and s["pulled_tokens"] > 0 for s in stats[1:]), pulled
+
+
+def test_openai_agents_own_chat_model_runs_a_tool_agent_on_the_server(urls: tuple[str, str]) -> None:
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    results: list[int] = []
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        results.append(a + b)
+        return a + b
+
+    async def run() -> str:
+        async with openai.AsyncOpenAI(base_url=urls[0], api_key="none", max_retries=0) as client:
+            agent = Agent(
+                name="adder",
+                instructions="You add numbers.",
+                tools=[add],
+                model=OpenAIChatCompletionsModel(model="smol", openai_client=client),
+                model_settings=ModelSettings(tool_choice="required", max_tokens=128),
+                tool_use_behavior="stop_on_first_tool",  # the tool's result is the answer: one call, deterministic
+            )
+            result = await Runner.run(agent, "What is 2 + 3?")
+            return str(result.final_output)
+
+    answer = asyncio.run(run())
+    assert results and answer == str(results[0])  # the framework ran the call the model made through the server
