@@ -10,6 +10,7 @@ import pytest
 
 from agentkv import EmbeddedPair, prepare_model
 from agentkv.testing import block_real_engines
+from scripted import close_leftover_event_loop
 
 # D pins blocks for 30 s in tests (480 s by default), so expiry paths run in seconds.
 PIN_TTL_S = 30.0
@@ -25,6 +26,14 @@ def _no_real_engines_in_unit_tests(request: pytest.FixtureRequest) -> Iterator[N
         return
     with block_real_engines():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _close_the_loop_frameworks_leave() -> Iterator[None]:
+    """openai-agents' and pydantic-ai's ``run_sync`` leave an event loop set on the thread for their next
+    call; a later ``asyncio.run`` (in any test) would drop it unclosed, a ResourceWarning: close it."""
+    yield
+    close_leftover_event_loop()
 
 
 @pytest.fixture(scope="session")

@@ -27,9 +27,10 @@ from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel
 
-from agentkv import ContextLengthError, EmbeddedPair, InvalidMessageError, Session, SessionPool, StepRequest
+from agentkv import ContextLengthError, EmbeddedPair, InvalidMessageError, Session, SessionPool
 from agentkv.integrations.langchain import ChatAgentKV
 from agentkv.testing import HonestPairEngine
+from scripted import Script, answer, calls
 
 
 @tool
@@ -38,29 +39,9 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def calls(*arguments: tuple[int, int]) -> str:
-    return json.dumps({"tool_calls": [{"name": "add", "arguments": {"a": a, "b": b}} for a, b in arguments]})
-
-
-def answer(text: str) -> str:
-    return json.dumps({"answer": text})
-
-
-class Script:
-    """Outputs in order, and the requests that asked for them."""
-
-    def __init__(self, *outputs: str) -> None:
-        self.outputs = list(outputs)
-        self.requests: list[StepRequest] = []
-
-    def __call__(self, request: StepRequest) -> str:
-        self.requests.append(request)
-        return self.outputs.pop(0) if self.outputs else answer("Done.")
-
-
 @pytest.fixture
 def script() -> Script:
-    return Script(calls((2, 3)), calls((5, 4)), answer("It is 9."))
+    return Script(calls((2, 3)), calls((5, 4)), answer("It is 9."), then=answer("Done."))
 
 
 @pytest.fixture
@@ -314,7 +295,7 @@ def test_on_the_real_pair_the_loop_pulls_back_and_equals_session_steps(pair: Emb
     """A 3-step LangChain tool loop on the real pair: steps 2+ pull D's KV; greedy outputs equal `Session.step`'s."""
     question = "What is 1234 + 4321? Use the add tool."
     choices = ("required", "required", "none")  # two tool calls, then the answer
-    model = ChatAgentKV(engine=pair, max_tokens=48, temperature=0.0, cache_salt="langchain-adapter")
+    model = ChatAgentKV(engine=pair, max_tokens=128, temperature=0.0, cache_salt="langchain-adapter")
     messages: list[BaseMessage] = [HumanMessage(question)]
     replies: list[AIMessage] = []
     try:
@@ -334,7 +315,7 @@ def test_on_the_real_pair_the_loop_pulls_back_and_equals_session_steps(pair: Emb
 
     history: list[Any] = [{"role": "user", "content": question}]
     replayed = []
-    with Session(engine=pair, max_tokens=48, temperature=0.0, cache_salt="langchain-replay") as session:
+    with Session(engine=pair, max_tokens=128, temperature=0.0, cache_salt="langchain-replay") as session:
         for choice in choices:
             step = session.step_sync(history, tools=[convert_to_openai_tool(add)], tool_choice=choice)
             replayed.append(step)

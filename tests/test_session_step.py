@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from agentkv import InvalidMessageError, Message, Session, StepRequest, ToolSpec, UserError, tool
+from agentkv import InvalidMessageError, Message, Session, ToolSpec, UserError, tool
 from agentkv.testing import HonestPairEngine, ScriptedEngine
+from scripted import Script
 
 WEATHER = ToolSpec(
     name="weather",
@@ -21,18 +22,6 @@ WEATHER = ToolSpec(
     parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 )
 OPENAI_WEATHER = {"type": "function", "function": WEATHER.model_dump()}
-
-
-class Script:
-    """Outputs in order, and the requests that asked for them."""
-
-    def __init__(self, *outputs: str) -> None:
-        self.outputs = list(outputs)
-        self.requests: list[StepRequest] = []
-
-    def __call__(self, request: StepRequest) -> str:
-        self.requests.append(request)
-        return self.outputs.pop(0)
 
 
 SCRIPT = (

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import anyio
 import pytest
+from pydantic import BaseModel
 
 from agentkv import Session, StepRequest, Tool, UserError, tool
 from agentkv._conversation._tools import output_schema, parse_output
@@ -203,3 +204,27 @@ def test_stream_events_name_the_tool_calls() -> None:
     ):
         session.run_sync("add", on_event=lambda event: kinds.append(event.kind))
     assert kinds == ["text_delta", "tool_call", "tool_result", "step_end", "text_delta", "step_end", "turn_end"]
+
+
+class Point(BaseModel):
+    x: int
+    y: int
+
+
+def test_nested_argument_types_keep_their_definitions_at_the_root() -> None:
+    """A pydantic argument type is a ``$ref`` into ``$defs``; the forced output schema must resolve it."""
+
+    @tool
+    def plot(point: Point) -> str:
+        """Plot a point."""
+        return "ok"
+
+    import jsonschema
+
+    schema = output_schema({"plot": plot.spec}, "auto")
+    assert "Point" in schema["$defs"]
+
+    valid = {"tool_calls": [{"name": "plot", "arguments": {"point": {"x": 1, "y": 2}}}]}
+    jsonschema.validate(valid, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"tool_calls": [{"name": "plot", "arguments": {"point": {"x": "one"}}}]}, schema)

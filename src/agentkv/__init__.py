@@ -64,6 +64,7 @@ from ._session._results import (
 from ._session._session import Mode, Session
 from ._stats._plots import plot_stats
 from ._stats._stats import MissReason, SessionStats, StepStats, TurnStats
+from ._surfaces._response_store import MemoryResponseStore, ResponseStore, SqliteResponseStore, StoredResponse
 from ._surfaces._serve import FrontDoor
 
 __version__ = "0.1.0"
@@ -89,6 +90,7 @@ __all__ = [
     "KVHandle",
     "LaunchedPair",
     "LifecycleState",
+    "MemoryResponseStore",
     "Message",
     "MissReason",
     "Mode",
@@ -98,6 +100,7 @@ __all__ = [
     "Placement",
     "PrefillEngine",
     "RemotePair",
+    "ResponseStore",
     "Sampling",
     "ServerCapabilities",
     "Session",
@@ -105,6 +108,7 @@ __all__ = [
     "SessionClosedError",
     "SessionPool",
     "SessionStats",
+    "SqliteResponseStore",
     "Step",
     "StepDone",
     "StepEnd",
@@ -114,6 +118,7 @@ __all__ = [
     "StepRequest",
     "StepStats",
     "StepTimings",
+    "StoredResponse",
     "TemplateError",
     "TextDelta",
     "TokenDelta",

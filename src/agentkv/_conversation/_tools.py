@@ -269,10 +269,19 @@ def output_schema(tools: Mapping[str, ToolSpec], choice: ToolChoice) -> dict[str
     if choice == "none" or not tools:
         return answer
     chosen = [tools[choice]] if choice in tools else list(tools.values())
+    definitions: dict[str, Any] = {}
+    """Each tool's ``$defs`` (nested argument types), hoisted to the root its ``#/$defs/...`` refs now point at."""
+    for t in chosen:
+        for name, schema in t.parameters.get("$defs", {}).items():
+            if definitions.setdefault(name, schema) != schema:
+                raise UserError(f"two tools define the argument type {name!r} differently; rename one of them")
     call_variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "properties": {
+                "name": {"const": t.name},
+                "arguments": {key: value for key, value in t.parameters.items() if key != "$defs"},
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
@@ -286,9 +295,8 @@ def output_schema(tools: Mapping[str, ToolSpec], choice: ToolChoice) -> dict[str
         "required": ["tool_calls"],
         "additionalProperties": False,
     }
-    if choice == "auto":
-        return {"anyOf": [calls, answer]}
-    return calls
+    schema = {"anyOf": [calls, answer]} if choice == "auto" else calls
+    return {**schema, "$defs": definitions} if definitions else schema
 
 
 def parse_output(text: str, *, call_prefix: str) -> tuple[list[ToolCall], str | None, str | None]:

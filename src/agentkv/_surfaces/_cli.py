@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--plot", default="agentkv-bench.png", help="draw the plot here ('' for none)")
 
     serve = commands.add_parser(
-        "serve", help="the front door: OpenAI's chat-completions API on pinned sessions (docs/serve.md)"
+        "serve", help="the front door: OpenAI's chat-completions and Responses APIs on pinned sessions (docs/serve.md)"
     )
     serve.set_defaults(run=_serve)
     serve.add_argument("--mode", choices=get_args(Mode), default=None)
@@ -114,6 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--max-tokens", type=int, default=256, help="answer length when a request names none")
     serve.add_argument("--max-request-mb", type=float, default=4.0, help="largest request body")
     serve.add_argument("--timeout-s", type=float, default=300.0, help="the most one request may take")
+    serve.add_argument(
+        "--store",
+        default=None,
+        metavar="PATH",
+        help="the SQLite file /v1/responses keeps responses in, for previous_response_id "
+        "(default: $AGENTKV_HOME/responses.sqlite3); 'memory': in this process only",
+    )
 
     engine = commands.add_parser(
         "engine", help="run one server of a P/D pair in the foreground (for a pair across hosts: RemotePair)"
@@ -211,7 +218,14 @@ def _session(args: argparse.Namespace, **options: Any) -> Session:
 
 def _serve(args: argparse.Namespace) -> int:
     from .._session._pool import SessionPool
+    from ._response_store import MemoryResponseStore, ResponseStore, SqliteResponseStore, default_store_path
     from ._serve import FrontDoor
+
+    store: ResponseStore
+    if args.store == "memory":
+        store = MemoryResponseStore()
+    else:
+        store = SqliteResponseStore(args.store or default_store_path())
 
     pool = SessionPool(
         mode=args.mode,
@@ -220,7 +234,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         **_engine(args),
     )
-    with pool:
+    with store, pool:
         door = FrontDoor(
             pool,
             api_key=args.api_key or None,
@@ -228,9 +242,14 @@ def _serve(args: argparse.Namespace) -> int:
             timeout_s=args.timeout_s,
             host=args.host,
             port=args.port,
+            store=store,
         )
         key = "an API key" if door.settings.api_key else "no API key"
-        print(f"agentkv serve: {door.url}/v1 (model {door.settings.model_name!r}, {key}); Ctrl-C to stop", flush=True)
+        kept = f"responses kept in {store.path}" if isinstance(store, SqliteResponseStore) else "responses in memory"
+        print(
+            f"agentkv serve: {door.url}/v1 (model {door.settings.model_name!r}, {key}, {kept}); Ctrl-C to stop",
+            flush=True,
+        )
         door.run()
     return 0
 

@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -20,7 +20,9 @@ from .._errors import UserError
 from .._session._message_step import StepOptions
 from .._session._results import StepReply
 
-__all__ = ["ChatRequest", "CompletionIds", "chunk", "completion", "read_request"]
+__all__ = ["ChatRequest", "CompletionIds", "chunk", "completion", "read_body", "read_request"]
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class _StreamOptions(BaseModel):
@@ -71,17 +73,23 @@ _REFUSED = {
 }
 
 
-def read_request(body: bytes) -> ChatRequest:
-    """The request, checked; anything agentkv cannot honour is a `UserError` naming it."""
+def read_body(model: type[Body], body: bytes, refused: dict[str, str]) -> Body:
+    """A request body of ``model``, checked: a field agentkv cannot honour is a `UserError` saying why."""
     try:
-        request = ChatRequest.model_validate_json(body)
+        request = model.model_validate_json(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
         raise UserError(f"{where}: {first['msg']}") from None
-    for name, why in _REFUSED.items():
-        if (request.model_extra or {}).get(name) not in (None, False, []):
+    for name, why in refused.items():
+        if (request.model_extra or {}).get(name) not in (None, False, [], {}):
             raise UserError(why)
+    return request
+
+
+def read_request(body: bytes) -> ChatRequest:
+    """The request, checked; anything agentkv cannot honour is a `UserError` naming it."""
+    request = read_body(ChatRequest, body, _REFUSED)
     if request.n != 1:
         raise UserError("n must be 1: one choice per request")
     if request.top_p != 1.0:

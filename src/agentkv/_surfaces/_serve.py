@@ -1,8 +1,10 @@
-"""``agentkv serve``: the front door. OpenAI's chat-completions API over a `SessionPool`.
+"""``agentkv serve``: the front door. OpenAI's chat-completions and Responses APIs over a `SessionPool`.
 
 Every request carries the whole conversation; the pool sends it to the session that holds its
 KV (named by the ``x-session-id`` header, else the body's ``session_id`` or ``user``, else the
 session whose history it extends exactly), so turns 2+ of a conversation push D's KV back.
+Responses-API requests chain by ``previous_response_id`` instead: the door keeps each
+response's conversation in a `ResponseStore` and a chain on one pool conversation.
 The pool runs on its own event loop thread; the HTTP server (uvicorn) on another.
 """
 
@@ -38,6 +40,8 @@ from .._session._pool import SessionPool
 from .._session._results import StepReply
 from ._metrics import ServeMetrics
 from ._openai_chat import ChatRequest, CompletionIds, chunk, completion, read_request
+from ._openai_responses import PreviousResponseNotFoundError, ResponseEvents, ResponseTurn, read_responses_request
+from ._response_store import MemoryResponseStore, ResponseStore, StoredResponse
 
 __all__ = ["FrontDoor", "ServeSettings", "create_app"]
 
@@ -57,9 +61,11 @@ class ServeSettings:
     """The most one request may take (the step is cancelled after it: nothing is kept)."""
 
 
-def create_app(pool: SessionPool, settings: ServeSettings) -> Starlette:
-    """The ASGI app: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``."""
+def create_app(pool: SessionPool, settings: ServeSettings, store: ResponseStore | None = None) -> Starlette:
+    """The ASGI app: ``POST /v1/chat/completions``, ``POST /v1/responses``, ``GET /v1/models``, ``GET /health``,
+    ``GET /metrics``. ``store`` keeps responses for ``previous_response_id`` (default: in memory)."""
     metrics = ServeMetrics(gauges=lambda: _gauges(pool))
+    responses_store = store if store is not None else MemoryResponseStore()
 
     async def chat(request: Request) -> Response:
         try:
@@ -75,6 +81,25 @@ def create_app(pool: SessionPool, settings: ServeSettings) -> Starlette:
             return _failure(exc, metrics)
         metrics.step(reply.stats)
         return JSONResponse(completion(reply, CompletionIds.new(settings.model_name)), headers=headers)
+
+    async def responses(request: Request) -> Response:
+        try:
+            _authorize(request, settings)
+            parsed = read_responses_request(await _body(request, settings))
+            previous = await _previous_response(responses_store, parsed.previous_response_id)
+            turn = ResponseTurn.begin(
+                parsed, previous, session_header=request.headers.get("x-session-id"), model=settings.model_name
+            )
+            headers = {"x-session-id": turn.conversation_id} if turn.conversation_id else {}
+            if parsed.stream:
+                return await _stream_response(pool, responses_store, turn, settings, metrics, headers)
+            with anyio.fail_after(settings.timeout_s):
+                reply = await pool.step(turn.messages(), conversation_id=turn.conversation_id, **parsed.step_options())
+            await _keep(responses_store, turn, reply)
+        except Exception as exc:
+            return _failure(exc, metrics)
+        metrics.step(reply.stats)
+        return JSONResponse(turn.response(reply), headers=headers)
 
     async def models(request: Request) -> Response:
         try:
@@ -100,6 +125,7 @@ def create_app(pool: SessionPool, settings: ServeSettings) -> Starlette:
     return Starlette(
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_page, methods=["GET"]),
@@ -152,6 +178,63 @@ async def _stream(
 
 def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data)}\n\n"
+
+
+async def _previous_response(store: ResponseStore, response_id: str | None) -> StoredResponse | None:
+    if response_id is None:
+        return None
+    previous = await anyio.to_thread.run_sync(store.get, response_id)
+    if previous is None:
+        raise PreviousResponseNotFoundError(f"previous response with id {response_id!r} not found")
+    return previous
+
+
+async def _keep(store: ResponseStore, turn: ResponseTurn, reply: StepReply) -> None:
+    if turn.request.keeps:
+        await anyio.to_thread.run_sync(store.put, turn.stored(reply))
+
+
+async def _stream_response(
+    pool: SessionPool,
+    store: ResponseStore,
+    turn: ResponseTurn,
+    settings: ServeSettings,
+    metrics: ServeMetrics,
+    headers: dict[str, str],
+) -> Response:
+    """Responses stream events. As for chat, the first item is awaited before answering (a refused
+    request gets its HTTP status); a failure after that is an ``error`` event."""
+    items = pool.stream(turn.messages(), conversation_id=turn.conversation_id, **turn.request.step_options())
+    with anyio.fail_after(settings.timeout_s):
+        first = await anext(items)
+    stream = ResponseEvents(turn)
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            for event in stream.opening():
+                yield _event_sse(event)
+            with anyio.fail_after(settings.timeout_s):
+                item: str | StepReply = first
+                while isinstance(item, str):
+                    for event in stream.text(item):
+                        yield _event_sse(event)
+                    item = await anext(items)
+                await _keep(store, turn, item)
+            for event in stream.closing(item):
+                yield _event_sse(event)
+            metrics.step(item.stats)
+        except Exception as exc:  # after the status line: the error goes in the stream
+            failure = json.loads(bytes(_failure(exc, metrics).body))
+            yield _event_sse(stream.error(failure["error"]))
+        finally:
+            await items.aclose()  # a client that went away cancels the step (the session keeps nothing of it)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def _event_sse(event: dict[str, Any]) -> str:
+    """A Responses stream event, named as OpenAI names them (``event:`` is its type)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
 def _authorize(request: Request, settings: ServeSettings) -> None:
@@ -208,8 +291,10 @@ def _failure(exc: Exception, metrics: ServeMetrics) -> JSONResponse:
         TimeoutError: "the request took longer than the server's timeout; nothing of it was kept",
     }.get(type(exc), str(exc) or type(exc).__name__)
     code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else type(exc).__name__
+    code = getattr(exc, "openai_code", code)
+    param = getattr(exc, "openai_param", None)
     metrics.error(code)
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
 def _gauges(pool: SessionPool) -> dict[str, int]:
@@ -218,7 +303,7 @@ def _gauges(pool: SessionPool) -> dict[str, int]:
 
 
 class FrontDoor:
-    """``agentkv serve`` from Python: OpenAI's chat-completions API over a `SessionPool`.
+    """``agentkv serve`` from Python: OpenAI's chat-completions and Responses APIs over a `SessionPool`.
 
     ``agentkv serve`` runs one in the foreground; in your own process (a test, a notebook, an
     app that also uses the pool directly) start it in a thread::
@@ -233,6 +318,8 @@ class FrontDoor:
         max_request_bytes: the largest request body (413 above it).
         timeout_s: the most one request may take (504 after it; the step is cancelled and nothing is kept).
         host, port: where to listen (default ``127.0.0.1:8000``: this host only).
+        store: where ``POST /v1/responses`` keeps responses for ``previous_response_id`` (default: a
+            `MemoryResponseStore`; a `SqliteResponseStore` survives restarts). The caller closes a store it passes.
     """
 
     def __init__(
@@ -245,6 +332,7 @@ class FrontDoor:
         timeout_s: float = 300.0,
         host: str = "127.0.0.1",
         port: int = 8000,
+        store: ResponseStore | None = None,
     ) -> None:
         if not pool.is_open:
             raise UserError("open the pool first: FrontDoor(pool) serves an open SessionPool")
@@ -256,7 +344,12 @@ class FrontDoor:
         )
         self.settings = settings
         config = uvicorn.Config(
-            create_app(pool, settings), host=host, port=port, log_level="warning", lifespan="off", access_log=False
+            create_app(pool, settings, store),
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
         )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

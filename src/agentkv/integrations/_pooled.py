@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
@@ -16,7 +16,7 @@ from .._session._pool import SessionPool
 from .._session._results import StepReply
 from .._stats._stats import StepStats
 
-__all__ = ["PooledModel"]
+__all__ = ["PooledAccess", "PooledModel"]
 
 
 class PooledModel:
@@ -98,3 +98,26 @@ class PooledModel:
             pool, self._pool, self._closed = self._pool, None, True
         if pool is not None and self._owns_pool:
             pool.close()
+
+
+class PooledAccess:
+    """What every adapter shows of agentkv: its pool, every call's stats and the last reply
+    (mixed into the framework's model class, over the adapter's `PooledModel`)."""
+
+    if TYPE_CHECKING:
+        _pooled: PooledModel
+
+    @property
+    def pool(self) -> SessionPool:
+        """The `SessionPool` the model calls go to (started at the first call)."""
+        return self._pooled.pool
+
+    @property
+    def stats(self) -> list[StepStats]:
+        """Every model call's stats, over the pool's live sessions."""
+        return self._pooled.stats
+
+    @property
+    def last_reply(self) -> StepReply | None:
+        """The last model call's `agentkv.StepReply` (its ``stats`` say where each prompt token's KV came from)."""
+        return self._pooled.last_reply

@@ -44,7 +44,7 @@ from .._errors import (
 from .._session._pool import SessionPool
 from .._session._results import StepReply
 from .._stats._stats import StepStats
-from ._pooled import PooledModel
+from ._pooled import PooledAccess, PooledModel
 
 __all__ = ["ChatAgentKV"]
 
@@ -60,7 +60,7 @@ _LANGCHAIN_ERRORS: tuple[tuple[type[AgentKVError], type[ModelError]], ...] = (
 )
 
 
-class ChatAgentKV(BaseChatModel):
+class ChatAgentKV(PooledAccess, BaseChatModel):
     """A LangChain chat model whose calls run on agentkv sessions, one per conversation.
 
     Every call sends the whole conversation; it goes to the session that holds that
@@ -113,21 +113,6 @@ class ChatAgentKV(BaseChatModel):
         self._pooled = PooledModel(engine=engine, pool=pool, **options)
 
     # ----------------------------------------------------------------- agentkv side
-
-    @property
-    def pool(self) -> SessionPool:
-        """The pool the calls go to (started at the first call)."""
-        return self._pooled.pool
-
-    @property
-    def stats(self) -> list[StepStats]:
-        """Every call's stats, over the pool's live sessions."""
-        return self._pooled.stats
-
-    @property
-    def last_reply(self) -> StepReply | None:
-        """The last call's `StepReply` (its `stats` say where each prompt token's KV came from)."""
-        return self._pooled.last_reply
 
     def close(self) -> None:
         """Close the pool if this model started it (and with it an engine it started)."""

@@ -61,7 +61,7 @@ from .._errors import UserError as AgentKVUserError
 from .._session._pool import SessionPool
 from .._session._results import StepReply
 from .._stats._stats import StepStats
-from ._pooled import PooledModel
+from ._pooled import PooledAccess, PooledModel
 
 __all__ = ["AgentKVModel", "AgentKVProvider"]
 
@@ -76,7 +76,7 @@ _ACCEPTED_EXTRA_ARGS = ("seed", "prompt_cache_key")
 """``extra_args`` read (``seed``) or harmless to ignore (``prompt_cache_key``: agentkv pins conversations itself)."""
 
 
-class AgentKVModel(Model):
+class AgentKVModel(PooledAccess, Model):
     """An openai-agents `Model` running on an agentkv engine, one pinned session per conversation.
 
     Example::
@@ -122,21 +122,6 @@ class AgentKVModel(Model):
         """Conversation ids the runner named -> the conversation so far (no system message)."""
 
     # ----------------------------------------------------------------- agentkv side
-
-    @property
-    def pool(self) -> SessionPool:
-        """The pool the model calls go to (started on first use)."""
-        return self._pooled.pool
-
-    @property
-    def stats(self) -> list[StepStats]:
-        """Every model call's stats, over the pool's live sessions."""
-        return self._pooled.stats
-
-    @property
-    def last_reply(self) -> StepReply | None:
-        """The last model call's reply; its ``stats`` say where each prompt token's KV came from."""
-        return self._pooled.last_reply
 
     async def close(self) -> None:
         """Close the pool if this model started it (and the engine, if it started that); forget the conversations."""

@@ -1,0 +1,424 @@
+"""The OpenAI Responses shape: a ``POST /v1/responses`` request read into the chat messages
+`SessionPool.step` takes, a `StepReply` written back as a ``response`` object or as stream events.
+
+Input items become chat messages: messages (role user, system, developer or assistant; text
+content), ``function_call`` items (the assistant's tool calls, grouped into one assistant
+message) and ``function_call_output`` items (tool messages). ``instructions`` is the system
+message; it is not carried over by ``previous_response_id`` (as with OpenAI).
+
+What agentkv adds to the shape: ``usage.input_tokens_details.cached_tokens`` is the prompt
+tokens whose KV was not computed, and an ``agentkv`` object carries the step's `StepStats`
+(as in chat completions; documented in docs/serve.md).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .._conversation._conversation import Message
+from .._errors import UserError
+from .._session._message_step import StepOptions
+from .._session._results import StepReply
+from ._openai_chat import read_body
+from ._response_store import StoredResponse
+
+__all__ = [
+    "PreviousResponseNotFoundError",
+    "ResponseEvents",
+    "ResponseTurn",
+    "ResponsesRequest",
+    "read_responses_request",
+]
+
+
+class PreviousResponseNotFoundError(UserError):
+    """``previous_response_id`` names no stored response (OpenAI answers this with a 400)."""
+
+    openai_code = "previous_response_not_found"
+    openai_param = "previous_response_id"
+
+
+class ResponsesRequest(BaseModel):
+    """A ``POST /v1/responses`` body: the fields agentkv serves (others it cannot honour are refused by name)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = ""
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = None
+    seed: int | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool | None = None
+    """Whether the response is kept for ``previous_response_id`` (default: yes)."""
+    text: dict[str, Any] | None = None
+    truncation: str | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    @property
+    def keeps(self) -> bool:
+        """Whether the response is stored."""
+        return self.store is not False
+
+    def step_options(self) -> StepOptions:
+        """The `Session.step` arguments of this request."""
+        return {
+            "tools": [_chat_tool(index, tool) for index, tool in enumerate(self.tools or [])] or None,
+            "tool_choice": _chat_tool_choice(self.tool_choice),
+            "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "seed": self.seed,
+        }
+
+    def new_messages(self) -> list[dict[str, Any]]:
+        """The input items as chat messages."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        return _chat_messages(self.input)
+
+
+_REFUSED = {
+    "reasoning": "reasoning is not supported",
+    "include": "include is not supported (there is nothing extra to include)",
+    "background": "background responses are not supported",
+    "conversation": "conversation objects are not supported: chain responses with previous_response_id",
+    "prompt": "prompt templates are not supported",
+    "top_logprobs": "logprobs are not supported",
+    "max_tool_calls": "max_tool_calls is not supported",
+}
+
+
+def read_responses_request(body: bytes) -> ResponsesRequest:
+    """The request, checked; anything agentkv cannot honour is a `UserError` naming it."""
+    request = read_body(ResponsesRequest, body, _REFUSED)
+    text_format = (request.text or {}).get("format") or {"type": "text"}
+    if not isinstance(text_format, Mapping) or text_format.get("type") != "text":
+        raise UserError("text.format: only text is supported (tool calls are schema-forced; answers are text)")
+    if request.truncation not in (None, "disabled"):
+        raise UserError("truncation must be 'disabled': a conversation over the context is refused, not cut")
+    if request.top_p not in (None, 1.0):
+        raise UserError("top_p is not supported (sampling is by temperature)")
+    request.step_options()  # tools and tool_choice are checked now
+    request.new_messages()  # and the input items
+    return request
+
+
+def _chat_tool(index: int, tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A Responses function tool (``{"type": "function", "name", ...}``) in the chat shape."""
+    if tool.get("type") != "function":
+        raise UserError(f"tools[{index}]: only function tools are served, not {tool.get('type')!r}")
+    function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | Mapping[str, Any]) -> str:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return str(choice["name"])
+    raise UserError(
+        f"tool_choice of type {choice.get('type')!r} is not supported "
+        "(auto, required, none or {'type': 'function', 'name': ...})"
+    )
+
+
+def _chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as chat messages; an assistant's message and function calls in a row are one message."""
+    messages: list[dict[str, Any]] = []
+
+    def assistant() -> dict[str, Any]:
+        if not messages or messages[-1]["role"] != "assistant":
+            messages.append({"role": "assistant", "content": "", "tool_calls": []})
+        return messages[-1]
+
+    for index, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            text = _text(index, item.get("content"))
+            if role == "assistant":
+                assistant()["content"] += text
+            elif role in ("user", "system", "developer"):
+                messages.append({"role": "user" if role == "user" else "system", "content": text})
+            else:
+                raise UserError(
+                    f"input[{index}]: a message's role is user, system, developer or assistant, not {role!r}"
+                )
+        elif kind == "function_call":
+            call_id, name = item.get("call_id"), item.get("name")
+            if not isinstance(call_id, str) or not isinstance(name, str):
+                raise UserError(f"input[{index}]: a function_call item needs a call_id and a name")
+            arguments = item.get("arguments") or "{}"
+            function = {"name": name, "arguments": arguments}
+            assistant()["tool_calls"].append({"id": call_id, "type": "function", "function": function})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise UserError(f"input[{index}]: a function_call_output item needs a call_id")
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": _text(index, item.get("output"))}
+            )
+        else:
+            raise UserError(
+                f"input[{index}]: {kind!r} items are not supported (messages, function_call, function_call_output are)"
+            )
+    return [_without_empty_calls(message) for message in messages]
+
+
+def _without_empty_calls(message: dict[str, Any]) -> dict[str, Any]:
+    if message.get("tool_calls") == []:
+        return {key: value for key, value in message.items() if key != "tool_calls"}
+    return message
+
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _text(index: int, content: object) -> str:
+    """Text content: a string or text parts (``input_text``, ``output_text``)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") not in _TEXT_PARTS:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise UserError(f"input[{index}]: only text content is supported, not {kind!r}")
+        return "".join(str(part.get("text", "")) for part in content)
+    raise UserError(f"input[{index}]: content must be a string or a list of text parts")
+
+
+def _as_chat_dict(message: Message) -> dict[str, Any]:
+    """A `Message` as an OpenAI chat dict (as it is stored and read back)."""
+    written: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        written["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        written["tool_call_id"] = message.tool_call_id
+    return written
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class ResponseTurn:
+    """One Responses request made ready for the pool: its conversation, the pool conversation it lands on, its ids."""
+
+    request: ResponsesRequest
+    model: str
+    conversation: tuple[dict[str, Any], ...]
+    """The chat messages through the new input (the previous response's conversation first), no instructions."""
+    conversation_id: str | None
+    """The pool conversation: the ``x-session-id`` header, else the chain's (its first response id); None for an
+    unstored response that names neither (the pool then matches it by its history, as chat completions)."""
+    response_id: str = field(default_factory=lambda: _new_id("resp"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def begin(
+        cls, request: ResponsesRequest, previous: StoredResponse | None, *, session_header: str | None, model: str
+    ) -> ResponseTurn:
+        response_id = _new_id("resp")
+        earlier = previous.messages if previous is not None else ()
+        chain = previous.conversation_id if previous is not None else None
+        conversation_id = session_header or chain or (response_id if request.keeps else None)
+        conversation = (*earlier, *request.new_messages())
+        return cls(request, model, conversation, conversation_id, response_id=response_id)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """What the pool steps on: the instructions as the system message, then the conversation."""
+        instructions = self.request.instructions
+        if instructions is None:
+            return list(self.conversation)
+        first = self.conversation[0] if self.conversation else None
+        if first is not None and first.get("role") == "system":  # both: one system message, instructions first
+            merged = {"role": "system", "content": f"{instructions}\n\n{first.get('content', '')}"}
+            return [merged, *self.conversation[1:]]
+        return [{"role": "system", "content": instructions}, *self.conversation]
+
+    def stored(self, reply: StepReply) -> StoredResponse:
+        """The response as ``previous_response_id`` continues it."""
+        assert self.conversation_id is not None, "an unstored response has no chain"
+        messages = (*self.conversation, _as_chat_dict(reply.message))
+        return StoredResponse(self.response_id, self.conversation_id, messages)
+
+    def response(self, reply: StepReply | None, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The ``response`` object: in progress (no reply yet), or completed with ``reply`` (``output``: its items)."""
+        request = self.request
+        status = _status(reply)
+        body: dict[str, Any] = {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "model": self.model,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": request.instructions,
+            "output": output if output is not None else _output_items(reply) if reply is not None else [],
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "tool_choice": request.tool_choice,
+            "tools": request.tools or [],
+            "temperature": request.temperature,
+            "top_p": 1.0,
+            "max_output_tokens": request.max_output_tokens,
+            "previous_response_id": request.previous_response_id,
+            "store": request.keeps,
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "user": request.user,
+            "metadata": request.metadata or {},
+            "usage": None,
+        }
+        if reply is not None:
+            body["usage"] = _usage(reply)
+            body["agentkv"] = {"stats": reply.stats.model_dump(mode="json"), "error": reply.error}
+        return body
+
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+def _status(reply: StepReply | None) -> ItemStatus:
+    if reply is None:
+        return "in_progress"
+    return "incomplete" if reply.finish_reason == "length" else "completed"
+
+
+def _usage(reply: StepReply) -> dict[str, Any]:
+    stats = reply.stats
+    return {
+        "input_tokens": stats.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": stats.prompt_tokens - stats.computed_tokens, "cache_write_tokens": 0},
+        "output_tokens": stats.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": stats.prompt_tokens + stats.output_tokens,
+    }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, status: ItemStatus, text: str | None) -> dict[str, Any]:
+    content = [] if text is None else [_text_part(text)]
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def _call_item(item_id: str, status: ItemStatus, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def _output_items(reply: StepReply) -> list[dict[str, Any]]:
+    """The reply as output items: its function calls, else one message."""
+    if reply.tool_calls:
+        return [
+            _call_item(_new_id("fc"), "completed", call.id, call.name, json.dumps(call.arguments))
+            for call in reply.tool_calls
+        ]
+    return [_message_item(_new_id("msg"), _status(reply), reply.text)]
+
+
+class ResponseEvents:
+    """The stream events of one response, numbered in order: the opening, the answer's text as it comes,
+    then its items and ``response.completed`` (``response.incomplete`` when cut at ``max_output_tokens``)."""
+
+    def __init__(self, turn: ResponseTurn) -> None:
+        self._turn = turn
+        self._sequence = 0
+        self._output: list[dict[str, Any]] = []
+        self._message_id: str | None = None
+        self._streamed = ""
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def opening(self) -> list[dict[str, Any]]:
+        in_progress = self._turn.response(None)
+        return [
+            self._event("response.created", response=in_progress),
+            self._event("response.in_progress", response=in_progress),
+        ]
+
+    def text(self, piece: str) -> list[dict[str, Any]]:
+        """A piece of the answer (the message item opens with the first)."""
+        events = self._open_message() if self._message_id is None else []
+        self._streamed += piece
+        if piece:
+            events.append(self._event("response.output_text.delta", delta=piece, logprobs=[], **self._at_text()))
+        return events
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        self._message_id = _new_id("msg")
+        item = _message_item(self._message_id, "in_progress", None)
+        return [
+            self._event("response.output_item.added", item=item, output_index=len(self._output)),
+            self._event("response.content_part.added", part=_text_part(""), **self._at_text()),
+        ]
+
+    def _at_text(self) -> dict[str, Any]:
+        return {"item_id": self._message_id, "output_index": len(self._output), "content_index": 0}
+
+    def closing(self, reply: StepReply) -> list[dict[str, Any]]:
+        """The rest of the answer, the message's and the calls' items, then the full response."""
+        events: list[dict[str, Any]] = []
+        if not reply.tool_calls:
+            rest = reply.text[len(self._streamed) :] if reply.text.startswith(self._streamed) else ""
+            events += self.text(rest)  # what was not streamed (or an empty answer's message)
+        if self._message_id is not None:
+            text = self._streamed if reply.tool_calls else reply.text
+            item = _message_item(self._message_id, _status(reply), text)
+            events += [
+                self._event("response.output_text.done", text=text, logprobs=[], **self._at_text()),
+                self._event("response.content_part.done", part=_text_part(text), **self._at_text()),
+                self._event("response.output_item.done", item=item, output_index=len(self._output)),
+            ]
+            self._output.append(item)
+        for call in reply.tool_calls:
+            item_id, arguments, at = _new_id("fc"), json.dumps(call.arguments), len(self._output)
+            added = _call_item(item_id, "in_progress", call.id, call.name, "")
+            done = _call_item(item_id, "completed", call.id, call.name, arguments)
+            events += [
+                self._event("response.output_item.added", item=added, output_index=at),
+                self._event(
+                    "response.function_call_arguments.delta", item_id=item_id, output_index=at, delta=arguments
+                ),
+                self._event(
+                    "response.function_call_arguments.done", item_id=item_id, output_index=at, arguments=arguments
+                ),
+                self._event("response.output_item.done", item=done, output_index=at),
+            ]
+            self._output.append(done)
+        response = self._turn.response(reply, self._output)
+        events.append(self._event(f"response.{response['status']}", response=response))
+        return events
+
+    def error(self, error: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``error`` event of a failure after the stream began (``error``: OpenAI's error body's object)."""
+        return self._event("error", code=error.get("code"), message=error.get("message", ""), param=error.get("param"))

@@ -1,0 +1,439 @@
+"""``POST /v1/responses``: the real `openai` client and openai-agents' own Responses model against the front door,
+on `HonestPairEngine` (no model runs here, except in the one test marked ``pair``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from agentkv import (
+    EmbeddedPair,
+    FrontDoor,
+    MemoryResponseStore,
+    SessionPool,
+    SqliteResponseStore,
+    StepRequest,
+    StoredResponse,
+)
+from agentkv._engines._system import free_port
+from agentkv.testing import HonestPairEngine
+
+WEATHER = {
+    "type": "function",
+    "name": "weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+
+
+def respond(request: StepRequest) -> str:
+    """Calls the tool when a call is asked for; answers otherwise."""
+    if request.sampling.json_schema is None:
+        return "A plain answer."
+    if request.sampling.json_schema.get("required") == ["answer"]:
+        return json.dumps({"answer": "It is sunny."})
+    return json.dumps({"tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}}]})
+
+
+Server = tuple[str, HonestPairEngine, SessionPool]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with HonestPairEngine(respond) as engine, SessionPool(engine=engine, max_tokens=64) as pool:
+        door = FrontDoor(pool, model_name="smol", api_key="k3y", port=free_port(), store=MemoryResponseStore())
+        url = door.start().url
+        try:
+            yield url, engine, pool
+        finally:
+            door.stop()
+    assert engine.violations == []
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server[0] + "/v1", api_key="k3y", max_retries=0) as opened:
+        yield opened
+
+
+def create(client: openai.OpenAI, **options: Any) -> Response:
+    """``responses.create``, the answer checked against the openai package's own `Response` model."""
+    raw = client.responses.with_raw_response.create(model="smol", **options)
+    return Response.model_validate(raw.http_response.json())
+
+
+def streamed(client: openai.OpenAI, **options: Any) -> Response:
+    """``responses.create(stream=True)`` as the openai client reads it: the final response of its events."""
+    events = list(client.responses.create(model="smol", stream=True, **options))
+    assert events[-1].type == "response.completed"
+    return Response.model_validate(events[-1].response.model_dump())
+
+
+def chain(client: openai.OpenAI, *, stream: bool, session: str | None = None) -> list[Response]:
+    """Three calls chained by previous_response_id: a forced call, its result answered, a new question's call."""
+    call = streamed if stream else create
+    headers = {"x-session-id": session} if session else {}
+    first = call(
+        client,
+        input="Weather in Paris?",
+        instructions="Be brief.",
+        tools=[WEATHER],
+        tool_choice="required",
+        extra_headers=headers,
+    )
+    result = [{"type": "function_call_output", "call_id": first.output[0].call_id, "output": "sunny"}]  # type: ignore[union-attr]
+    second = call(
+        client,
+        input=result,
+        previous_response_id=first.id,
+        instructions="Be brief.",
+        tools=[WEATHER],
+        tool_choice="none",
+        extra_headers=headers,
+    )
+    third = call(
+        client,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "And tomorrow?"}]}],
+        previous_response_id=second.id,
+        instructions="Be brief.",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "weather"},
+        extra_headers=headers,
+    )
+    return [first, second, third]
+
+
+def said(response: Response) -> list[tuple[str, str, str]]:
+    """What a response's output items say, without their ids (new for every response)."""
+    return [
+        (item.type, item.name, item.arguments)
+        if item.type == "function_call"
+        else (item.type, "", item.content[0].text)  # type: ignore[union-attr]
+        for item in response.output
+    ]
+
+
+def test_a_tool_chain_by_previous_response_id_pushes_back_every_call(server: Server, client: openai.OpenAI) -> None:
+    _, _, pool = server
+    first, second, third = chain(client, stream=False)
+    assert said(first) == [("function_call", "weather", '{"city": "Paris"}')]
+    assert first.output[0].call_id.startswith("call_")  # type: ignore[union-attr]
+    assert said(second) == [("message", "", "It is sunny.")] and second.output_text == "It is sunny."
+    assert said(third) == [("function_call", "weather", '{"city": "Paris"}')]
+    assert [r.previous_response_id for r in (first, second, third)] == [None, first.id, second.id]
+    assert all(r.id.startswith("resp_") and r.status == "completed" for r in (first, second, third))
+    turns = pool.session_for(first.id).stats.turns  # type: ignore[union-attr]  # a chain's pool conversation is its first id
+    assert [[s.handle_forwarded for s in t.steps] for t in turns] == [[False, True], [True]]
+
+
+def test_streamed_output_equals_the_plain_output(client: openai.OpenAI) -> None:
+    assert [said(r) for r in chain(client, stream=True)] == [said(r) for r in chain(client, stream=False)]
+
+
+def test_usage_reports_cached_tokens_and_the_step_stats(client: openai.OpenAI) -> None:
+    first = create(client, input="Hello")
+    second = create(client, input="Again", previous_response_id=first.id)
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.input_tokens_details.cached_tokens < first.usage.input_tokens
+    assert 0 < second.usage.input_tokens_details.cached_tokens <= second.usage.input_tokens
+    assert second.usage.total_tokens == second.usage.input_tokens + second.usage.output_tokens
+    stats = second.model_extra["agentkv"]["stats"]  # type: ignore[index]
+    assert stats["handle_forwarded"] and stats["turn"] == 2
+    assert second.usage.input_tokens_details.cached_tokens == stats["prompt_tokens"] - stats["computed_tokens"]
+
+
+def test_x_session_id_names_the_conversation(server: Server, client: openai.OpenAI) -> None:
+    first = create(client, input="Hi", extra_headers={"x-session-id": "named"})
+    second = create(client, input="More", previous_response_id=first.id)  # the chain keeps the header's name
+    steps = [s for t in server[2].session_for("named").stats.turns for s in t.steps]  # type: ignore[union-attr]
+    assert [s.handle_forwarded for s in steps] == [False, True] and second.output_text == "A plain answer."
+
+
+def test_an_unknown_or_unstored_previous_response_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        create(client, input="Hi", previous_response_id="resp_nope")
+    assert raised.value.status_code == 400 and raised.value.code == "previous_response_not_found"
+    assert raised.value.param == "previous_response_id" and "resp_nope" in raised.value.message
+    unstored = create(client, input="Hi", store=False)
+    with pytest.raises(openai.BadRequestError):
+        create(client, input="Again", previous_response_id=unstored.id)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
+        ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "truncation": "auto"}, "truncation"),
+        ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"input": "hi", "top_p": 0.5}, "top_p"),
+        ({"input": "hi", "tools": [{"type": "web_search_preview"}]}, "web_search_preview"),
+        ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "file_search"),
+        ({"input": "hi", "tool_choice": "nope"}, "tool_choice"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "'reasoning' items"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
+        ({"input": [{"role": "critic", "content": "hi"}]}, "critic"),
+        ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "x"}]}, "tool"),
+        ({"input": "word " * 6000}, "context"),
+        ({"model": "smol"}, "input"),
+    ],
+)
+def test_refused_fields_get_clear_errors(server: Server, body: dict[str, Any], needle: str) -> None:
+    answer = httpx.post(server[0] + "/v1/responses", json=body, headers={"authorization": "Bearer k3y"})
+    assert answer.status_code == 400, answer.text
+    assert needle in answer.json()["error"]["message"]
+
+
+def raw_events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The server-sent events of a streamed request, each checked against the openai package's event models."""
+    events = []
+    headers = {"authorization": "Bearer k3y"}
+    with httpx.stream("POST", url + "/v1/responses", json=body | {"stream": True}, headers=headers) as answer:
+        assert answer.status_code == 200
+        name = None
+        for line in answer.iter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                event = json.loads(line.removeprefix("data: "))
+                assert event["type"] == name
+                EVENTS.validate_python(event)
+                events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def test_stream_events_follow_the_protocol(server: Server) -> None:
+    answer = raw_events(server[0], {"input": "Hi"})
+    assert [e["type"] for e in answer] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * 2,  # the double engine writes its answer in two pieces
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert "".join(e["delta"] for e in answer if e["type"] == "response.output_text.delta") == "A plain answer."
+    assert answer[-1]["response"]["output"] == [answer[-2]["item"]]
+
+    calls = raw_events(server[0], {"input": "Weather?", "tools": [WEATHER], "tool_choice": "required"})
+    assert [e["type"] for e in calls][2:] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    item = calls[-1]["response"]["output"][0]
+    assert item["type"] == "function_call" and json.loads(item["arguments"]) == {"city": "Paris"}
+    assert calls[-2]["item"] == item and calls[-3]["arguments"] == item["arguments"]
+
+
+def test_a_failure_mid_stream_is_an_error_event(server: Server) -> None:
+    server[1].inject("error_mid_stream")
+    events = raw_events(server[0], {"input": "Hi"})
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "EngineError"
+    assert "response.completed" not in [e["type"] for e in events]
+
+
+def test_an_answer_cut_at_max_output_tokens_is_incomplete(client: openai.OpenAI) -> None:
+    cut = create(client, input="Hi", max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens" and cut.output[0].status == "incomplete"  # type: ignore[union-attr]
+
+
+def test_client_kept_history_without_previous_response_id(client: openai.OpenAI) -> None:
+    """A client that keeps the conversation itself sends the earlier output items back as input."""
+    first = create(
+        client, input="Weather?", tools=[WEATHER], tool_choice="required", extra_headers={"x-session-id": "kept"}
+    )
+    call = first.output[0]
+    history = [
+        {"role": "user", "content": "Weather?"},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},  # type: ignore[union-attr]
+    ]
+    second = create(client, input=history, tools=[WEATHER], tool_choice="none", extra_headers={"x-session-id": "kept"})
+    assert second.output_text == "It is sunny." and second.model_extra["agentkv"]["stats"]["handle_forwarded"]  # type: ignore[index]
+
+
+def test_the_sqlite_store_continues_a_chain_after_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "responses.sqlite3"
+
+    def one_life(call: Any) -> Any:
+        """A server's whole life on the store file: a new engine, pool, door and store."""
+        with (
+            SqliteResponseStore(path) as store,
+            HonestPairEngine(respond) as engine,
+            SessionPool(engine=engine, max_tokens=64) as pool,
+            FrontDoor(pool, model_name="smol", port=free_port(), store=store) as door,
+            openai.OpenAI(base_url=door.url + "/v1", api_key="none", max_retries=0) as client,
+        ):
+            answer = call(client)
+        assert engine.violations == []
+        return answer
+
+    first = one_life(lambda client: create(client, input="Hello", instructions="Be brief."))
+
+    def continued(client: openai.OpenAI) -> list[Response]:
+        second = create(client, input="Again", instructions="Be brief.", previous_response_id=first.id)
+        third = create(client, input="Once more", instructions="Be brief.", previous_response_id=second.id)
+        return [second, third]
+
+    second, third = one_life(continued)
+    forwarded = [r.model_extra["agentkv"]["stats"]["handle_forwarded"] for r in (second, third)]  # type: ignore[index]
+    assert forwarded == [False, True]  # the first call after the restart recomputes; the next pushes back
+    assert second.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]  # the whole conversation
+
+
+def test_the_stores_keep_what_they_are_given(tmp_path: Path) -> None:
+    memory = MemoryResponseStore(max_responses=2)
+    for number in range(3):
+        memory.put(StoredResponse(f"r{number}", "c", ({"role": "user", "content": str(number)},)))
+    assert memory.get("r0") is None and len(memory) == 2
+    assert memory.get("r2") == StoredResponse("r2", "c", ({"role": "user", "content": "2"},))
+
+    with SqliteResponseStore(tmp_path / "deep" / "store.sqlite3", max_responses=50) as sqlite:
+
+        def writer(number: int) -> None:
+            for index in range(20):
+                sqlite.put(StoredResponse(f"w{number}-{index}", f"c{number}", ({"role": "user", "content": "x"},)))
+
+        threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sqlite.get("w0-0") is None  # the oldest were dropped beyond max_responses
+        assert sqlite.get("w3-19") == StoredResponse("w3-19", "c3", ({"role": "user", "content": "x"},))
+        assert sqlite.get("missing") is None
+
+
+def test_openai_agents_own_responses_model_runs_a_tool_agent(server: Server) -> None:
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # no network here
+    cities: list[str] = []
+
+    @function_tool
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"sunny in {city}"
+
+    async def run() -> str:
+        async with openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="k3y", max_retries=0) as client:
+            agent = Agent(
+                name="forecaster",
+                instructions="Be brief.",
+                tools=[weather],
+                model=OpenAIResponsesModel(model="smol", openai_client=client),
+                model_settings=ModelSettings(tool_choice="required"),
+                tool_use_behavior="stop_on_first_tool",
+            )
+            result = await Runner.run(agent, "Weather in Paris?")
+            return str(result.final_output)
+
+    assert asyncio.run(run()) == "sunny in Paris" and cities == ["Paris"]
+
+
+ADD = {
+    "type": "function",
+    "name": "add",
+    "description": "Add two integers.",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    },
+}
+
+
+@pytest.mark.pair
+def test_a_chain_on_the_real_pair_pulls_back_every_call(pair: EmbeddedPair) -> None:
+    with (
+        SessionPool(engine=pair, max_tokens=128, cache_salt="responses") as pool,
+        FrontDoor(pool, model_name="smol", port=free_port()) as door,
+        openai.OpenAI(base_url=door.url + "/v1", api_key="none", max_retries=0) as client,
+    ):
+        options: dict[str, Any] = {"instructions": "You add numbers.", "tools": [ADD]}
+        first = create(client, input="What is 12 + 30?", tool_choice="required", **options)
+        call = first.output[0]
+        assert call.type == "function_call" and call.name == "add"
+        total = sum(int(v) for v in json.loads(call.arguments).values())
+        result = [{"type": "function_call_output", "call_id": call.call_id, "output": str(total)}]
+        second = create(client, input=result, previous_response_id=first.id, tool_choice="none", **options)
+        third = create(client, input="And 5 + 6?", previous_response_id=second.id, tool_choice="required", **options)
+    stats = [r.model_extra["agentkv"]["stats"] for r in (first, second, third)]  # type: ignore[index]
+    assert not stats[0]["handle_forwarded"]
+    assert all(s["handle_forwarded"] for s in stats[1:])
+    # calls 2+ pull from D, unless P's own cache left less than the pair's recompute threshold to pull (a short
+    # answer before the new question): then nearly all of the prompt was still reused
+    pulled = [(s["pulled_tokens"], s["miss_reason"]) for s in stats[1:]]
+    assert stats[1]["pulled_tokens"] > 0, pulled
+    assert all(n > 0 or reason == "below_threshold" for n, reason in pulled), pulled
+    assert all(s["computed_tokens"] < s["prompt_tokens"] // 2 for s in stats[1:]), stats
+
+
+@pytest.mark.parametrize("store", [None, "memory", "custom.sqlite3"])
+def test_agentkv_serve_keeps_responses_where_told(
+    store: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentkv._surfaces._cli import main
+
+    given: dict[str, Any] = {}
+
+    class NoPool:
+        def __init__(self, **options: Any) -> None:
+            pass
+
+        def __enter__(self) -> NoPool:
+            return self
+
+        def __exit__(self, *exc_info: object) -> None:
+            pass
+
+    class NoDoor:
+        url = "http://127.0.0.1:8000"
+
+        def __init__(self, pool: NoPool, **options: Any) -> None:
+            given.update(options)
+            self.settings = type("Settings", (), {"api_key": None, "model_name": "m"})()
+
+        def run(self) -> None:
+            given["kept"] = given["store"].get("anything")  # the store is open while the door serves
+
+    monkeypatch.setenv("AGENTKV_HOME", str(tmp_path))
+    monkeypatch.setattr("agentkv._session._pool.SessionPool", NoPool)
+    monkeypatch.setattr("agentkv._surfaces._serve.FrontDoor", NoDoor)
+    argv = ["serve"] if store is None else ["serve", "--store", str(tmp_path / store) if "." in store else store]
+    assert main(argv) == 0
+    if store == "memory":
+        assert isinstance(given["store"], MemoryResponseStore)
+    else:
+        assert isinstance(given["store"], SqliteResponseStore)
+        assert given["store"].path == tmp_path / (store or "responses.sqlite3")
+    assert given["kept"] is None
+
+
+def test_an_unstored_unnamed_request_goes_by_its_history(client: openai.OpenAI) -> None:
+    """``store: false`` and no x-session-id: nothing can chain to it, so the pool matches it by its history."""
+    first = create(client, input="Unstored question", store=False)
+    history = [{"role": "user", "content": "Unstored question"}, first.output[0].model_dump(exclude_none=True)]
+    second = create(client, input=[*history, {"role": "user", "content": "And?"}], store=False)
+    assert second.model_extra["agentkv"]["stats"]["handle_forwarded"]  # type: ignore[index]
