@@ -248,7 +248,8 @@ def test_a_three_turn_tool_agent_on_the_real_pair_pulls_back_and_matches_a_repla
     assert len(steps) == 3 and len(ADDED) >= 3  # one step per turn; the small model may call add more than once
     assert all(s.handle_forwarded and s.pulled_tokens > 0 for s in steps[1:]), steps
     tool_messages = [m.content for m in held if m.role == "tool"]
-    assert [json.loads(c)["result"] for c in tool_messages] == [str(a + b) for a, b in ADDED[:2]]
+    assert len(tool_messages) >= 2  # turns 1 and 2's results reached the model (turn 3 stopped at its tool)
+    assert [json.loads(c)["result"] for c in tool_messages] == [str(a + b) for a, b in ADDED][: len(tool_messages)]
 
     # The same messages, one call at a time, on a plain session: the same greedy outputs.
     chat: list[Any] = Converter.items_to_messages(history)
