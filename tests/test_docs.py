@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from scripted import close_leftover_event_loop
+
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SNIPPET = re.compile(r"^( *)```python\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
@@ -38,3 +40,4 @@ def test_every_snippet_runs(page: Path, tmp_path: Path, monkeypatch: pytest.Monk
     namespace: dict[str, object] = {"__name__": "__main__"}
     for index, code in enumerate(_snippets(page)):
         exec(compile(code, f"{page.name}[{index}]", "exec"), namespace)  # noqa: S102
+        close_leftover_event_loop()  # a framework's run_sync leaves its loop for the next one (docs/integrations.md)
