@@ -325,3 +325,67 @@ def test_on_the_real_pair_the_loop_pulls_back_and_equals_session_steps(pair: Emb
     assert [(r.text, [(c["name"], c["args"]) for c in r.tool_calls]) for r in replies] == [
         (s.text, [(c.name, c.arguments) for c in s.tool_calls]) for s in replayed
     ]
+
+
+def test_langchains_own_agent_runner_keeps_a_thread_on_one_session() -> None:
+    """`langchain.agents.create_agent` (a LangGraph graph) with a checkpointer: two turns of one thread."""
+    from langchain.agents import create_agent
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    script = Script(calls((2, 3)), answer("It is 5."), calls((5, 4)), answer("It is 9."))
+    with HonestPairEngine(script) as engine:
+        model = ChatAgentKV(engine=engine, max_tokens=64)
+        agent = create_agent(model, [add], checkpointer=InMemorySaver())
+        thread = {"configurable": {"thread_id": "t1"}}
+        agent.invoke({"messages": [HumanMessage("Add 2 and 3.")]}, thread)
+        state = agent.invoke({"messages": [HumanMessage("Now 5 and 4.")]}, thread)
+        steps = model.stats
+        assert len(model.pool.sessions) == 1  # the thread stayed on its session
+        model.close()
+    assert engine.violations == []
+    assert [type(m).__name__ for m in state["messages"]] == [
+        "HumanMessage",
+        "AIMessage",
+        "ToolMessage",
+        "AIMessage",
+    ] * 2
+    assert state["messages"][-1].content == "It is 9."
+    assert [(s.turn, s.step) for s in steps] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert [s.handle_forwarded for s in steps] == [False, True, True, True]
+
+
+@pytest.mark.pair
+def test_a_langgraph_agent_on_the_real_pair_pulls_back_every_step(pair: EmbeddedPair) -> None:
+    """A LangGraph graph (model node, `ToolNode`, checkpointer) runs 3 turns of one thread on the real pair."""
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    model = ChatAgentKV(engine=pair, max_tokens=128, temperature=0.0, cache_salt="langgraph-agent")
+
+    def call_model(state: MessagesState) -> dict[str, list[BaseMessage]]:
+        answering = isinstance(state["messages"][-1], ToolMessage)  # a call, then the answer: steady on 135M
+        bound = model.bind_tools([add], tool_choice="none" if answering else "any")
+        return {"messages": [bound.invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("model", call_model)
+    graph.add_node("tools", ToolNode([add]))
+    graph.add_edge(START, "model")
+    graph.add_conditional_edges("model", tools_condition)
+    graph.add_edge("tools", "model")
+    agent = graph.compile(checkpointer=InMemorySaver())
+    thread = {"configurable": {"thread_id": "real-pair"}}
+    try:
+        for question in ("What is 12 + 30?", "And 5 + 6?", "And 100 + 1?"):
+            state = agent.invoke({"messages": [HumanMessage(question)]}, thread)
+        steps = model.stats
+        held = model.pool.sessions[0].messages
+        assert len(model.pool.sessions) == 1  # the thread stayed on its session
+    finally:
+        model.close()
+    results = [m.content for m in state["messages"] if isinstance(m, ToolMessage)]
+    assert len(results) >= 3 and all(any(r in m.content for m in held if m.role == "tool") for r in results)
+    assert len(steps) == 6 and all(s.handle_forwarded for s in steps[1:])
+    missed = [(s.turn, s.step, s.miss_reason) for s in steps[1:] if not s.pulled_tokens]
+    assert all(reason == "below_threshold" for *_, reason in missed) and len(missed) <= 2, missed
