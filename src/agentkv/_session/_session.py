@@ -251,7 +251,9 @@ class Session(EngineUser):
             tools: the tools the model may call this step (`ToolSpec`, `Tool` or OpenAI tool
                 dicts); default: the session's tools. A new tool list re-renders the conversation.
             tool_choice: as in `Session`, or OpenAI's ``{"type": "function", "function": {"name": ...}}``.
-            max_tokens, temperature, seed: this step's sampling; default: the session's.
+            max_tokens: the most tokens this step may generate; default: the session's.
+            temperature: this step's sampling temperature; default: the session's.
+            seed: this step's sampling seed; default: the session's.
             on_text: called with the answer's text as it is generated (not for tool calls).
 
         A failed step (bad input, an engine error, cancellation) changes nothing in the session.

@@ -317,7 +317,8 @@ class FrontDoor:
         api_key: when set, ``/v1`` and ``/metrics`` need ``Authorization: Bearer <key>``.
         max_request_bytes: the largest request body (413 above it).
         timeout_s: the most one request may take (504 after it; the step is cancelled and nothing is kept).
-        host, port: where to listen (default ``127.0.0.1:8000``: this host only).
+        host: the address to listen on (default ``127.0.0.1``: this host only).
+        port: the port to listen on.
         store: where ``POST /v1/responses`` keeps responses for ``previous_response_id`` (default: a
             `MemoryResponseStore`; a `SqliteResponseStore` survives restarts). The caller closes a store it passes.
     """
