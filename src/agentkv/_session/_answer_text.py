@@ -20,7 +20,7 @@ OutputShape = Literal["plain", "json", "native"]
 _ANSWER_OPENING = re.compile(r'\s*\{\s*"answer"\s*:\s*"')
 _CALL_OPENING = "<tool_call>"
 _ESCAPE_LENGTH = {"u": 6}
-"""Characters of a JSON escape after its backslash, minus one: ``\\uXXXX`` is six, the rest two."""
+"""Length of a JSON escape, its backslash included: ``\\uXXXX`` is six characters, every other escape two."""
 
 
 class AnswerText:
