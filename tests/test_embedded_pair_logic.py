@@ -7,6 +7,7 @@ The same paths run on the real pair in test_pair.py; here each is forced on purp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -259,6 +260,23 @@ async def test_the_prefill_token_is_not_used_when_the_prompt_fills_its_last_bloc
         done = await run_step(pair, request([1] * 128))
     assert list(done.token_ids) == [11, 12, 13]
     assert pair.d_llm.requests[0][0] == [1] * 128
+
+
+@pytest.mark.parametrize(
+    ("stop", "first_used"),
+    [(("\n",), True), (("x",), False), (("xy",), False)],  # P's token's text is "x"
+)
+async def test_stop_strings_go_to_d_and_the_prefill_token_is_used_only_when_no_stop_string_involves_it(
+    stop: tuple[str, ...], first_used: bool
+) -> None:
+    pair = FakePair(prefill_ok, decode_with(d_reply()))
+    async with pair:
+        done = await run_step(pair, dataclasses.replace(request(), sampling=Sampling(max_tokens=3, stop=stop)))
+    p_params, (d_prompt, d_params, _) = pair.p_llm.requests[0][1], pair.d_llm.requests[0]
+    assert not p_params.stop  # P samples its one token without them: D would not see a string begun in it
+    assert d_params.stop == list(stop)
+    assert (d_prompt == [1] * 40 + [5]) is first_used
+    assert list(done.token_ids) == ([5, 11, 12, 13] if first_used else [11, 12, 13])
 
 
 async def test_a_step_on_d_alone_sends_d_the_prompt_marked_for_a_pin_and_releases_the_old_one() -> None:

@@ -239,11 +239,19 @@ def test_structured_output_by_tool_calling(engine: HonestPairEngine, script: Scr
         model.close()
 
 
+def test_stop_sequences_end_the_answer_before_the_first(script: Script, model: ChatAgentKV) -> None:
+    script.outputs = ["First line.\nSecond line."] * 2
+    reply = model.invoke("Two lines, please.", stop=["\n", "Second"])
+    assert (reply.content, reply.response_metadata["finish_reason"]) == ("First line.", "stop")
+    streamed = "".join(str(chunk.content) for chunk in model.stream("Two lines, please.", stop=["\n"]))
+    assert streamed == "First line."
+    assert [r.sampling.stop for r in script.requests] == [("\n", "Second"), ("\n",)]
+
+
 @pytest.mark.parametrize(
     ("messages", "options", "feature"),
     [
         ([HumanMessage([{"type": "image_url", "image_url": {"url": "https://x/y.png"}}])], {}, "'image_url' content"),
-        ([HumanMessage("Hi")], {"stop": ["\n"]}, "stop sequences"),
         ([HumanMessage("Hi")], {"parallel_tool_calls": False}, "call options parallel_tool_calls"),
         ([ChatMessage(role="critic", content="Hi")], {}, "not ChatMessage"),
     ],

@@ -184,6 +184,14 @@ def test_unsupported_features_raise_a_clear_framework_error(
         assert isinstance(info.value.__cause__, InvalidMessageError)  # agentkv's error, kept as the cause
 
 
+def test_a_stop_in_extra_args_ends_the_answer_before_it() -> None:
+    script = Script("Five. That is all.")
+    with HonestPairEngine(script) as engine, AgentKVModel(engine=engine) as model:
+        agent = Agent(name="a", model=model, model_settings=ModelSettings(extra_args={"stop": ["."]}))
+        assert Runner.run_sync(agent, "2 + 3?").final_output == "Five"
+    assert script.requests[0].sampling.stop == (".",)
+
+
 def test_output_the_model_did_not_write_as_json_is_a_model_behavior_error() -> None:
     with HonestPairEngine(Script("not json")) as engine, AgentKVModel(engine=engine) as model:
         with pytest.raises(ModelBehaviorError, match="could not read the model's output"):

@@ -20,7 +20,6 @@ from pydantic_ai.capabilities import NativeTool
 from pydantic_ai.exceptions import (
     ModelContextWindowExceededError,
     ModelServerError,
-    UnsupportedSettingWarning,
     UserError,
 )
 from pydantic_ai.messages import (
@@ -244,8 +243,8 @@ def test_per_request_settings_reach_the_step(tokenizer: Any) -> None:
 
     with honest(script) as engine, agentkv_model(engine) as model:
         assert Agent(model, tools=[add], model_settings=settings).run_sync("1 + 1?").output == "Two."
-        with pytest.warns(UnsupportedSettingWarning, match="stop_sequences"):
-            Agent(model).run_sync("Hi", model_settings={"stop_sequences": ["\n"]})
+        stopped = Agent(model).run_sync("Hi", model_settings={"stop_sequences": ["there"]})
+    assert stopped.output == "Hi" and script.requests[2].sampling.stop == ("there",)
     first, second = (request.sampling for request in script.requests[:2])
     assert (first.max_tokens, first.temperature, first.seed) == (40, 0.5, 7)
     assert first.json_schema is not None and first.json_schema["required"] == ["tool_calls"]

@@ -65,6 +65,24 @@ def test_push_back_pulls_from_d_from_turn_two(pair: EmbeddedPair) -> None:
         assert step.kv_bytes is not None and step.kv_bytes > 0
 
 
+def test_a_stop_string_ends_the_answer_and_the_conversation_goes_on(pair: EmbeddedPair) -> None:
+    """vLLM ends a request at a stop string by aborting it: D pins nothing for that step, so the next step
+    recomputes; its output ends normally, and the step after it pulls back again."""
+    history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    replies = []
+    with Session(engine=pair, max_tokens=MAX_TOKENS) as session:
+        for question, stop in zip(QUESTIONS, ([" "], None, None), strict=True):
+            history.append({"role": "user", "content": question})
+            replies.append(session.step_sync(history, stop=stop))
+            history.append({"role": "assistant", "content": replies[-1].text})
+    stopped, after, pulled = (reply.stats for reply in replies)
+    assert replies[0].finish_reason == "stop" and " " not in replies[0].text
+    assert replies[0].step.finish_reason == "stop" and " " not in replies[0].step.text
+    assert (after.turn, after.handle_forwarded, after.miss_reason) == (2, False, "no_handle")
+    assert (pulled.turn, pulled.handle_forwarded, pulled.miss_reason) == (3, True, None)
+    assert pulled.pulled_tokens > 0 and stopped.output_tokens >= 1
+
+
 def test_disaggregated_mode_never_pulls(pair: EmbeddedPair) -> None:
     with Session(engine=pair, mode="disaggregated", system=SYSTEM, max_tokens=MAX_TOKENS) as session:
         results = _run(session)

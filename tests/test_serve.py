@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from agentkv import FrontDoor, SessionPool, StepRequest
+from agentkv import EngineGroup, FrontDoor, SessionPool, SqliteSessionStore, StepRequest
 from agentkv._engines._system import free_port
 from agentkv.testing import HonestPairEngine
 
@@ -117,6 +118,29 @@ def test_usage_reports_cached_tokens_and_the_step_stats(server: Any, client: ope
     assert stats["handle_forwarded"] and stats["turn"] == 2
 
 
+def test_stop_ends_the_answer_before_the_stop_string_streamed_or_not(server: Any, client: openai.OpenAI) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Stop early"}]
+    plain = client.chat.completions.create(
+        model="smol", messages=messages, stop=["zzz", " answer"], extra_headers={"x-session-id": "stop-plain"}
+    )
+    assert (plain.choices[0].message.content, plain.choices[0].finish_reason) == ("A plain", "stop")
+    pieces, finish = [], None
+    for part in client.chat.completions.create(
+        model="smol", messages=messages, stop=" answer", stream=True, extra_headers={"x-session-id": "stop-streamed"}
+    ):
+        pieces.append(part.choices[0].delta.content or "")
+        finish = part.choices[0].finish_reason or finish
+    assert ("".join(pieces), finish) == ("A plain", "stop")  # the stop string is never sent
+    assert not any("answer" in piece for piece in pieces)
+    messages += [plain.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on"}]
+    after = client.chat.completions.create(
+        model="smol", messages=messages, extra_headers={"x-session-id": "stop-plain"}
+    )
+    assert after.choices[0].message.content == "A plain answer."
+    stats = after.model_extra["agentkv"]["stats"]  # type: ignore[index]
+    assert stats["turn"] == 2 and stats["miss_reason"] == "no_handle"  # the same session; D pinned nothing
+
+
 def test_the_async_client_streams_with_usage(server: Any) -> None:
     async def run() -> tuple[str, Any]:
         text, usage = "", None
@@ -141,7 +165,8 @@ def test_the_async_client_streams_with_usage(server: Any) -> None:
     [
         ({"messages": []}, 400, "non-empty"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n must be 1"),
-        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"]}, 400, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x", ""]}, 400, "stop string must not be empty"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")}, 400, "at most 4"),
         ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "nope"}, 400, "tool_choice"),
         ({"messages": [{"role": "user", "content": "word " * 6000}]}, 400, "context"),
         ({"messages": "hi"}, 400, "messages"),
@@ -186,34 +211,92 @@ def test_metrics_count_tokens_by_source(server: Any, client: openai.OpenAI) -> N
     assert 'agentkv_errors_total{kind="' in text  # the bad requests above were counted
 
 
-def test_eight_concurrent_clients_each_get_their_own_answers(tokenizer: Any) -> None:
-    """8 clients x 4 turns at once, named and unnamed: every answer echoes its own client's question."""
+def echo_of(tokenizer: Any) -> Callable[[StepRequest], str]:
+    """A `respond` that answers "echo N.T" to the last "question N.T" of the prompt."""
 
     def echo(request: StepRequest) -> str:
         prompt = tokenizer.decode(list(request.prompt_token_ids))
         return "echo " + prompt.rsplit("question ", 1)[1].split("<", 1)[0].strip()
 
-    with HonestPairEngine(echo) as engine, SessionPool(engine=engine) as pool:
+    return echo
+
+
+def clients_at_once(url: str, clients: int, turns: range, histories: dict[int, list[Any]]) -> list[list[str]]:
+    """``clients`` OpenAI clients asking "question N.T" for each turn T at once (odd ones named by x-session-id,
+    even ones matched by history); their conversations are kept in ``histories``; returns the answers."""
+
+    def client_run(number: int) -> list[str]:
+        headers = {"x-session-id": f"client-{number}"} if number % 2 else {}
+        messages = histories.setdefault(number, [])
+        answers = []
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+            for turn in turns:
+                messages.append({"role": "user", "content": f"question {number}.{turn}"})
+                reply = client.chat.completions.create(model="m", messages=messages, extra_headers=headers)
+                messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+                answers.append(reply.choices[0].message.content or "")
+        return answers
+
+    async def all_clients() -> list[list[str]]:
+        return await asyncio.gather(*(asyncio.to_thread(client_run, n) for n in range(clients)))
+
+    return asyncio.run(all_clients())
+
+
+def test_eight_concurrent_clients_each_get_their_own_answers(tokenizer: Any) -> None:
+    """8 clients x 4 turns at once, named and unnamed: every answer echoes its own client's question."""
+    with HonestPairEngine(echo_of(tokenizer)) as engine, SessionPool(engine=engine) as pool:
         with FrontDoor(pool, port=free_port()) as door:
-
-            def client_run(number: int) -> list[str]:
-                headers = {"x-session-id": f"client-{number}"} if number % 2 else {}
-                messages: list[Any] = []
-                answers = []
-                with openai.OpenAI(base_url=door.url + "/v1", api_key="none", max_retries=0) as client:
-                    for turn in range(4):
-                        messages.append({"role": "user", "content": f"question {number}.{turn}"})
-                        reply = client.chat.completions.create(model="m", messages=messages, extra_headers=headers)
-                        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
-                        answers.append(reply.choices[0].message.content or "")
-                return answers
-
-            async def all_clients() -> list[list[str]]:
-                return await asyncio.gather(*(asyncio.to_thread(client_run, n) for n in range(8)))
-
-            answers = asyncio.run(all_clients())
+            answers = clients_at_once(door.url, 8, range(4), {})
             assert answers == [[f"echo {n}.{t}" for t in range(4)] for n in range(8)]
             assert len(pool.sessions) == 8 and engine.live_pins == 8
             steps = [s for session in pool.sessions for t in session.stats.turns for s in t.steps]
             assert sum(s.handle_forwarded for s in steps) == 8 * 3  # turns 2-4 of every client pushed back
     assert engine.violations == [] and engine.live_pins == 0
+
+
+def test_two_pairs_behind_one_door_keep_serving_when_one_dies(tokenizer: Any) -> None:
+    """`EngineGroup` behind the door: 8 clients spread over two pairs; one pair dies; every client goes on."""
+    pairs = [HonestPairEngine(echo_of(tokenizer)), HonestPairEngine(echo_of(tokenizer))]
+    with SessionPool(engine=EngineGroup(pairs)) as pool, FrontDoor(pool, port=free_port()) as door:
+        histories: dict[int, list[Any]] = {}
+        answers = clients_at_once(door.url, 8, range(2), histories)
+        assert answers == [[f"echo {n}.{t}" for t in range(2)] for n in range(8)]
+        assert all(pair.steps for pair in pairs)
+        assert httpx.get(door.url + "/health").json() == {"status": "ok", "engines": 2, "live": 2}
+        pairs[0].inject("die")
+        answers = clients_at_once(door.url, 8, range(2, 4), histories)
+        assert answers == [[f"echo {n}.{t}" for t in range(2, 4)] for n in range(8)]
+        assert pairs[0].is_dead and httpx.get(door.url + "/health").json()["live"] == 1
+        last_steps = [session.stats.turns[-1].steps[-1] for session in pool.sessions]
+        assert len(last_steps) == 8 and all(step.handle_forwarded for step in last_steps)  # all push back on pair 1
+    pairs[1].assert_honest()
+
+
+def test_a_restarted_server_resumes_its_conversations_from_the_store(tmp_path: Path) -> None:
+    """Two turns, then the server (engine, pool, door) restarts on the same SQLite file: turn 3 resumes."""
+    conversations: dict[str, list[Any]] = {"named": [], "unnamed": []}
+
+    def turn(url: str, question: str) -> dict[str, dict[str, Any]]:
+        stats = {}
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+            for name, messages in conversations.items():
+                headers = {"x-session-id": "s1"} if name == "named" else {}
+                messages.append({"role": "user", "content": question})
+                reply = client.chat.completions.create(model="m", messages=messages, extra_headers=headers)
+                messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+                stats[name] = reply.model_extra["agentkv"]["stats"]  # type: ignore[index]
+        return stats
+
+    with SqliteSessionStore(tmp_path / "serve.sqlite3") as store:
+        for server in ("first", "restarted"):
+            with HonestPairEngine(respond) as engine, SessionPool(engine=engine, store=store) as pool:
+                with FrontDoor(pool, port=free_port()) as door:
+                    if server == "first":
+                        turn(door.url, "One?")
+                        assert all(s["handle_forwarded"] for s in turn(door.url, "Two?").values())
+                    else:
+                        assert {s["miss_reason"] for s in turn(door.url, "Three?").values()} == {"resumed"}
+                        assert all(s["handle_forwarded"] for s in turn(door.url, "Four?").values())
+                        assert [s["turn"] for s in turn(door.url, "Five?").values()] == [5, 5]
+            engine.assert_honest()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from agentkv import EmbeddedPair, FrontDoor, SessionPool
+from agentkv import EmbeddedPair, FrontDoor, SessionPool, SqliteSessionStore
 from agentkv._engines._system import free_port
 
 pytestmark = pytest.mark.pair
@@ -43,12 +44,20 @@ def urls(pair: EmbeddedPair) -> Iterator[tuple[str, str]]:
         yield door_a.url + "/v1", door_b.url + "/v1"
 
 
-def conversation(client: openai.OpenAI, session: str, *, stream: bool) -> tuple[list[Any], list[dict[str, Any]]]:
-    """Four turns; each turn a forced `add` call, its result, then an answer. Returns the messages and each
-    step's agentkv stats (from the usage chunk when streaming)."""
-    messages: list[Any] = [{"role": "system", "content": "You add numbers."}]
+def conversation(
+    client: openai.OpenAI,
+    session: str,
+    *,
+    stream: bool,
+    questions: tuple[str, ...] = QUESTIONS,
+    messages: list[Any] | None = None,
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    """A turn per question (four by default); each turn a forced `add` call, its result, then an answer.
+    Returns the messages (``messages`` extended, if given) and each step's agentkv stats (from the usage chunk
+    when streaming)."""
+    messages = messages if messages is not None else [{"role": "system", "content": "You add numbers."}]
     stats: list[dict[str, Any]] = []
-    for question in QUESTIONS:
+    for question in questions:
         messages.append({"role": "user", "content": question})
         for choice in ("required", "none"):
             options: dict[str, Any] = {
@@ -147,3 +156,28 @@ def test_openai_agents_own_chat_model_runs_a_tool_agent_on_the_server(urls: tupl
 
     answer = asyncio.run(run())
     assert results and answer == str(results[0])  # the framework ran the call the model made through the server
+
+
+def test_a_conversation_resumes_token_for_token_after_a_server_restart(pair: EmbeddedPair, tmp_path: Path) -> None:
+    """Two turns, the pool and door restart on the same store file, two more turns: the first step after the
+    restart resumes the saved tokens (the model's answers not re-tokenized) and the next ones push back."""
+    messages: list[Any] | None = None
+    saved: list[int] = []
+    with SqliteSessionStore(tmp_path / "serve.sqlite3") as store:
+        for questions in (QUESTIONS[:2], QUESTIONS[2:]):
+            with (
+                SessionPool(engine=pair, max_tokens=128, cache_salt="serve-pair-resume", store=store) as pool,
+                FrontDoor(pool, model_name="smol", port=free_port()) as door,
+                openai.OpenAI(base_url=door.url + "/v1", api_key="none", max_retries=0) as client,
+            ):
+                messages, stats = conversation(client, "c", stream=False, questions=questions, messages=messages)
+                session = pool.session_for("c")
+                assert session is not None
+                if not saved:
+                    saved = session.token_ids
+                    assert all(s["handle_forwarded"] for s in stats[1:])
+                else:
+                    assert stats[0]["miss_reason"] == "resumed" and stats[0]["turn"] == 3
+                    assert session.token_ids[: len(saved)] == saved
+                    assert all(s["handle_forwarded"] for s in stats[1:])
+                    assert [t.turn for t in session.stats.turns] == [1, 2, 3, 4]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,8 @@ from agentkv import (
     EmbeddedPair,
     FrontDoor,
     MemoryResponseStore,
+    ResponseStore,
+    Session,
     SessionPool,
     SqliteResponseStore,
     StepRequest,
@@ -27,6 +31,7 @@ from agentkv import (
 )
 from agentkv._engines._system import free_port
 from agentkv.testing import HonestPairEngine
+from scripted import Script, answer
 
 WEATHER = {
     "type": "function",
@@ -114,6 +119,16 @@ def chain(client: openai.OpenAI, *, stream: bool, session: str | None = None) ->
     return [first, second, third]
 
 
+def sessions_opened(pool: SessionPool, before: list[Session]) -> list[Session]:
+    """The pool's sessions that were not among ``before``."""
+    return [session for session in pool.sessions if all(session is not old for old in before)]
+
+
+def forwarded(response: Response) -> bool:
+    """Whether the response's step pushed D's KV handle back (the agentkv extension's stats say)."""
+    return bool(response.model_extra["agentkv"]["stats"]["handle_forwarded"])  # type: ignore[index]
+
+
 def said(response: Response) -> list[tuple[str, str, str]]:
     """What a response's output items say, without their ids (new for every response)."""
     return [
@@ -126,6 +141,7 @@ def said(response: Response) -> list[tuple[str, str, str]]:
 
 def test_a_tool_chain_by_previous_response_id_pushes_back_every_call(server: Server, client: openai.OpenAI) -> None:
     _, _, pool = server
+    before = pool.sessions
     first, second, third = chain(client, stream=False)
     assert said(first) == [("function_call", "weather", '{"city": "Paris"}')]
     assert first.output[0].call_id.startswith("call_")  # type: ignore[union-attr]
@@ -133,8 +149,8 @@ def test_a_tool_chain_by_previous_response_id_pushes_back_every_call(server: Ser
     assert said(third) == [("function_call", "weather", '{"city": "Paris"}')]
     assert [r.previous_response_id for r in (first, second, third)] == [None, first.id, second.id]
     assert all(r.id.startswith("resp_") and r.status == "completed" for r in (first, second, third))
-    turns = pool.session_for(first.id).stats.turns  # type: ignore[union-attr]  # a chain's pool conversation is its first id
-    assert [[s.handle_forwarded for s in t.steps] for t in turns] == [[False, True], [True]]
+    [session] = sessions_opened(pool, before)  # an unnamed chain: its session is found by its history
+    assert [[s.handle_forwarded for s in t.steps] for t in session.stats.turns] == [[False, True], [True]]
 
 
 def test_streamed_output_equals_the_plain_output(client: openai.OpenAI) -> None:
@@ -257,19 +273,29 @@ def test_an_answer_cut_at_max_output_tokens_is_incomplete(client: openai.OpenAI)
     assert cut.incomplete_details.reason == "max_output_tokens" and cut.output[0].status == "incomplete"  # type: ignore[union-attr]
 
 
-def test_client_kept_history_without_previous_response_id(client: openai.OpenAI) -> None:
-    """A client that keeps the conversation itself sends the earlier output items back as input."""
-    first = create(
-        client, input="Weather?", tools=[WEATHER], tool_choice="required", extra_headers={"x-session-id": "kept"}
-    )
-    call = first.output[0]
+@pytest.mark.parametrize("name", [None, "kept"])
+def test_client_kept_history_without_previous_response_id(
+    server: Server, client: openai.OpenAI, name: str | None
+) -> None:
+    """A client that keeps the conversation itself sends the earlier output items back as input: named or not,
+    its requests land on one session (an unnamed one is found by its history) and push back."""
+    pool, before = server[2], server[2].sessions
+    headers = {"x-session-id": name} if name else {}
+    options: dict[str, Any] = {"input": "Weather?", "tools": [WEATHER], "tool_choice": "required"}
+    first = client.responses.with_raw_response.create(model="smol", extra_headers=headers, **options)
+    assert first.headers.get("x-session-id") == name  # an unnamed conversation is answered without a name
+    call = first.parse().output[0]
     history = [
         {"role": "user", "content": "Weather?"},
         call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},  # type: ignore[union-attr]
     ]
-    second = create(client, input=history, tools=[WEATHER], tool_choice="none", extra_headers={"x-session-id": "kept"})
-    assert second.output_text == "It is sunny." and second.model_extra["agentkv"]["stats"]["handle_forwarded"]  # type: ignore[index]
+    second = create(client, input=history, tools=[WEATHER], tool_choice="none", extra_headers=headers)
+    assert second.output_text == "It is sunny." and forwarded(second)
+    [session] = sessions_opened(pool, before)
+    if name:
+        assert pool.session_for(name) is session
+    assert [[s.handle_forwarded for s in t.steps] for t in session.stats.turns] == [[False, True]]
 
 
 def test_the_sqlite_store_continues_a_chain_after_a_restart(tmp_path: Path) -> None:
@@ -301,18 +327,25 @@ def test_the_sqlite_store_continues_a_chain_after_a_restart(tmp_path: Path) -> N
     assert second.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]  # the whole conversation
 
 
+def kept(response_id: str, conversation_id: str | None, text: str) -> StoredResponse:
+    """A stored response of one user message (its response object: its id and text)."""
+    return StoredResponse(
+        response_id, conversation_id, ({"role": "user", "content": text},), {"id": response_id, "text": text}
+    )
+
+
 def test_the_stores_keep_what_they_are_given(tmp_path: Path) -> None:
     memory = MemoryResponseStore(max_responses=2)
     for number in range(3):
-        memory.put(StoredResponse(f"r{number}", "c", ({"role": "user", "content": str(number)},)))
+        memory.put(kept(f"r{number}", "c", str(number)))
     assert memory.get("r0") is None and len(memory) == 2
-    assert memory.get("r2") == StoredResponse("r2", "c", ({"role": "user", "content": "2"},))
+    assert memory.get("r2") == kept("r2", "c", "2")
 
     with SqliteResponseStore(tmp_path / "deep" / "store.sqlite3", max_responses=50) as sqlite:
 
         def writer(number: int) -> None:
             for index in range(20):
-                sqlite.put(StoredResponse(f"w{number}-{index}", f"c{number}", ({"role": "user", "content": "x"},)))
+                sqlite.put(kept(f"w{number}-{index}", f"c{number}" if number % 2 else None, "x"))
 
         threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
         for thread in threads:
@@ -320,8 +353,20 @@ def test_the_stores_keep_what_they_are_given(tmp_path: Path) -> None:
         for thread in threads:
             thread.join()
         assert sqlite.get("w0-0") is None  # the oldest were dropped beyond max_responses
-        assert sqlite.get("w3-19") == StoredResponse("w3-19", "c3", ({"role": "user", "content": "x"},))
+        assert sqlite.get("w3-19") == kept("w3-19", "c3", "x")
+        assert sqlite.get("w2-19") == kept("w2-19", None, "x")  # an unnamed chain's response
         assert sqlite.get("missing") is None
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_a_deleted_response_is_gone_from_the_store(kind: str, tmp_path: Path) -> None:
+    store: ResponseStore = MemoryResponseStore() if kind == "memory" else SqliteResponseStore(tmp_path / "s.sqlite3")
+    with store:
+        store.put(kept("a", None, "x"))
+        store.put(kept("b", "named", "y"))
+        assert store.delete("a") and store.get("a") is None
+        assert not store.delete("a") and not store.delete("never")
+        assert store.get("b") == kept("b", "named", "y")
 
 
 def test_openai_agents_own_responses_model_runs_a_tool_agent(server: Server) -> None:
@@ -399,6 +444,8 @@ def test_agentkv_serve_keeps_responses_where_told(
     given: dict[str, Any] = {}
 
     class NoPool:
+        engine = None
+
         def __init__(self, **options: Any) -> None:
             pass
 
@@ -427,7 +474,7 @@ def test_agentkv_serve_keeps_responses_where_told(
         assert isinstance(given["store"], MemoryResponseStore)
     else:
         assert isinstance(given["store"], SqliteResponseStore)
-        assert given["store"].path == tmp_path / (store or "responses.sqlite3")
+        assert given["store"].path == tmp_path / (store or "serve.sqlite3")
     assert given["kept"] is None
 
 
@@ -437,3 +484,136 @@ def test_an_unstored_unnamed_request_goes_by_its_history(client: openai.OpenAI) 
     history = [{"role": "user", "content": "Unstored question"}, first.output[0].model_dump(exclude_none=True)]
     second = create(client, input=[*history, {"role": "user", "content": "And?"}], store=False)
     assert second.model_extra["agentkv"]["stats"]["handle_forwarded"]  # type: ignore[index]
+
+
+def test_a_kept_response_is_retrieved_as_it_was_returned(server: Server, client: openai.OpenAI) -> None:
+    options: dict[str, Any] = {"input": "Hi", "tools": [WEATHER], "tool_choice": "required"}
+    plain = client.responses.with_raw_response.create(model="smol", **options)
+    returned = plain.http_response.json()
+    assert client.responses.retrieve(returned["id"]).model_dump(exclude_unset=True) == returned
+    raw = httpx.get(f"{server[0]}/v1/responses/{returned['id']}", headers={"authorization": "Bearer k3y"})
+    assert raw.status_code == 200 and raw.json() == returned
+
+    final = list(client.responses.create(model="smol", input="Hi", stream=True))[-1]
+    assert final.type == "response.completed"
+    assert client.responses.retrieve(final.response.id) == final.response  # the streamed items, ids and all
+
+
+def test_a_deleted_response_can_be_neither_retrieved_nor_continued(server: Server, client: openai.OpenAI) -> None:
+    first = create(client, input="Hi")
+    second = create(client, input="Again", previous_response_id=first.id)
+    client.responses.delete(first.id)  # the openai client reads no body from a delete: it raises on an error
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.retrieve(first.id)
+    assert raised.value.status_code == 404 and raised.value.code == "response_not_found"
+    assert first.id in raised.value.message
+    with pytest.raises(openai.BadRequestError) as continued:
+        create(client, input="More", previous_response_id=first.id)
+    assert continued.value.code == "previous_response_not_found"
+    assert forwarded(create(client, input="More", previous_response_id=second.id))  # the chain after it goes on
+
+    url, key = f"{server[0]}/v1/responses/{second.id}", {"authorization": "Bearer k3y"}
+    assert httpx.delete(url, headers=key).json() == {"id": second.id, "object": "response", "deleted": True}
+    again = httpx.delete(url, headers=key)
+    assert again.status_code == 404
+    assert again.json() == {
+        "error": {
+            "message": f"Response with id {second.id!r} not found.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "response_not_found",
+        }
+    }
+
+
+def test_unknown_and_unstored_responses_are_404s(server: Server, client: openai.OpenAI) -> None:
+    unstored = create(client, input="Hi", store=False)
+    for response_id in ("resp_nope", unstored.id):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response_id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.delete(response_id)
+
+
+def test_retrieve_options_that_ask_for_more_are_refused(server: Server, client: openai.OpenAI) -> None:
+    first = create(client, input="Hi")
+    key = {"authorization": "Bearer k3y"}
+    for query in ({"stream": "true"}, {"include": "message.output_text.logprobs"}):
+        answer = httpx.get(f"{server[0]}/v1/responses/{first.id}", params=query, headers=key)
+        assert answer.status_code == 400 and next(iter(query)) in answer.json()["error"]["message"]
+    assert httpx.get(f"{server[0]}/v1/responses/{first.id}", params={"stream": "false"}, headers=key).status_code == 200
+
+
+def test_retrieve_and_delete_need_the_api_key(server: Server, client: openai.OpenAI) -> None:
+    first = create(client, input="Hi")
+    url = f"{server[0]}/v1/responses/{first.id}"
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        assert httpx.get(url, headers=headers).status_code == 401
+        assert httpx.delete(url, headers=headers).status_code == 401
+    assert client.responses.retrieve(first.id).id == first.id  # the refused delete kept it
+
+
+def test_a_store_file_of_the_older_layout_is_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A ``responses`` table from before responses were kept whole (and chains could be unnamed) does not stop the
+    server: it is replaced by an empty one, other tables in the file are left alone, and chains work on it."""
+    path = tmp_path / "serve.sqlite3"
+    with sqlite3.connect(path) as old:
+        old.execute(
+            "CREATE TABLE responses (response_id TEXT PRIMARY KEY, conversation_id TEXT NOT NULL, messages TEXT NOT NULL)"
+        )
+        old.execute("INSERT INTO responses VALUES ('resp_old', 'resp_old', '[]')")
+        old.execute("CREATE TABLE sessions (id TEXT)")
+        old.execute("INSERT INTO sessions VALUES ('s1')")
+    old.close()
+    with caplog.at_level(logging.WARNING, logger="agentkv"), SqliteResponseStore(path) as store:
+        assert "older layout" in caplog.text and "1 rows are dropped" in caplog.text
+        assert store.get("resp_old") is None
+        with (
+            HonestPairEngine(respond) as engine,
+            SessionPool(engine=engine, max_tokens=64) as pool,
+            FrontDoor(pool, model_name="smol", port=free_port(), store=store) as door,
+            openai.OpenAI(base_url=door.url + "/v1", api_key="none", max_retries=0) as client,
+        ):
+            first = create(client, input="Hello")
+            second = create(client, input="Again", previous_response_id=first.id)
+            assert forwarded(second) and client.responses.retrieve(second.id).id == second.id
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="agentkv"), SqliteResponseStore(path) as reopened:
+        assert reopened.get(second.id) is not None and caplog.text == ""  # the new layout is kept as it is
+    with sqlite3.connect(path) as check:
+        assert check.execute("SELECT id FROM sessions").fetchall() == [("s1",)]
+    check.close()
+
+
+def test_openai_agents_responses_model_without_previous_response_id_pushes_back() -> None:
+    """openai-agents' own Responses model, unchained (it sends the whole history every call, no
+    ``previous_response_id``, no session name): the call after the tool result lands on the first call's
+    session, found by its history, and pushes its KV back."""
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # no network here
+    script = Script(json.dumps({"tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}}]}), answer("Sunny."))
+
+    @function_tool
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    async def run(url: str) -> tuple[str, list[Response]]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+            model = OpenAIResponsesModel(model="smol", openai_client=client)
+            agent = Agent(name="forecaster", instructions="Be brief.", tools=[weather], model=model)
+            result = await Runner.run(agent, "Weather in Paris?")
+            kept = [await client.responses.retrieve(r.response_id or "") for r in result.raw_responses]
+            return str(result.final_output), kept
+
+    with (
+        HonestPairEngine(script) as engine,
+        SessionPool(engine=engine, max_tokens=64) as pool,
+        FrontDoor(pool, model_name="smol", port=free_port()) as door,
+    ):
+        final, responses = asyncio.run(run(door.url))
+        assert len(pool.sessions) == 1
+    assert engine.violations == []
+    assert final == "Sunny." and [r.previous_response_id for r in responses] == [None, None]
+    assert [forwarded(r) for r in responses] == [False, True]

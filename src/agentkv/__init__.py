@@ -14,6 +14,7 @@ from ._engines import (
     CorePolicy,
     EmbeddedPair,
     Engine,
+    EngineGroup,
     EngineInfo,
     EngineState,
     KVHandle,
@@ -62,6 +63,8 @@ from ._session._results import (
     TurnResult,
 )
 from ._session._session import Mode, Session
+from ._session._session_store import SessionStore, SqliteSessionStore
+from ._session._snapshot import SavedSegment, SavedTranscript, SessionSnapshot
 from ._stats._plots import plot_stats
 from ._stats._stats import MissReason, SessionStats, StepStats, TurnStats
 from ._surfaces._response_store import MemoryResponseStore, ResponseStore, SqliteResponseStore, StoredResponse
@@ -79,6 +82,7 @@ __all__ = [
     "Engine",
     "EngineDeadError",
     "EngineError",
+    "EngineGroup",
     "EngineInfo",
     "EngineStartError",
     "EngineState",
@@ -102,13 +106,18 @@ __all__ = [
     "RemotePair",
     "ResponseStore",
     "Sampling",
+    "SavedSegment",
+    "SavedTranscript",
     "ServerCapabilities",
     "Session",
     "SessionBusyError",
     "SessionClosedError",
     "SessionPool",
+    "SessionSnapshot",
     "SessionStats",
+    "SessionStore",
     "SqliteResponseStore",
+    "SqliteSessionStore",
     "Step",
     "StepDone",
     "StepEnd",

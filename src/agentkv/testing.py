@@ -10,6 +10,11 @@
 A scripted engine never claims anything about KV reuse: it reports every prompt token as
 computed and returns no handle. Tests that claim the pair works use the real pair.
 
+Both doubles honour `Sampling.stop` as vLLM does: the output ends at the token that completes
+the first stop string, its token ids are kept up to that token, its text ends before the stop
+string, no text delta carries it, and the finish reason is ``"stop"``. Like a real pair (whose
+D pins nothing for a request a stop string ended), `HonestPairEngine` then returns no handle.
+
 `HonestPairEngine` is a test double of the pair's decode engine D that keeps the push-back rule
 honest: it remembers the tokens each handle it issued holds, checks every handle pushed back to
 it, and records any violation (`HonestPairEngine.assert_honest` raises them). It injects faults
@@ -23,6 +28,7 @@ import dataclasses
 import math
 import time
 import unittest.mock
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -149,6 +155,9 @@ class ScriptedEngine(_BundledModelDouble):
         output = self._outputs.pop(0)
         text = output(request) if callable(output) else output
         token_ids = self._encode(text)
+        cut = _cut_at_stop(token_ids, request.sampling.stop, self._decode)
+        if cut is not None:
+            token_ids, text = cut
         yield TokenDelta(token_ids=token_ids, text=text)
         yield StepDone(
             token_ids=token_ids,
@@ -166,6 +175,9 @@ class ScriptedEngine(_BundledModelDouble):
         tokenizer = self._tokenizer
         ids = list(tokenizer.encode(text, add_special_tokens=False))
         return [*ids, int(tokenizer.eos_token_id)]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def assert_complete(self) -> None:
         """Raise `UnconsumedScriptError` if scripted outputs were left unused."""
@@ -253,7 +265,8 @@ class HonestPairEngine(_BundledModelDouble):
     """A test double of a pair whose decode engine D holds KV honestly and checks every pushed-back handle.
 
     Each step answers with ``respond(request)`` (tokenized by the model's tokenizer, an end-of-sequence
-    token appended, cut at ``max_tokens``), issues a `KVHandle` for the prompt and output, and remembers
+    token appended, cut at ``max_tokens`` and at the first stop string), issues a `KVHandle` for the prompt
+    and output (none when a stop string ended it, as on a real pair), and remembers
     the tokens that handle holds. A handle pushed back must be one it issued, unspent (single use),
     valid, not expired nor within ``forward_margin_s`` of expiry, and hold a strict prefix of the new
     prompt; anything else is recorded in `violations` (and the prompt is recomputed, as P would).
@@ -291,6 +304,7 @@ class HonestPairEngine(_BundledModelDouble):
         self._pending: list[Fault] = []
         self._malformation: Malformation = "missing_key"
         self._issued = 0
+        self._engine_id = f"honest-decode-{uuid.uuid4().hex[:8]}"
         self.steps: list[StepRecord] = []
         """Every step request received, in order, with what was done with it."""
         self.violations: list[str] = []
@@ -366,10 +380,10 @@ class HonestPairEngine(_BundledModelDouble):
         record.computed_tokens = len(prompt) - record.pulled_tokens
         if "error" in faults:
             raise EngineError("injected: the engine failed the step")
-        token_ids, text, finish_reason = self._output(request)
+        token_ids, text, finish_reason, stopped = self._output(request)
         record.output_token_ids = token_ids
         half = max(1, len(token_ids) // 2)
-        first_text = self._decode(token_ids[:half])
+        first_text = self._decode(token_ids[:half])[: len(text)]  # never a piece of a stop string
         yield TokenDelta(token_ids=token_ids[:half], text=first_text)
         if "stall" in faults:
             await anyio.sleep(self._stall_s)
@@ -388,7 +402,7 @@ class HonestPairEngine(_BundledModelDouble):
             kv_transfer_s=0.0,
             pullback_declined=record.declined,
         )
-        handle, handle_error = self._issue(prompt + token_ids[:-1], faults)
+        handle, handle_error = (None, None) if stopped else self._issue(prompt + token_ids[:-1], faults)
         yield StepDone(
             token_ids=token_ids,
             text=text,
@@ -452,7 +466,7 @@ class HonestPairEngine(_BundledModelDouble):
             do_remote_decode=True,
             do_remote_prefill=False,
             remote_block_ids=[list(range(self._issued * 64, self._issued * 64 + max(1, -(-len(held) // 16))))],
-            remote_engine_id="honest-decode",
+            remote_engine_id=self._engine_id,
             remote_request_id=f"honest-{self._issued}",
             remote_host="127.0.0.1",
             remote_port=5600,
@@ -470,14 +484,19 @@ class HonestPairEngine(_BundledModelDouble):
         self._pins[handle.remote_request_id] = pin
         return parsed, problem
 
-    def _output(self, request: StepRequest) -> tuple[list[int], str, str]:
+    def _output(self, request: StepRequest) -> tuple[list[int], str, str, bool]:
+        """(token ids, text, finish reason, whether a stop string ended it)."""
         tokenizer = self._tokenizer()
         text = self._respond(request)
         token_ids = [*tokenizer.encode(text, add_special_tokens=False), int(tokenizer.eos_token_id)]
-        if len(token_ids) <= request.sampling.max_tokens:
-            return token_ids, text, "stop"
-        token_ids = token_ids[: request.sampling.max_tokens]
-        return token_ids, self._decode(token_ids), "length"
+        finish_reason = "stop"
+        if len(token_ids) > request.sampling.max_tokens:
+            token_ids = token_ids[: request.sampling.max_tokens]
+            text, finish_reason = self._decode(token_ids), "length"
+        cut = _cut_at_stop(token_ids, request.sampling.stop, self._decode)
+        if cut is not None:
+            return *cut, "stop", True
+        return token_ids, text, finish_reason, False
 
     def _decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer().decode(token_ids, skip_special_tokens=True))
@@ -486,6 +505,19 @@ class HonestPairEngine(_BundledModelDouble):
         from ._session._session import load_tokenizer
 
         return load_tokenizer(str(self.info.model_path))
+
+
+def _cut_at_stop(
+    token_ids: Sequence[int], stop: Sequence[str], decode: Callable[[list[int]], str]
+) -> tuple[list[int], str] | None:
+    """Where vLLM ends an output at a stop string: the token ids up to the one that completes the first
+    stop string, and the text before that string; None when no stop string occurs."""
+    for end in range(1, len(token_ids) + 1) if stop else ():
+        text = decode(list(token_ids[:end]))
+        found = [at for string in stop if (at := text.find(string)) >= 0]
+        if found:
+            return list(token_ids[:end]), text[: min(found)]
+    return None
 
 
 def _default_response(request: StepRequest) -> str:

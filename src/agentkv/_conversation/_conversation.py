@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from .._errors import InvalidMessageError, TemplateError, UserError
 from ._tools import ToolCall
 
-__all__ = ["ChatRenderer", "Conversation", "Message"]
+__all__ = ["ChatRenderer", "Conversation", "Message", "SavedSegment"]
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -178,6 +178,16 @@ class ChatRenderer:
         return self.assistant_suffix
 
 
+class SavedSegment(BaseModel):
+    """Part of a saved conversation: messages rendered from ``start``, or an output exactly as generated."""
+
+    model_config = ConfigDict(frozen=True)
+
+    start: int
+    messages: list[Message]
+    generated: list[int] | None = None
+
+
 @dataclass(frozen=True)
 class _Segment:
     start: int
@@ -205,6 +215,11 @@ class Conversation:
         self._segments: list[_Segment] = []
 
     # ----------------------------------------------------------------- reading
+
+    @property
+    def renderer(self) -> ChatRenderer:
+        """How its messages become tokens."""
+        return self._renderer
 
     @property
     def messages(self) -> list[Message]:
@@ -294,6 +309,37 @@ class Conversation:
                 self.add_output(generated, messages[0].content)
             else:
                 self.add_messages(messages)
+
+    def saved(self) -> list[SavedSegment]:
+        """The conversation's segments, to save it (`loaded` makes it again, token for token)."""
+        return [
+            SavedSegment(
+                start=s.start, messages=list(s.messages), generated=None if s.generated is None else list(s.generated)
+            )
+            for s in self._segments
+        ]
+
+    @classmethod
+    def loaded(
+        cls, renderer: ChatRenderer, *, system: Message | None, tokens: Sequence[int], segments: Sequence[SavedSegment]
+    ) -> Conversation:
+        """A saved conversation, its token ids as saved (never re-rendered); raises `UserError` if they do not fit."""
+        conversation = cls(renderer, system=system)
+        ends = [s.start for s in segments[1:]] + [len(tokens)]
+        for segment, end in zip(segments, ends, strict=True):
+            if not 0 <= segment.start <= end or (
+                segment.generated is not None and segment.generated != list(tokens[segment.start : end])
+            ):
+                raise UserError("the saved conversation's segments do not fit its tokens")
+            if segment.generated is not None and [m.role for m in segment.messages] != ["assistant"]:
+                raise UserError("a saved output segment holds one assistant message")
+        if segments and segments[0].start != 0:
+            raise UserError("the saved conversation's segments do not fit its tokens")
+        conversation.tokens = list(tokens)
+        conversation._segments = [
+            _Segment(s.start, tuple(s.messages), None if s.generated is None else tuple(s.generated)) for s in segments
+        ]
+        return conversation
 
     def copy(self) -> Conversation:
         """An independent copy (for forks)."""

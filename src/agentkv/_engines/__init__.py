@@ -2,6 +2,7 @@
 
 from ._base import Engine, EngineInfo, EngineState, Sampling, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
 from ._colocated import Colocated
+from ._group import EngineGroup
 from ._handle import KVHandle
 from ._http_capabilities import ServerCapabilities
 from ._launched import LaunchedPair
@@ -15,6 +16,7 @@ __all__ = [
     "CorePolicy",
     "EmbeddedPair",
     "Engine",
+    "EngineGroup",
     "EngineInfo",
     "EngineState",
     "KVHandle",

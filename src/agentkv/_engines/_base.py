@@ -56,6 +56,15 @@ class Sampling:
     seed: int | None = None
     json_schema: dict[str, Any] | None = None
     """Force the output to match this JSON schema (vLLM structured outputs)."""
+    stop: tuple[str, ...] = ()
+    """End the output at the first of these strings (vLLM ``stop``; finish reason ``"stop"``).
+
+    The output's text ends before the stop string; its token ids are kept exactly as generated,
+    up to and including the token that completed the stop string (they are what the engine
+    computed, and what the next prompt must extend). vLLM ends such a request by aborting it
+    (the stop string is found outside its scheduler), so a pair's D pins nothing for it: the
+    step's `StepDone.handle` is None, and the next step recomputes rather than pulling back.
+    """
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -141,7 +141,7 @@ def completion_body(
         extra["cache_salt"] = cache_salt
     if sampling.json_schema is not None and max_tokens > 1:
         extra["structured_outputs"] = {"json": sampling.json_schema}
-    return {
+    body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt_token_ids),
         "max_tokens": max_tokens,
@@ -150,6 +150,9 @@ def completion_body(
         "seed": sampling.seed,
         "extra_body": extra,
     }
+    if sampling.stop and max_tokens > 1:  # P's one token is never the answer's first over HTTP: D decodes it all
+        body["stop"] = list(sampling.stop)
+    return body
 
 
 class PairTransport:

@@ -345,7 +345,8 @@ class EmbeddedPair(Engine):
         self, p: AsyncLLMRunner, request: StepRequest, handle: KVHandle | None
     ) -> tuple[Any, Any, TransferLedger]:
         """Run P to completion; the output is None when P failed (e.g. declined an expired read)."""
-        sampling = dataclasses.replace(request.sampling, max_tokens=1, json_schema=None)
+        # P's token is the answer's first only when no stop string can involve it (`first_token_of_prefill`)
+        sampling = dataclasses.replace(request.sampling, max_tokens=1, json_schema=None, stop=())
         params = vllm_sampling(sampling, kv_transfer_params=prefill_params(handle), stream=False)
         request_id = f"{request.request_id}-p{'h' if handle else ''}"
         final, stats, ledger = await p.run(

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 __all__ = [
     "bind_order",
     "cpu_list",
+    "split_cores_among_pairs",
     "descendants",
     "alive",
     "available_cores",
@@ -46,6 +47,20 @@ def split_cores(cores: Iterable[int] | None = None) -> tuple[list[int], list[int
         return ordered, ordered
     half = (len(ordered) + 1) // 2
     return ordered[:half], ordered[half:]
+
+
+def split_cores_among_pairs(pairs: int, cores: Iterable[int] | None = None) -> list[tuple[list[int], list[int]]]:
+    """The P and D core sets of ``pairs`` pairs: each pair its own share of the cores, split as `split_cores`.
+
+    With fewer than two cores per pair, every pair gets the same split of all cores (pairs then
+    share cores: a bigger machine, or ``core_policy``, is the cure), and a warning is logged.
+    """
+    ordered = sorted(cores) if cores is not None else available_cores()
+    share = len(ordered) // pairs
+    if share < 2:
+        logger.warning("agentkv: %d cores for %d pairs; the pairs share cores", len(ordered), pairs)
+        return [split_cores(ordered) for _ in range(pairs)]
+    return [split_cores(ordered[i * share : (i + 1) * share]) for i in range(pairs)]
 
 
 def cpu_list(cores: Iterable[int]) -> str:

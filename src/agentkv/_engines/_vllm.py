@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["AsyncLLMRunner", "TransferLedger", "first_token_of_prefill"]
+__all__ = ["AsyncLLMRunner", "TransferLedger", "could_stop", "first_token_of_prefill"]
 
 logger = logging.getLogger("agentkv")
 
@@ -345,6 +345,7 @@ def vllm_sampling(sampling: Sampling, *, kv_transfer_params: dict[str, Any] | No
         seed=sampling.seed,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         structured_outputs=structured,
+        stop=list(sampling.stop) or None,
         extra_args=extra,
     )
 
@@ -447,9 +448,10 @@ def first_token_of_prefill(request: StepRequest, p_out: RequestOutput, block_siz
     plus that token. Not used when the output is constrained by a JSON schema (P ran without
     the grammar), when the token ended the answer (D must still run to pin the KV), or when
     its text is incomplete (a partial UTF-8 character that only the next tokens complete).
-    Nor when the prompt fills its last block: D pulls P's blocks and recomputes the last
-    token of its prompt, which must then lie in a block P sent (vLLM 0.32 fails a pull that
-    P's blocks do not cover).
+    Nor when a stop string could end within or start in its text (P runs without the stop
+    strings, and D looks for them in its own output only: `could_stop`). Nor when the prompt
+    fills its last block: D pulls P's blocks and recomputes the last token of its prompt,
+    which must then lie in a block P sent (vLLM 0.32 fails a pull that P's blocks do not cover).
     """
     completion = p_out.outputs[0]
     text = completion.text
@@ -459,4 +461,15 @@ def first_token_of_prefill(request: StepRequest, p_out: RequestOutput, block_siz
         return None
     if len(completion.token_ids) != 1 or completion.finish_reason != "length" or not text or "\ufffd" in text:
         return None
+    if could_stop(text, request.sampling.stop):
+        return None
     return TokenDelta(token_ids=list(completion.token_ids), text=text)
+
+
+def could_stop(text: str, stop: Sequence[str]) -> bool:
+    """Whether a stop string occurs in ``text`` or could begin in it and end in text that follows.
+
+    D, continuing after P's token, searches only its own output for the stop strings: P's token is
+    the answer's first only when no stop string can involve its text.
+    """
+    return any(s in text or any(s.startswith(text[i:]) for i in range(len(text))) for s in stop)

@@ -23,7 +23,7 @@ from .._conversation._transcript import MessageLike, TranscriptKey, read_message
 from .._errors import UserError
 from ._answer_text import OutputShape
 from ._results import Step, StepReply
-from ._session_config import SessionConfig
+from ._session_config import SessionConfig, check_stop
 
 __all__ = ["MessageRequest", "StepOptions", "ToolsArgument", "read_reply"]
 
@@ -38,7 +38,9 @@ class StepOptions(TypedDict, total=False):
     max_tokens: int | None
     temperature: float | None
     seed: int | None
+    stop: str | Sequence[str] | None
     on_text: Callable[[str], None] | None
+    on_first_token: Callable[[], None] | None
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class MessageRequest:
         max_tokens: int | None = None,
         temperature: float | None = None,
         seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
     ) -> MessageRequest:
         read = read_messages(messages)
         if tools is None:
@@ -76,8 +79,24 @@ class MessageRequest:
         if specs and config.format == "schema":
             system = (system or "") + instructions(specs)
         key = TranscriptKey(system=system, tools=tuple(specs.values()), format=config.format)
-        step_config = config.with_sampling(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        step_config = config.with_sampling(
+            max_tokens=max_tokens, temperature=temperature, seed=seed, stop=check_stop(stop)
+        )
         return cls(read, key, specs, choice, step_config)
+
+    @classmethod
+    def of_options(cls, config: SessionConfig, messages: Sequence[MessageLike], options: StepOptions) -> MessageRequest:
+        """`build` from `Session.step`'s keyword arguments (its callbacks are not part of the request)."""
+        return cls.build(
+            config,
+            messages,
+            tools=options.get("tools"),
+            tool_choice=options.get("tool_choice", "auto"),
+            max_tokens=options.get("max_tokens"),
+            temperature=options.get("temperature"),
+            seed=options.get("seed"),
+            stop=options.get("stop"),
+        )
 
     @property
     def shape(self) -> OutputShape:

@@ -18,14 +18,18 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Unpack
 
+import anyio
+import anyio.to_thread
+
 from .._conversation._conversation import Message
 from .._engines import Engine
 from .._errors import SessionBusyError, UserError
 from ._engine_user import EngineUser
-from ._message_step import StepOptions, ToolsArgument
+from ._message_step import MessageRequest, StepOptions
 from ._results import StepReply
 from ._session import Session, make_engine
 from ._session_config import SessionConfig
+from ._session_store import SessionStore, conversation_key, history_key
 
 __all__ = ["SessionPool"]
 
@@ -38,6 +42,8 @@ class _Member:
     conversation_id: str | None
     busy: bool = False
     used: float = field(default_factory=time.monotonic)
+    saved_key: str | None = None
+    """Where its last snapshot is in the pool's store."""
 
 
 class SessionPool(EngineUser):
@@ -52,6 +58,10 @@ class SessionPool(EngineUser):
             the embedded pair (or the engine ``mode`` asks for).
         max_sessions: the most sessions kept; beyond it the least recently used idle one is closed.
         idle_ttl_s: a session unused this long is closed (its pin released).
+        store: where each session's snapshot is saved after every step (e.g. `SqliteSessionStore`): a
+            conversation not live in the pool (closed when idle, or before a restart) resumes from it,
+            token for token. Default: none (such a conversation is rebuilt from its messages).
+            The caller closes a store it passes.
         session_options: keyword arguments of each `Session` (``system``, ``mode``, ``tool_format``,
             ``max_tokens``, ``temperature``, ``seed``, ``cache_salt``; ``model`` and ``engine_options``
             for the pool's own engine).
@@ -63,6 +73,7 @@ class SessionPool(EngineUser):
         engine: Engine | None = None,
         max_sessions: int = 64,
         idle_ttl_s: float = 600.0,
+        store: SessionStore | None = None,
         **session_options: Any,
     ) -> None:
         super().__init__()
@@ -73,7 +84,9 @@ class SessionPool(EngineUser):
         engine_options = {k: session_options.pop(k) for k in ("model", "engine_options") if k in session_options}
         if engine is not None and engine_options:
             raise UserError("model= and engine_options= configure the pool's own engine; not with engine=")
-        Session(**session_options)  # the options are checked now, not at the first step
+        self._config = Session(**session_options)._config  # the options are checked now, not at the first step
+        """Every session's configuration (each step's request is read once, with it)."""
+        self.store = store
         self._engine_config = SessionConfig.build(
             tools=(),
             engine_options=engine_options.get("engine_options"),
@@ -159,12 +172,15 @@ class SessionPool(EngineUser):
         messages: Sequence[Message | Mapping[str, Any]],
         *,
         conversation_id: str | None = None,
+        first_token: bool = False,
         **options: Unpack[StepOptions],
     ) -> AsyncGenerator[str | StepReply]:
         """`step`, as the answer's text pieces while they are generated, then the `StepReply`.
 
-        Works from any asyncio loop (the pool may run on another). A consumer that stops early
-        cancels the step, which then changes nothing in the session.
+        With ``first_token``, an empty string comes first, when the model's first token arrives
+        (for a client's TTFT when the step calls tools and streams no text). Works from any
+        asyncio loop (the pool may run on another). A consumer that stops early cancels the
+        step, which then changes nothing in the session.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[str | StepReply | BaseException] = asyncio.Queue()
@@ -173,6 +189,8 @@ class SessionPool(EngineUser):
             loop.call_soon_threadsafe(queue.put_nowait, text)
 
         streamed: StepOptions = {**options, "on_text": on_text}
+        if first_token:
+            streamed["on_first_token"] = functools.partial(on_text, "")
 
         async def run() -> None:
             try:
@@ -197,17 +215,22 @@ class SessionPool(EngineUser):
         self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, options: StepOptions
     ) -> StepReply:
         await self._close_idle()
-        member = await self._member_for(messages, conversation_id, options.get("tools"))
+        request = MessageRequest.of_options(self._config, messages, options)
+        member = await self._member_for(request, conversation_id)
         try:
-            return await member.session.step(messages, **options)
+            reply = await member.session._step_request(
+                request, on_text=options.get("on_text"), on_first_token=options.get("on_first_token")
+            )
+            if self.store is not None:
+                await self._save(member, history=[*request.messages, reply.message])
+            return reply
         finally:
             member.busy = False
             member.used = time.monotonic()
 
-    async def _member_for(
-        self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, tools: ToolsArgument
-    ) -> _Member:
+    async def _member_for(self, request: MessageRequest, conversation_id: str | None) -> _Member:
         """The conversation's member, marked busy (no await between the choice and the mark)."""
+        saved_key: str | None
         if conversation_id is not None:
             named = next((m for m in self._members if m.conversation_id == conversation_id), None)
             if named is not None and named.busy:
@@ -215,20 +238,59 @@ class SessionPool(EngineUser):
             if named is not None:
                 named.busy = True
                 return named
+            saved_key = conversation_key(conversation_id)
         else:
             for member in sorted(self._members, key=lambda m: m.used, reverse=True):
-                if not member.busy and member.conversation_id is None and member.session.extends(messages, tools=tools):
+                if not member.busy and member.conversation_id is None and member.session._extends_request(request):
                     member.busy = True
                     return member
+            answered = [i for i, m in enumerate(request.messages) if m.role == "assistant"]
+            saved_key = history_key(request.messages[: answered[-1] + 1]) if answered else None
         member = _Member(Session(engine=self.engine, **self._session_options), conversation_id, busy=True)
         self._members.append(member)  # before opening: a second step of this conversation sees it busy
         try:
             await member.session.open(home=self.home)
+            if self.store is not None and saved_key is not None:
+                await self._resume(member, saved_key)
         except BaseException:
             self._members.remove(member)
+            with anyio.CancelScope(shield=True):
+                await member.session.aclose()
             raise
         await self._close_beyond_limit()
         return member
+
+    async def _resume(self, member: _Member, key: str) -> None:
+        """Restore the member's session from the store's snapshot under ``key``, if there is one that fits."""
+        assert self.store is not None
+        snapshot = await anyio.to_thread.run_sync(self.store.get, key)
+        if snapshot is None:
+            return
+        try:
+            member.session.restore(snapshot)
+        except UserError as exc:  # another model, or damaged: the conversation is rebuilt from the messages
+            logger.info("agentkv: a saved session could not be restored (%s); rebuilding it", exc)
+            return
+        member.saved_key = key
+        logger.debug("agentkv: resumed a pooled session from the store")
+
+    async def _save(self, member: _Member, *, history: Sequence[Message]) -> None:
+        """Save the member's session after a step (an unnamed one under its new history, the old key dropped)."""
+        assert self.store is not None
+        store, snapshot = self.store, member.session.snapshot()
+        if member.conversation_id is not None:
+            key = conversation_key(member.conversation_id)
+        else:
+            key = history_key(history)
+        previous, member.saved_key = member.saved_key, key
+
+        def save() -> None:
+            store.put(key, snapshot)
+            if previous is not None and previous != key:
+                store.delete(previous)
+
+        with anyio.CancelScope(shield=True):  # the step is done: its snapshot is saved even if the caller left
+            await anyio.to_thread.run_sync(save)
 
     async def _close_idle(self) -> None:
         for member in list(self._members):

@@ -35,6 +35,7 @@ from ._message_step import MessageRequest, StepOptions, ToolsArgument, read_repl
 from ._pinning import Pin
 from ._results import Event, Step, StepReply, TurnEnd, TurnResult
 from ._session_config import Mode, SessionConfig, check_count, check_message
+from ._snapshot import SessionSnapshot, load_transcript, save_transcript
 from ._turn import StepContext, Turn, model_step, turn_events
 
 __all__ = ["Mode", "Session", "make_engine"]
@@ -137,6 +138,8 @@ class Session(EngineUser):
         """What `step` last answered, as the caller sees it (None after `run` or an edit)."""
         self._renderer: tuple[TranscriptKey, ChatRenderer] | None = None
         """The renderer `step` made last, for its key (a session's key rarely changes)."""
+        self._resumed = False
+        """Restored from a snapshot, and no step since (its first step's miss reason is ``resumed``)."""
         self.mode: Mode = config.mode or "bidirectional"
 
     # ----------------------------------------------------------------- lifecycle
@@ -237,7 +240,9 @@ class Session(EngineUser):
         max_tokens: int | None = None,
         temperature: float | None = None,
         seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
         on_text: Callable[[str], None] | None = None,
+        on_first_token: Callable[[], None] | None = None,
     ) -> StepReply:
         """One model call over the whole conversation as the caller keeps it; the caller runs the tools.
 
@@ -254,7 +259,16 @@ class Session(EngineUser):
             max_tokens: the most tokens this step may generate; default: the session's.
             temperature: this step's sampling temperature; default: the session's.
             seed: this step's sampling seed; default: the session's.
+            stop: a stop string or a list of up to 4 (OpenAI's ``stop``; none empty): the output ends at the
+                first one, and the reply's text ends before it (finish reason ``"stop"``). It applies to
+                output the model writes freely (plain answers, ``tool_format="native"``); a schema-format
+                step with tools writes JSON forced by a grammar, which a stop string would cut, and takes
+                none. The history keeps the output's token ids as generated, stop string included. On a
+                pair, a step a stop string ended leaves no pin (vLLM aborts it on D, freeing its blocks):
+                the next step recomputes (``miss_reason="no_handle"``).
             on_text: called with the answer's text as it is generated (not for tool calls).
+            on_first_token: called once, when the model's first output token arrives (TTFT's end; a
+                front door sends its first chunk then, tool calls or not).
 
         A failed step (bad input, an engine error, cancellation) changes nothing in the session.
         """
@@ -266,11 +280,22 @@ class Session(EngineUser):
             max_tokens=max_tokens,
             temperature=temperature,
             seed=seed,
+            stop=stop,
         )
+        return await self._step_request(request, on_text=on_text, on_first_token=on_first_token)
+
+    async def _step_request(
+        self,
+        request: MessageRequest,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        on_first_token: Callable[[], None] | None = None,
+    ) -> StepReply:
+        """`step` on a request already read (a pool reads each request once for all its sessions)."""
         home = self._require_home()
         if not home.is_current():
-            return await home.call_async(self._step, request, on_text)
-        return await self._step(request, on_text)
+            return await home.call_async(self._step, request, on_text, on_first_token)
+        return await self._step(request, on_text, on_first_token)
 
     def step_sync(self, messages: Sequence[Message | Mapping[str, Any]], **options: Unpack[StepOptions]) -> StepReply:
         """Blocking `step` (the same arguments), for a session opened with ``with``."""
@@ -278,12 +303,20 @@ class Session(EngineUser):
 
     def extends(self, messages: Sequence[Message | Mapping[str, Any]], *, tools: ToolsArgument = None) -> bool:
         """Whether ``messages`` extend what this session last answered in `step` (a front door routes by it)."""
-        request = MessageRequest.build(self._config, messages, tools=tools)
+        return self._extends_request(MessageRequest.build(self._config, messages, tools=tools))
+
+    def _extends_request(self, request: MessageRequest) -> bool:
+        """`extends`, for a request already read."""
         with self._lock:
             transcript = self._transcript
         return transcript is not None and transcript.new_messages(request.key, request.messages) is not None
 
-    async def _step(self, request: MessageRequest, on_text: Callable[[str], None] | None) -> StepReply:
+    async def _step(
+        self,
+        request: MessageRequest,
+        on_text: Callable[[str], None] | None,
+        on_first_token: Callable[[], None] | None = None,
+    ) -> StepReply:
         turn, continues = await self._begin_step(request)
         number = len(self._turns[-1].steps) + 1 if continues else 1
         context = self._step_context(request.config)
@@ -294,7 +327,11 @@ class Session(EngineUser):
                 async for event in events:
                     if isinstance(event, Step):
                         step = event
-                    elif on_text is not None and (text := answer.feed(event.text)):
+                        continue
+                    if on_first_token is not None:
+                        on_first_token()
+                        on_first_token = None
+                    if on_text is not None and (text := answer.feed(event.text)):
                         on_text(text)
             assert step is not None
             reply = read_reply(request, step)
@@ -400,6 +437,7 @@ class Session(EngineUser):
             self.mode in ("bidirectional", "auto"),
             self._discard_pin,
             placement="auto" if self.mode == "auto" else "prefill",
+            resumed=self._resumed,
         )
 
     def _commit(self, turn: Turn) -> None:
@@ -417,6 +455,7 @@ class Session(EngineUser):
             raise UserError("this turn was abandoned and cannot be kept")
         self._conversation = turn.conversation
         self._pin, turn.pin = turn.pin, None
+        self._resumed = False
         turn.ended = True
         self._active = None
 
@@ -509,6 +548,49 @@ class Session(EngineUser):
                 content = self._config.system_text(content) or content
             conversation.replace(index, content)
             self._transcript = None
+            self._drop_pin()
+
+    def snapshot(self) -> SessionSnapshot:
+        """The conversation so far (finished turns), to `restore` later: after a restart, on another engine.
+
+        The snapshot keeps the token ids (outputs exactly as generated), the messages, what `step`
+        last answered and the stats; not the KV, which a restored session computes once.
+        """
+        with self._lock:
+            conversation = self._readable_conversation()
+            transcript = self._transcript
+            return SessionSnapshot(
+                model=self.engine.info.model_path.name,
+                system=conversation.system,
+                tokens=list(conversation.tokens),
+                segments=conversation.saved(),
+                transcript=save_transcript(transcript) if transcript is not None else None,
+                turns=list(self._turns),
+            )
+
+    def restore(self, snapshot: SessionSnapshot) -> None:
+        """Replace the conversation with a saved one (`snapshot`); the next step extends its tokens exactly.
+
+        No KV comes with it: the next step computes the prompt once (its ``miss_reason`` is
+        ``"resumed"``), later steps push back as usual. A snapshot of another model raises `UserError`.
+        """
+        model = self.engine.info.model_path.name
+        if snapshot.model != model:
+            raise UserError(f"this snapshot was made on model {snapshot.model!r}; the session runs {model!r}")
+        transcript = load_transcript(snapshot.transcript) if snapshot.transcript is not None else None
+        with self._lock:
+            current = self._require_idle()
+            renderer = (
+                self._renderer_for(transcript.key)
+                if transcript is not None
+                else current.renderer.with_system(snapshot.system)
+            )
+            self._conversation = Conversation.loaded(
+                renderer, system=snapshot.system, tokens=snapshot.tokens, segments=snapshot.segments
+            )
+            self._transcript = transcript
+            self._turns = list(snapshot.turns)
+            self._resumed = True
             self._drop_pin()
 
     def fork(self) -> Session:

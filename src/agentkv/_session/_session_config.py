@@ -11,7 +11,10 @@ from .._conversation._tools import Tool, ToolChoice, ToolFormat, ToolSpec, check
 from .._engines._base import Mode
 from .._errors import InvalidMessageError, UserError
 
-__all__ = ["Mode", "SessionConfig", "check_count", "check_message", "check_text"]
+__all__ = ["MAX_STOP_STRINGS", "Mode", "SessionConfig", "check_count", "check_message", "check_stop", "check_text"]
+
+MAX_STOP_STRINGS = 4
+"""The most stop strings one step takes (as OpenAI's ``stop``)."""
 
 
 class SessionConfig(BaseModel):
@@ -31,6 +34,8 @@ class SessionConfig(BaseModel):
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Stop strings of the steps whose output is not forced JSON (see `Session.step`)."""
     expiry_margin_s: float = Field(default=10.0, ge=0.0, allow_inf_nan=False)
     cache_salt: str | None = None
     engine_options: dict[str, Any] = Field(default_factory=dict[str, Any])
@@ -50,7 +55,8 @@ class SessionConfig(BaseModel):
             raise UserError(_describe(exc)) from None
 
     def with_sampling(self, **values: Any) -> SessionConfig:
-        """This configuration with other sampling settings (``max_tokens``, ``temperature``, ``seed``), checked."""
+        """This configuration with other sampling settings (``max_tokens``, ``temperature``, ``seed``, ``stop``:
+        see `check_stop`), checked."""
         given = {name: value for name, value in values.items() if value is not None}
         if not given:
             return self
@@ -123,6 +129,25 @@ def check_message(message: object) -> str:
     if not text.strip():
         raise InvalidMessageError("a message must not be empty")
     return text
+
+
+def check_stop(stop: object) -> tuple[str, ...] | None:
+    """Stop strings as OpenAI takes them (a string, or a list of at most `MAX_STOP_STRINGS`), as a tuple;
+    None for None. Empty strings and anything else are a `UserError`."""
+    if stop is None:
+        return None
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, Sequence) or isinstance(strings, bytes):
+        raise UserError(f"stop must be a string or a list of strings, not {type(stop).__name__}")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise UserError(f"stop takes at most {MAX_STOP_STRINGS} strings, not {len(strings)}")
+    for string in strings:
+        if not isinstance(string, str):
+            raise UserError(f"a stop string must be a string, not {type(string).__name__}")
+        if not string:
+            raise UserError("a stop string must not be empty")
+        check_text(string, "a stop string")
+    return tuple(strings)
 
 
 def check_count(value: object, what: str) -> int:

@@ -69,6 +69,8 @@ class StepContext:
     """Called with a pin that is not forwarded (it is of use to no one any more)."""
     placement: Placement = "prefill"
     """Where a pair prefills each step (``"auto"`` in the session mode of the same name)."""
+    resumed: bool = False
+    """The session was restored from a snapshot and has not stepped since: no pin is the reason ``resumed``."""
 
 
 async def turn_events(turn: Turn, context: StepContext) -> AsyncGenerator[Event]:
@@ -125,10 +127,13 @@ async def model_step(
         temperature=config.temperature,
         seed=config.seed,
         json_schema=json_schema,
+        stop=config.stop if json_schema is None else (),  # a stop string would cut the forced JSON
     )
     handle, reason = choose_handle(
         turn.pin, prompt, push_back=context.push_back, expiry_margin_s=config.expiry_margin_s
     )
+    if reason == "no_handle" and context.resumed:
+        reason = "resumed"
     if turn.pin is not None and handle is None:
         context.discard_pin(turn.pin)
     turn.pin = None  # a handle is single-use

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 __all__ = ["MissReason", "SessionStats", "StepStats", "TurnStats", "text_table"]
 
 MissReason = Literal[
-    "no_handle", "push_back_off", "expired", "prefix_mismatch", "declined", "evicted", "below_threshold"
+    "no_handle", "push_back_off", "expired", "prefix_mismatch", "declined", "evicted", "below_threshold", "resumed"
 ]
 """Why a step reused no KV from D:
 
@@ -34,7 +34,9 @@ MissReason = Literal[
 * ``declined``: the handle was forwarded but P could not read D's blocks; P recomputed;
 * ``evicted``: D's cache was full, and the pair had released this conversation's pin (the least recently
   pinned) to make room for others; P recomputed;
-* ``below_threshold``: what was left to pull after P's own cache hit was under the engine's threshold.
+* ``below_threshold``: what was left to pull after P's own cache hit was under the engine's threshold;
+* ``resumed``: the first step of a session restored from a `SessionSnapshot` (e.g. after a server restart):
+  no KV was kept, the saved tokens were computed once.
 """
 
 

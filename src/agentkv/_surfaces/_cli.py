@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -16,7 +17,8 @@ from tqdm import tqdm
 
 from .._bench._runner import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
 from .._bench._workloads import WORKLOADS
-from .._engines import LaunchedPair, RemotePair
+from .._engines import EmbeddedPair, Engine, EngineGroup, LaunchedPair, RemotePair
+from .._engines._system import split_cores_among_pairs
 from .._errors import AgentKVError, UserError
 from .._model import list_models, prepare_model
 from .._session._results import TextDelta
@@ -102,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--mode", choices=get_args(Mode), default=None)
     serve.add_argument("--model", default=None, help="bundled model name or HF folder (default: bundled SmolLM2)")
     _engine_arguments(serve)
+    serve.add_argument(
+        "--pairs", type=_positive_int, default=1, help="pairs behind the door, the cores split among them (default 1)"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this host only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -118,8 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--store",
         default=None,
         metavar="PATH",
-        help="the SQLite file /v1/responses keeps responses in, for previous_response_id "
-        "(default: $AGENTKV_HOME/responses.sqlite3); 'memory': in this process only",
+        help="the SQLite file sessions (to resume after a restart) and responses (for previous_response_id) "
+        "are kept in (default: $AGENTKV_HOME/serve.sqlite3); 'memory': in this process only",
     )
 
     engine = commands.add_parser(
@@ -175,6 +180,13 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _cores(text: str) -> list[int]:
     """``--cores``: ``"0-2,5"`` -> ``[0, 1, 2, 5]``."""
     cores: list[int] = []
@@ -197,18 +209,33 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--remote",
         nargs=2,
+        action="append",
         metavar=("PREFILL_URL", "DECODE_URL"),
-        help="use servers started elsewhere (agentkv engine)",
+        help="use servers started elsewhere (agentkv engine); repeat it for several pairs",
     )
 
 
 def _engine(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments of a session or pool the command line asks for (the engine opens and closes with it)."""
+    pairs: int = getattr(args, "pairs", 1)
     if args.remote:
-        return {"engine": RemotePair(*args.remote, model=args.model)}
-    if args.engine == "launched":
-        return {"engine": LaunchedPair(args.model)}
-    return {"model": args.model}
+        remotes = [RemotePair(*urls, model=args.model) for urls in args.remote]
+        return {"engine": remotes[0] if len(remotes) == 1 else EngineGroup(remotes)}
+    if pairs == 1:
+        return {"engine": LaunchedPair(args.model)} if args.engine == "launched" else {"model": args.model}
+    kind = LaunchedPair if args.engine == "launched" else EmbeddedPair
+    bidirectional = args.mode in (None, "bidirectional", "auto")
+    engines = [kind(args.model, cores=cores, bidirectional=bidirectional) for cores in split_cores_among_pairs(pairs)]
+    return {"engine": EngineGroup(engines, replace=_replacement)}
+
+
+def _replacement(dead: Engine) -> Engine:
+    """A new pair with a dead one's settings (for `EngineGroup`)."""
+    if isinstance(dead, LaunchedPair):
+        return LaunchedPair(config=dead.config)
+    if isinstance(dead, EmbeddedPair):
+        return EmbeddedPair(config=dead.config)
+    raise UserError(f"a {type(dead).__name__} is not restarted here")
 
 
 def _session(args: argparse.Namespace, **options: Any) -> Session:
@@ -218,23 +245,27 @@ def _session(args: argparse.Namespace, **options: Any) -> Session:
 
 def _serve(args: argparse.Namespace) -> int:
     from .._session._pool import SessionPool
-    from ._response_store import MemoryResponseStore, ResponseStore, SqliteResponseStore, default_store_path
+    from .._session._session_store import SqliteSessionStore
+    from .._sqlite import default_store_path
+    from ._response_store import MemoryResponseStore, ResponseStore, SqliteResponseStore
     from ._serve import FrontDoor
 
-    store: ResponseStore
+    responses: ResponseStore
+    sessions: SqliteSessionStore | None = None
     if args.store == "memory":
-        store = MemoryResponseStore()
+        responses = MemoryResponseStore()
     else:
-        store = SqliteResponseStore(args.store or default_store_path())
-
+        path = args.store or default_store_path()
+        responses, sessions = SqliteResponseStore(path), SqliteSessionStore(path)
     pool = SessionPool(
         mode=args.mode,
         max_sessions=args.max_sessions,
         idle_ttl_s=args.idle_ttl_s,
         max_tokens=args.max_tokens,
+        store=sessions,
         **_engine(args),
     )
-    with store, pool:
+    with responses, sessions or contextlib.nullcontext(), pool:
         door = FrontDoor(
             pool,
             api_key=args.api_key or None,
@@ -242,12 +273,13 @@ def _serve(args: argparse.Namespace) -> int:
             timeout_s=args.timeout_s,
             host=args.host,
             port=args.port,
-            store=store,
+            store=responses,
         )
         key = "an API key" if door.settings.api_key else "no API key"
-        kept = f"responses kept in {store.path}" if isinstance(store, SqliteResponseStore) else "responses in memory"
+        kept = f"sessions and responses kept in {sessions.path}" if sessions is not None else "kept in memory"
+        pairs = f"{args.pairs} pairs" if args.pairs > 1 else type(pool.engine).__name__
         print(
-            f"agentkv serve: {door.url}/v1 (model {door.settings.model_name!r}, {key}, {kept}); Ctrl-C to stop",
+            f"agentkv serve: {door.url}/v1 (model {door.settings.model_name!r}, {pairs}, {key}, {kept}); Ctrl-C to stop",
             flush=True,
         )
         door.run()
@@ -296,7 +328,7 @@ class _BenchProgress:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .._bench import header, load_replay, make_workload, plot, run_bench_sync, table
+    from .._bench import header, load_replay, make_workload, plot, run_bench_sync, served_overhead, table
 
     if args.replay:
         workload = load_replay(args.replay, max_tokens=args.max_tokens or 64, turns=args.turns)
@@ -323,6 +355,8 @@ def _bench(args: argparse.Namespace) -> int:
     if report.answers_agree:
         agree = ", ".join(f"{mode} {'yes' if same else 'NO'}" for mode, same in report.answers_agree.items())
         print(f"greedy answers equal to bidirectional's: {agree}")
+    if (served := served_overhead(report.summaries)) is not None:
+        print(served)
     if args.json:
         Path(args.json).write_text(report.model_dump_json(indent=2))
         print(f"wrote {args.json}")

@@ -42,6 +42,8 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     seed: int | None = None
+    stop: str | list[str] | None = None
+    """Up to 4 stop strings: the answer ends before the first (`Session.step`'s ``stop``)."""
     stream: bool = False
     stream_options: _StreamOptions | None = None
     user: str | None = None
@@ -59,11 +61,11 @@ class ChatRequest(BaseModel):
             "max_tokens": self.max_completion_tokens or self.max_tokens,
             "temperature": self.temperature,
             "seed": self.seed,
+            "stop": self.stop,
         }
 
 
 _REFUSED = {
-    "stop": "stop sequences are not supported yet",
     "response_format": "response_format is not supported (tool calls are schema-forced; answers are text)",
     "logprobs": "logprobs are not supported",
     "top_logprobs": "logprobs are not supported",

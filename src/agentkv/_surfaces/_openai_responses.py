@@ -6,6 +6,12 @@ content), ``function_call`` items (the assistant's tool calls, grouped into one 
 message) and ``function_call_output`` items (tool messages). ``instructions`` is the system
 message; it is not carried over by ``previous_response_id`` (as with OpenAI).
 
+A request lands on the pool conversation its ``x-session-id`` header names; without one, on the
+name of the response it continues (``previous_response_id``), if that had one; else on none: the
+pool then finds its session by the conversation's history, as for chat completions. That works
+for chains by ``previous_response_id`` (the stored conversation plus the new input extends the
+session's history) and for clients that send the whole history as input alike.
+
 What agentkv adds to the shape: ``usage.input_tokens_details.cached_tokens`` is the prompt
 tokens whose KV was not computed, and an ``agentkv`` object carries the step's `StepStats`
 (as in chat completions; documented in docs/serve.md).
@@ -32,9 +38,12 @@ from ._response_store import StoredResponse
 __all__ = [
     "PreviousResponseNotFoundError",
     "ResponseEvents",
+    "ResponseNotFoundError",
     "ResponseTurn",
     "ResponsesRequest",
+    "deleted_response",
     "read_responses_request",
+    "refuse_retrieve_options",
 ]
 
 
@@ -43,6 +52,28 @@ class PreviousResponseNotFoundError(UserError):
 
     openai_code = "previous_response_not_found"
     openai_param = "previous_response_id"
+
+
+class ResponseNotFoundError(UserError):
+    """``GET`` or ``DELETE /v1/responses/{id}`` names no stored response (a 404)."""
+
+    openai_code = "response_not_found"
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Response with id {response_id!r} not found.")
+
+
+def deleted_response(response_id: str) -> dict[str, Any]:
+    """What ``DELETE /v1/responses/{id}`` answers (OpenAI's shape)."""
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def refuse_retrieve_options(query: Mapping[str, str]) -> None:
+    """``GET /v1/responses/{id}`` answers the stored response as JSON: the query options that ask for more are refused."""
+    if query.get("stream", "false").lower() not in ("false", "0"):
+        raise UserError("stream: a stored response is answered whole, not streamed again")
+    if query.get("include"):
+        raise UserError("include is not supported (there is nothing extra to include)")
 
 
 class ResponsesRequest(BaseModel):
@@ -226,8 +257,8 @@ class ResponseTurn:
     conversation: tuple[dict[str, Any], ...]
     """The chat messages through the new input (the previous response's conversation first), no instructions."""
     conversation_id: str | None
-    """The pool conversation: the ``x-session-id`` header, else the chain's (its first response id); None for an
-    unstored response that names neither (the pool then matches it by its history, as chat completions)."""
+    """The pool conversation: the ``x-session-id`` header, else the name the chain was given; None for an unnamed
+    chain (the pool then matches the messages to the session whose history they extend, as for chat completions)."""
     response_id: str = field(default_factory=lambda: _new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -235,12 +266,9 @@ class ResponseTurn:
     def begin(
         cls, request: ResponsesRequest, previous: StoredResponse | None, *, session_header: str | None, model: str
     ) -> ResponseTurn:
-        response_id = _new_id("resp")
         earlier = previous.messages if previous is not None else ()
-        chain = previous.conversation_id if previous is not None else None
-        conversation_id = session_header or chain or (response_id if request.keeps else None)
-        conversation = (*earlier, *request.new_messages())
-        return cls(request, model, conversation, conversation_id, response_id=response_id)
+        conversation_id = session_header or (previous.conversation_id if previous is not None else None)
+        return cls(request, model, (*earlier, *request.new_messages()), conversation_id)
 
     def messages(self) -> list[dict[str, Any]]:
         """What the pool steps on: the instructions as the system message, then the conversation."""
@@ -253,11 +281,10 @@ class ResponseTurn:
             return [merged, *self.conversation[1:]]
         return [{"role": "system", "content": instructions}, *self.conversation]
 
-    def stored(self, reply: StepReply) -> StoredResponse:
-        """The response as ``previous_response_id`` continues it."""
-        assert self.conversation_id is not None, "an unstored response has no chain"
+    def stored(self, reply: StepReply, response: dict[str, Any]) -> StoredResponse:
+        """The response as ``previous_response_id`` continues it (``response``: the object returned for it)."""
         messages = (*self.conversation, _as_chat_dict(reply.message))
-        return StoredResponse(self.response_id, self.conversation_id, messages)
+        return StoredResponse(self.response_id, self.conversation_id, messages, response)
 
     def response(self, reply: StepReply | None, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The ``response`` object: in progress (no reply yet), or completed with ``reply`` (``output``: its items)."""

@@ -1,26 +1,29 @@
-"""Where the front door keeps Responses-API responses, so that ``previous_response_id`` continues them.
+"""Where the front door keeps Responses-API responses, so that ``previous_response_id`` continues them
+and ``GET /v1/responses/{id}`` answers them again.
 
 A stored response holds the whole conversation through it, as the chat messages the pool
-takes: the next request's conversation is the stored one plus its new input items. Two
-stores: `MemoryResponseStore` (bounded, gone with the process) and `SqliteResponseStore`
-(one table in one file: a server restarted on the same file continues its conversations).
+takes (the next request's conversation is the stored one plus its new input items), and the
+``response`` object as it was returned. Two stores: `MemoryResponseStore` (bounded, gone with
+the process) and `SqliteResponseStore` (one table of its own in one file: a server restarted on
+the same file continues its conversations).
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
+import logging
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._errors import UserError
-from .._model import cache_dir
+from .._sqlite import SqliteTable, Store, positive
 
-__all__ = ["MemoryResponseStore", "ResponseStore", "SqliteResponseStore", "StoredResponse", "default_store_path"]
+__all__ = ["MemoryResponseStore", "ResponseStore", "SqliteResponseStore", "StoredResponse"]
+
+logger = logging.getLogger("agentkv")
 
 
 @dataclass(frozen=True)
@@ -28,13 +31,16 @@ class StoredResponse:
     """One response as ``previous_response_id`` continues it."""
 
     response_id: str
-    conversation_id: str
-    """The pool conversation its chain lands on (the ``x-session-id`` it was sent with, else its chain's first response id)."""
+    conversation_id: str | None
+    """The pool conversation its chain lands on: the ``x-session-id`` its chain was named with, or None for an
+    unnamed chain (the pool then finds its session by the conversation's history)."""
     messages: tuple[dict[str, Any], ...]
     """The conversation through this response: OpenAI chat messages, instructions excluded (they are not carried over)."""
+    response: dict[str, Any]
+    """The ``response`` object as it was returned (``GET /v1/responses/{id}`` answers it again)."""
 
 
-class ResponseStore(ABC):
+class ResponseStore(Store):
     """Responses by id. Implementations are safe to call from several threads."""
 
     @abstractmethod
@@ -45,20 +51,9 @@ class ResponseStore(ABC):
     def put(self, response: StoredResponse) -> None:
         """Keep ``response`` (a response id is stored once)."""
 
-    def close(self) -> None:
-        """Release what the store holds open (nothing by default)."""
-
-    def __enter__(self) -> ResponseStore:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def _positive(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{name} must be a positive int, not {value!r}")
-    return value
+    @abstractmethod
+    def delete(self, response_id: str) -> bool:
+        """Forget the response; False when it was unknown."""
 
 
 class MemoryResponseStore(ResponseStore):
@@ -69,7 +64,7 @@ class MemoryResponseStore(ResponseStore):
     """
 
     def __init__(self, max_responses: int = 10_000) -> None:
-        self.max_responses = _positive("max_responses", max_responses)
+        self.max_responses = positive("max_responses", max_responses)
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -87,54 +82,51 @@ class MemoryResponseStore(ResponseStore):
             while len(self._responses) > self.max_responses:
                 self._responses.popitem(last=False)
 
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._responses.pop(response_id, None) is not None
+
     def __len__(self) -> int:
         return len(self._responses)
 
 
-def default_store_path() -> Path:
-    """Where ``agentkv serve`` keeps responses by default: ``$AGENTKV_HOME/responses.sqlite3``."""
-    return cache_dir().parent / "responses.sqlite3"
+_COLUMNS = ("response_id TEXT PRIMARY KEY", "conversation_id TEXT", "messages TEXT NOT NULL", "response TEXT NOT NULL")
 
 
 class SqliteResponseStore(ResponseStore):
-    """Responses in one SQLite file (one table), kept across restarts; the oldest dropped beyond ``max_responses``.
+    """Responses in one SQLite file (a table of their own, ``responses``), kept across restarts; the oldest
+    dropped beyond ``max_responses``. A ``responses`` table of another layout (an older agentkv's) is
+    replaced by an empty one, with a warning: its responses can no longer be continued.
 
     Args:
-        path: the database file (created, with its folder, if missing).
+        path: the database file (created, with its folder, if missing; other tables in it are left alone).
         max_responses: the most responses kept.
     """
 
     def __init__(self, path: str | Path, *, max_responses: int = 100_000) -> None:
-        self.path = Path(path).expanduser()
-        self.max_responses = _positive("max_responses", max_responses)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS responses ("
-            "response_id TEXT PRIMARY KEY, conversation_id TEXT NOT NULL, messages TEXT NOT NULL)"
-        )
+        self.max_responses = positive("max_responses", max_responses)
+        self._table = SqliteTable(path, table="responses", columns=_COLUMNS, max_rows=self.max_responses)
+        self.path = self._table.path
 
     def get(self, response_id: str) -> StoredResponse | None:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT conversation_id, messages FROM responses WHERE response_id = ?", (response_id,)
-            ).fetchone()
+        row = self._table.read(
+            "SELECT conversation_id, messages, response FROM responses WHERE response_id = ?", response_id
+        )
         if row is None:
             return None
-        return StoredResponse(response_id, row[0], tuple(json.loads(row[1])))
+        return StoredResponse(response_id, row[0], tuple(json.loads(row[1])), json.loads(row[2]))
 
     def put(self, response: StoredResponse) -> None:
-        messages = json.dumps(list(response.messages))
-        with self._lock:
-            cursor = self._db.execute(
-                "INSERT OR REPLACE INTO responses (response_id, conversation_id, messages) VALUES (?, ?, ?)",
-                (response.response_id, response.conversation_id, messages),
-            )
-            if cursor.lastrowid is not None and cursor.lastrowid > self.max_responses:
-                self._db.execute("DELETE FROM responses WHERE rowid <= ?", (cursor.lastrowid - self.max_responses,))
+        self._table.write(
+            "INSERT OR REPLACE INTO responses (response_id, conversation_id, messages, response) VALUES (?, ?, ?, ?)",
+            response.response_id,
+            response.conversation_id,
+            json.dumps(list(response.messages)),
+            json.dumps(response.response),
+        )
+
+    def delete(self, response_id: str) -> bool:
+        return self._table.write("DELETE FROM responses WHERE response_id = ?", response_id) > 0
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._table.close()

@@ -3,8 +3,8 @@
 Every request carries the whole conversation; the pool sends it to the session that holds its
 KV (named by the ``x-session-id`` header, else the body's ``session_id`` or ``user``, else the
 session whose history it extends exactly), so turns 2+ of a conversation push D's KV back.
-Responses-API requests chain by ``previous_response_id`` instead: the door keeps each
-response's conversation in a `ResponseStore` and a chain on one pool conversation.
+Responses-API requests may send only their new input and chain by ``previous_response_id``:
+the door keeps each response (its conversation, and the object returned) in a `ResponseStore`.
 The pool runs on its own event loop thread; the HTTP server (uvicorn) on another.
 """
 
@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .._engines import EngineState
+from .._engines import EngineGroup, EngineState
 from .._errors import (
     AgentKVError,
     ContextLengthError,
@@ -40,7 +40,15 @@ from .._session._pool import SessionPool
 from .._session._results import StepReply
 from ._metrics import ServeMetrics
 from ._openai_chat import ChatRequest, CompletionIds, chunk, completion, read_request
-from ._openai_responses import PreviousResponseNotFoundError, ResponseEvents, ResponseTurn, read_responses_request
+from ._openai_responses import (
+    PreviousResponseNotFoundError,
+    ResponseEvents,
+    ResponseNotFoundError,
+    ResponseTurn,
+    deleted_response,
+    read_responses_request,
+    refuse_retrieve_options,
+)
 from ._response_store import MemoryResponseStore, ResponseStore, StoredResponse
 
 __all__ = ["FrontDoor", "ServeSettings", "create_app"]
@@ -62,8 +70,9 @@ class ServeSettings:
 
 
 def create_app(pool: SessionPool, settings: ServeSettings, store: ResponseStore | None = None) -> Starlette:
-    """The ASGI app: ``POST /v1/chat/completions``, ``POST /v1/responses``, ``GET /v1/models``, ``GET /health``,
-    ``GET /metrics``. ``store`` keeps responses for ``previous_response_id`` (default: in memory)."""
+    """The ASGI app: ``POST /v1/chat/completions``, ``POST /v1/responses``, ``GET`` and ``DELETE
+    /v1/responses/{id}``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``. ``store`` keeps responses for
+    ``previous_response_id`` and ``GET`` (default: in memory)."""
     metrics = ServeMetrics(gauges=lambda: _gauges(pool))
     responses_store = store if store is not None else MemoryResponseStore()
 
@@ -95,11 +104,29 @@ def create_app(pool: SessionPool, settings: ServeSettings, store: ResponseStore 
                 return await _stream_response(pool, responses_store, turn, settings, metrics, headers)
             with anyio.fail_after(settings.timeout_s):
                 reply = await pool.step(turn.messages(), conversation_id=turn.conversation_id, **parsed.step_options())
-            await _keep(responses_store, turn, reply)
+            answer = turn.response(reply)
+            await _keep(responses_store, turn, reply, answer)
         except Exception as exc:
             return _failure(exc, metrics)
         metrics.step(reply.stats)
-        return JSONResponse(turn.response(reply), headers=headers)
+        return JSONResponse(answer, headers=headers)
+
+    async def stored_response(request: Request) -> Response:
+        """``GET``: a kept response as it was returned; ``DELETE``: forget it (it can no longer be continued)."""
+        try:
+            _authorize(request, settings)
+            response_id = request.path_params["response_id"]
+            if request.method == "DELETE":
+                if not await anyio.to_thread.run_sync(responses_store.delete, response_id):
+                    raise ResponseNotFoundError(response_id)
+                return JSONResponse(deleted_response(response_id))
+            refuse_retrieve_options(request.query_params)
+            kept = await anyio.to_thread.run_sync(responses_store.get, response_id)
+            if kept is None:
+                raise ResponseNotFoundError(response_id)
+        except Exception as exc:
+            return _failure(exc, metrics)
+        return JSONResponse(kept.response)
 
     async def models(request: Request) -> Response:
         try:
@@ -113,6 +140,8 @@ def create_app(pool: SessionPool, settings: ServeSettings, store: ResponseStore 
         engine = pool.engine if pool.is_open else None
         if engine is None or engine.state is not EngineState.OPEN or engine.is_dead:
             return JSONResponse({"status": "unavailable"}, status_code=503)
+        if isinstance(engine, EngineGroup):  # serving while one pair lives; the others may be restarting
+            return JSONResponse({"status": "ok", "engines": len(engine.engines), "live": engine.live})
         return JSONResponse({"status": "ok"})
 
     async def metrics_page(request: Request) -> Response:
@@ -126,6 +155,7 @@ def create_app(pool: SessionPool, settings: ServeSettings, store: ResponseStore 
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_page, methods=["GET"]),
@@ -143,7 +173,7 @@ async def _stream(
 ) -> Response:
     """Server-sent chunks. The first item is awaited before answering, so that a request refused
     at once (bad input, a busy conversation, a prompt over the context) gets its HTTP status."""
-    items = pool.stream(parsed.messages, conversation_id=conversation_id, **parsed.step_options())
+    items = pool.stream(parsed.messages, conversation_id=conversation_id, first_token=True, **parsed.step_options())
     with anyio.fail_after(settings.timeout_s):
         first = await anext(items)
     ids = CompletionIds.new(settings.model_name)
@@ -156,8 +186,9 @@ async def _stream(
             with anyio.fail_after(settings.timeout_s):
                 item: str | StepReply = first
                 while isinstance(item, str):
-                    streamed += item
-                    yield _sse(chunk("text", ids, text=item))
+                    if item:  # the first item, at the first token, is empty: the role chunk went out for it
+                        streamed += item
+                        yield _sse(chunk("text", ids, text=item))
                     item = await anext(items)
             reply = item
             if not reply.tool_calls and reply.text != streamed and reply.text.startswith(streamed):
@@ -189,9 +220,9 @@ async def _previous_response(store: ResponseStore, response_id: str | None) -> S
     return previous
 
 
-async def _keep(store: ResponseStore, turn: ResponseTurn, reply: StepReply) -> None:
+async def _keep(store: ResponseStore, turn: ResponseTurn, reply: StepReply, answer: dict[str, Any]) -> None:
     if turn.request.keeps:
-        await anyio.to_thread.run_sync(store.put, turn.stored(reply))
+        await anyio.to_thread.run_sync(store.put, turn.stored(reply, answer))
 
 
 async def _stream_response(
@@ -204,7 +235,9 @@ async def _stream_response(
 ) -> Response:
     """Responses stream events. As for chat, the first item is awaited before answering (a refused
     request gets its HTTP status); a failure after that is an ``error`` event."""
-    items = pool.stream(turn.messages(), conversation_id=turn.conversation_id, **turn.request.step_options())
+    items = pool.stream(
+        turn.messages(), conversation_id=turn.conversation_id, first_token=True, **turn.request.step_options()
+    )
     with anyio.fail_after(settings.timeout_s):
         first = await anext(items)
     stream = ResponseEvents(turn)
@@ -216,11 +249,12 @@ async def _stream_response(
             with anyio.fail_after(settings.timeout_s):
                 item: str | StepReply = first
                 while isinstance(item, str):
-                    for event in stream.text(item):
+                    for event in stream.text(item) if item else ():  # the first, empty item marks the first token
                         yield _event_sse(event)
                     item = await anext(items)
-                await _keep(store, turn, item)
-            for event in stream.closing(item):
+                closing = stream.closing(item)
+                await _keep(store, turn, item, closing[-1]["response"])
+            for event in closing:
                 yield _event_sse(event)
             metrics.step(item.stats)
         except Exception as exc:  # after the status line: the error goes in the stream
@@ -269,6 +303,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (_Unauthorized, 401, "authentication_error"),
     (_TooLarge, 413, "invalid_request_error"),
     (SessionBusyError, 409, "conflict_error"),
+    (ResponseNotFoundError, 404, "invalid_request_error"),
     (ContextLengthError, 400, "invalid_request_error"),
     (UserError, 400, "invalid_request_error"),
     (TimeoutError, 504, "timeout_error"),
@@ -299,7 +334,11 @@ def _failure(exc: Exception, metrics: ServeMetrics) -> JSONResponse:
 
 def _gauges(pool: SessionPool) -> dict[str, int]:
     sessions = pool.sessions if pool.is_open else []
-    return {"sessions": len(sessions), "pins": sum(1 for s in sessions if s.pinned_tokens)}
+    gauges = {"sessions": len(sessions), "pins": sum(1 for s in sessions if s.pinned_tokens)}
+    engine = pool.engine if pool.is_open else None
+    if isinstance(engine, EngineGroup):
+        gauges["engines_live"] = engine.live
+    return gauges
 
 
 class FrontDoor:

@@ -94,9 +94,10 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
         options: the other `Session` options (``system``, ``tool_format``, ``cache_salt``, ...),
             `SessionPool`'s (``max_sessions``, ``idle_ttl_s``) and `BaseChatModel`'s fields.
 
-    Not supported (a clear error): images and other non-text content, stop sequences,
-    structured output other than by tool calling, and call options other than tools,
-    ``tool_choice``, ``max_tokens``, ``temperature`` and ``seed``.
+    Stop sequences (``invoke(..., stop=[...])``) end the answer before the first one (`Session.step`'s
+    ``stop``). Not supported (a clear error): images and other non-text content, structured output
+    other than by tool calling, and call options other than tools, ``tool_choice``, ``max_tokens``,
+    ``temperature``, ``seed`` and ``stop``.
     """
 
     max_tokens: int | None = None
@@ -208,14 +209,14 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
 
     def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The pool's step options from the model's fields and the call's (bound) options."""
-        if stop:
-            raise NotImplementedError("ChatAgentKV does not support stop sequences")
         kwargs.pop("stream", None)  # LangChain's own switch, already acted on
         unknown = sorted(set(kwargs) - set(_CALL_OPTIONS))
         if unknown:
             raise NotImplementedError(f"ChatAgentKV does not support the call options {', '.join(unknown)}")
         options: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed}
         options.update(kwargs)
+        if stop:
+            options["stop"] = stop
         choice = options.get("tool_choice")
         if choice is None:
             options.pop("tool_choice", None)

@@ -72,8 +72,9 @@ REMEMBERED_RESPONSES = 256
 """How many recent responses a model keeps the conversation of, for ``previous_response_id``."""
 
 _UNSUPPORTED_SETTINGS = ("top_p", "frequency_penalty", "presence_penalty", "top_logprobs")
-_ACCEPTED_EXTRA_ARGS = ("seed", "prompt_cache_key")
-"""``extra_args`` read (``seed``) or harmless to ignore (``prompt_cache_key``: agentkv pins conversations itself)."""
+_ACCEPTED_EXTRA_ARGS = ("seed", "stop", "prompt_cache_key")
+"""``extra_args`` read (``seed``, ``stop``: as the chat-completions ``stop``) or harmless to ignore
+(``prompt_cache_key``: agentkv pins conversations itself)."""
 
 
 class AgentKVModel(PooledAccess, Model):
@@ -348,6 +349,7 @@ class _Call:
             "max_tokens": settings.max_tokens,
             "temperature": settings.temperature,
             "seed": (settings.extra_args or {}).get("seed"),
+            "stop": (settings.extra_args or {}).get("stop"),
         }
         new = cast(list[MessageLike], Converter.items_to_messages(input, strict_feature_validation=True))
         system: list[MessageLike] = [{"role": "system", "content": system_instructions}] if system_instructions else []

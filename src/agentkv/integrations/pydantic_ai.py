@@ -77,7 +77,8 @@ class AgentKVModel(PooledAccess, Model):
     extends the session's conversation and D's KV of it is pushed back instead of recomputed.
 
     Function tools and output tools (structured ``output_type``) are offered to the model as
-    agentkv tools; ``tool_choice``, ``max_tokens``, ``temperature`` and ``seed`` settings apply.
+    agentkv tools; ``tool_choice``, ``max_tokens``, ``temperature``, ``seed`` and ``stop_sequences``
+    settings apply.
     Builtin (native) tools, native structured output, images, audio, documents and other files
     raise `pydantic_ai.exceptions.UserError`; other generic settings are ignored (pydantic-ai
     warns about those that change what a request guarantees).
@@ -103,7 +104,6 @@ class AgentKVModel(PooledAccess, Model):
             "presence_penalty",
             "frequency_penalty",
             "logit_bias",
-            "stop_sequences",
             "extra_headers",
             "citations",
             "service_tier",
@@ -209,6 +209,7 @@ class AgentKVModel(PooledAccess, Model):
             "max_tokens": settings.get("max_tokens"),
             "temperature": settings.get("temperature"),
             "seed": settings.get("seed"),
+            "stop": settings.get("stop_sequences"),
         }
         return params, _chat_messages(messages, instructions), options
 

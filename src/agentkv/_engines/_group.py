@@ -1,0 +1,213 @@
+"""`EngineGroup`: several pairs behind one engine, each conversation kept on the pair that holds its pin.
+
+A step that pushes a handle back goes to the pair whose D issued it (the handle names D's
+engine); a step without one (a new conversation) goes to the live pair with the fewest steps in
+flight, then the fewest conversations pinned. When a
+pair dies, the group keeps serving on the others: a step whose handle names the dead pair is
+re-placed on a live one and recomputes its prompt (its stats say ``declined``), and the dead
+pair is replaced in the background when the group was told how (``replace``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from .._errors import EngineDeadError, UserError
+from ._base import Engine, EngineInfo, EngineState, StepDone, StepEvent, StepRequest
+from ._handle import KVHandle
+
+__all__ = ["EngineGroup"]
+
+logger = logging.getLogger("agentkv")
+
+
+@dataclass(eq=False)
+class _Member:
+    engine: Engine
+    in_flight: int = 0
+    pins: set[str] = field(default_factory=set[str])
+    """The handles it issued that were neither pushed back nor released yet (its conversations)."""
+    replacing: bool = False
+    given_up: bool = False
+    """Its replacement failed: it stays out."""
+
+    @property
+    def serves(self) -> bool:
+        return self.engine.state is EngineState.OPEN and not self.engine.is_dead and not self.replacing
+
+
+class EngineGroup(Engine):
+    """Several engines of one model serving as one: conversations spread over them, each kept on its pair.
+
+    The group opens the engines it is given (unopened) and closes them with it. Sessions,
+    pools and the front door take it like any engine.
+
+    Args:
+        engines: the engines, unopened, all of the same model (e.g. ``EmbeddedPair(cores=...)`` each).
+        replace: makes a new engine to take a dead one's place (given the dead one); the group opens
+            it in the background while the others serve. Default: a dead engine stays out.
+    """
+
+    def __init__(self, engines: Sequence[Engine], *, replace: Callable[[Engine], Engine] | None = None) -> None:
+        super().__init__()
+        engines = list(engines)
+        if not engines or not all(isinstance(e, Engine) for e in engines):
+            raise UserError("EngineGroup takes a non-empty list of agentkv engines")
+        if any(e.state is not EngineState.UNOPENED for e in engines) or len({id(e) for e in engines}) < len(engines):
+            raise UserError("EngineGroup opens its engines itself: give each one once, unopened")
+        self._members = [_Member(engine) for engine in engines]
+        self._replace = replace
+        self._owners: dict[str, _Member] = {}
+        """D's engine id (named in every handle it issues) -> the member it belongs to."""
+        self._info: EngineInfo | None = None
+        self._replacements: set[asyncio.Future[None]] = set()
+
+    # ----------------------------------------------------------------- reading
+
+    @property
+    def engines(self) -> list[Engine]:
+        """The group's engines now (a replaced engine's successor in its place)."""
+        return [m.engine for m in self._members]
+
+    @property
+    def live(self) -> int:
+        """How many of the engines serve steps now."""
+        return sum(1 for m in self._members if m.serves)
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise UserError("the group's info is known once it is open")
+        return self._info
+
+    @property
+    def is_dead(self) -> bool:
+        """Whether no engine of the group can serve (each died, none is being replaced)."""
+        return self.is_open and not any(m.serves or m.replacing for m in self._members)
+
+    def check_open(self) -> None:
+        self._require_open()
+        if self.is_dead:
+            raise EngineDeadError("every engine of the group died")
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def _start(self) -> None:
+        for member in self._members:  # one at a time: engines starting together fight for the cores
+            await member.engine.open(home=self.home)
+        infos = [m.engine.info for m in self._members]
+        if len({info.model_path for info in infos}) > 1:
+            raise UserError("the engines of a group must serve one model")
+        self._info = dataclasses.replace(
+            infos[0],
+            max_model_len=min(info.max_model_len for info in infos),
+            modes=frozenset.intersection(*(info.modes for info in infos)),
+            extra={**infos[0].extra, "engines": len(infos)},
+        )
+
+    async def _stop(self) -> None:
+        for task in list(self._replacements):
+            task.cancel()
+        await asyncio.gather(*self._replacements, return_exceptions=True)
+        for member in self._members:
+            await member.engine.aclose()
+
+    # ----------------------------------------------------------------- steps
+
+    async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
+        """The step on its pair; a pair that dies before its first token gets the step re-placed once."""
+        self.check_open()
+        member, placed = self._place(request)
+        started = False
+        try:
+            async for event in self._step_on(member, placed, forwarded=request.handle is not None):
+                started = True
+                yield event
+        except EngineDeadError:
+            if started or not member.engine.is_dead or not any(m.serves for m in self._members):
+                raise
+            logger.warning("agentkv: a pair died before the step's first token; re-placing the step")
+            member, placed = self._place(dataclasses.replace(request, handle=None))
+            async for event in self._step_on(member, placed, forwarded=request.handle is not None):
+                yield event
+
+    async def _step_on(self, member: _Member, request: StepRequest, *, forwarded: bool) -> AsyncIterator[StepEvent]:
+        lost = forwarded and request.handle is None  # forwarded, but its pair is gone: the step says declined
+        member.in_flight += 1
+        try:
+            async for event in member.engine.step(request):
+                if isinstance(event, StepDone):
+                    if event.handle is not None:
+                        self._owners[event.handle.remote_engine_id] = member
+                        member.pins.add(event.handle.remote_request_id)
+                    if lost:
+                        timings = dataclasses.replace(event.timings, pullback_declined=True)
+                        event = dataclasses.replace(event, timings=timings)
+                yield event
+        finally:
+            member.in_flight -= 1
+            if member.engine.is_dead:
+                self._lost(member)
+
+    def _place(self, request: StepRequest) -> tuple[_Member, StepRequest]:
+        """The member for ``request`` and the request as it goes there (without a handle its pair cannot read)."""
+        for member in self._members:
+            if member.engine.is_dead and not member.replacing:
+                self._lost(member)
+        if request.handle is not None:
+            owner = self._owners.get(request.handle.remote_engine_id)
+            if owner is not None and owner.serves:
+                owner.pins.discard(request.handle.remote_request_id)
+                return owner, request
+            logger.info("agentkv: a conversation's pair is gone; its step recomputes on another")
+            request = dataclasses.replace(request, handle=None)
+        serving = [m for m in self._members if m.serves]
+        if not serving:
+            raise EngineDeadError("every engine of the group died")
+        return min(serving, key=lambda m: (m.in_flight, len(m.pins))), request
+
+    async def release(self, handle: KVHandle) -> None:
+        owner = self._owners.get(handle.remote_engine_id)
+        if owner is not None and owner.serves:
+            owner.pins.discard(handle.remote_request_id)
+            await owner.engine.release(handle)
+
+    # ----------------------------------------------------------------- dead engines
+
+    def _lost(self, member: _Member) -> None:
+        """A member died: forget its handles; start its replacement if the group knows how (once)."""
+        for engine_id in [k for k, m in self._owners.items() if m is member]:
+            del self._owners[engine_id]
+        member.pins.clear()
+        if self._replace is None or member.replacing or member.given_up or not self.is_open:
+            return
+        member.replacing = True
+        task = asyncio.ensure_future(self._replace_member(member))
+        self._replacements.add(task)
+        task.add_done_callback(self._replacements.discard)
+
+    async def _replace_member(self, member: _Member) -> None:
+        assert self._replace is not None
+        dead = member.engine
+        logger.warning("agentkv: an engine of the group died; starting its replacement while the others serve")
+        successor: Engine | None = None
+        try:
+            await dead.aclose()
+            successor = self._replace(dead)
+            await successor.open(home=self.home)
+        except BaseException:
+            logger.warning("agentkv: replacing a dead engine of the group failed; it stays out", exc_info=True)
+            member.given_up = True
+            if successor is not None:
+                with anyio.CancelScope(shield=True):
+                    await successor.aclose()
+            raise
+        finally:
+            member.replacing = False
+        member.engine = successor

@@ -1,0 +1,88 @@
+"""Where a `SessionPool` keeps its sessions' snapshots, so that conversations resume after a restart.
+
+A snapshot is saved after every step, under the conversation's id when it has one, else under
+a digest of the messages it holds (`history_key`: the next request of that conversation starts
+with those messages, so it finds the snapshot again). A restored session extends the saved
+token ids exactly and recomputes its KV once (its first step's ``miss_reason`` is ``resumed``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .._conversation._conversation import Message
+from .._sqlite import SqliteTable, Store, positive
+from ._snapshot import SessionSnapshot
+
+__all__ = ["SessionStore", "SqliteSessionStore", "conversation_key", "history_key"]
+
+
+def conversation_key(conversation_id: str) -> str:
+    """The store key of a named conversation."""
+    return f"conversation:{conversation_id}"
+
+
+def history_key(messages: Sequence[Message]) -> str:
+    """The store key of an unnamed conversation: a digest of its messages (through the model's last answer)."""
+    dumped = json.dumps([m.model_dump(mode="json") for m in messages], sort_keys=True, separators=(",", ":"))
+    return "history:" + hashlib.sha256(dumped.encode()).hexdigest()
+
+
+class SessionStore(Store):
+    """Session snapshots by key. Implementations are safe to call from several threads."""
+
+    @abstractmethod
+    def get(self, key: str) -> SessionSnapshot | None:
+        """The snapshot saved under ``key``, or None (never saved, dropped, or unreadable)."""
+
+    @abstractmethod
+    def put(self, key: str, snapshot: SessionSnapshot) -> None:
+        """Save ``snapshot`` under ``key`` (replacing what was there)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Forget ``key`` (nothing happens when it is unknown)."""
+
+
+class SqliteSessionStore(SessionStore):
+    """Session snapshots in a table of one SQLite file, kept across restarts; the oldest dropped beyond ``max_sessions``.
+
+    Args:
+        path: the database file (created, with its folder, if missing); ``agentkv serve`` shares it with its responses.
+        max_sessions: the most snapshots kept.
+    """
+
+    def __init__(self, path: str | Path, *, max_sessions: int = 100_000) -> None:
+        self._table = SqliteTable(
+            path,
+            table="sessions",
+            columns=("key TEXT PRIMARY KEY", "snapshot TEXT NOT NULL"),
+            max_rows=positive("max_sessions", max_sessions),
+        )
+        self.path = self._table.path
+
+    def get(self, key: str) -> SessionSnapshot | None:
+        row = self._table.read("SELECT snapshot FROM sessions WHERE key = ?", key)
+        if row is None:
+            return None
+        try:
+            return SessionSnapshot.model_validate_json(str(row[0]))
+        except ValidationError:  # written by another version: the conversation is rebuilt from its messages
+            return None
+
+    def put(self, key: str, snapshot: SessionSnapshot) -> None:
+        self._table.write(
+            "INSERT OR REPLACE INTO sessions (key, snapshot) VALUES (?, ?)", key, snapshot.model_dump_json()
+        )
+
+    def delete(self, key: str) -> None:
+        self._table.write("DELETE FROM sessions WHERE key = ?", key)
+
+    def close(self) -> None:
+        self._table.close()
