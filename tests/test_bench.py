@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -9,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from agentkv import Colocated, UserError
+from agentkv import AgentKVError, Colocated, UserError
 from agentkv._bench import (
     DEFAULT_DTYPE,
     DEFAULT_MODES,
+    SERVED_TTFT_TARGET,
     BenchReport,
     header,
     load_replay,
@@ -20,9 +22,10 @@ from agentkv._bench import (
     plot,
     run_bench,
     run_bench_sync,
+    served_overhead,
     table,
 )
-from agentkv._bench._records import FloorFit, StepRecord, summarize
+from agentkv._bench._records import FloorFit, StepRecord, first_prompt_divergence, summarize
 from agentkv._engines import PrefillEngine, StepRequest
 from agentkv._engines._pair_config import EngineLaunch, resolve_dtype
 from agentkv._stats._stats import StepStats
@@ -40,6 +43,8 @@ def _record(
     tokens: int = 100,
     on: PrefillEngine | None = None,
     itl: tuple[float, ...] = (0.1, 0.2),
+    output: tuple[int, ...] = (1, 2),
+    prompt: str = "",
 ) -> StepRecord:
     return StepRecord(
         mode=mode,
@@ -60,7 +65,8 @@ def _record(
         miss_reason=None if pulled else "push_back_off",
         prefill_engine=on,
         placement_reason=None if on is None else f"placed on {on}",
-        output_token_ids=[1, 2],
+        output_token_ids=list(output),
+        prompt_digest=prompt or f"prompt of turn {turn}",
     )
 
 
@@ -161,7 +167,9 @@ def test_a_step_record_carries_where_the_step_was_prefilled() -> None:
         | {"computed_tokens": 44, "output_tokens": 3, "prefill_engine": "decode", "placement_reason": "D cheaper"}
     )
     client: dict[str, Any] = {"session": 0, "turn": 2, "ttft_s": 0.25, "itl_s": [0.01, 0.01], "wall_s": 0.3}
-    record = StepRecord.from_stats(stats, mode="auto", new_tokens=30, output_token_ids=[5, 6, 7], **client)
+    record = StepRecord.from_stats(
+        stats, mode="auto", new_tokens=30, output_token_ids=[5, 6, 7], prompt_digest="d", **client
+    )
     assert (record.prefill_engine, record.placement_reason) == ("decode", "D cheaper")
     assert (record.ttft_s, record.engine_ttft_s, record.computed_tokens) == (0.25, 0.2, 44)
     dumped = json.loads(record.model_dump_json())
@@ -311,7 +319,7 @@ async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_pl
     engines = _Engines()
     for name in ("EmbeddedPair", "Colocated", "LaunchedPair"):
         monkeypatch.setattr(f"agentkv._bench._runner.{name}", engines.kind(name))
-    modes = [*DEFAULT_MODES, "bidirectional-split", "launched"]
+    modes = [*DEFAULT_MODES, "bidirectional-split", "launched", "served"]
     workload = make_workload("chat", turns=2, scale=0.25)
     report = await run_bench(workload, modes=modes, dtype="bfloat16", max_model_len=1024)
     assert report.dtype == "bfloat16" and "dtype bfloat16" in header(report)
@@ -328,6 +336,7 @@ async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_pl
     placements = {mode: {p for m, p in engines.requests if m == mode} for mode in modes}
     assert placements["auto"] == {"auto"}  # the session asks the pair to place each step
     assert placements["raw"] == placements["bidirectional"] == placements["bidirectional-split"] == {"prefill"}
+    assert placements["served"] == {"prefill"}  # the front door's sessions, on the bidirectional pair
     assert sorted({m for m, _ in engines.requests}) == sorted(modes)
     assert [(r.mode, r.turn) for r in report.records] == [(m, t) for m in modes for t in (1, 2)]
     assert report.answers_agree == dict.fromkeys([m for m in modes if m != "bidirectional"], True)
@@ -358,3 +367,74 @@ def test_the_progress_bar_counts_steps_and_shows_what_runs(capsys: pytest.Captur
     last = err.rsplit("\r", 1)[-1]  # tqdm redraws in place; intermediate frames are throttled
     assert "\ra start-up stage\n" in err
     assert last.startswith("done:") and "4/4" in last and last.endswith("\n")  # closed at the end
+
+
+def test_a_prompt_that_differs_on_the_same_history_is_found() -> None:
+    bidi = [_record("bidirectional", t, 1.0, prompt=f"p{t}", output=(t,)) for t in (1, 2, 3)]
+    same = [_record("served", t, 1.0, prompt=f"p{t}", output=(t,)) for t in (1, 2, 3)]
+    assert first_prompt_divergence(bidi + same) is None
+    rebuilt = [*same[:1], _record("served", 2, 1.0, prompt="other", tokens=120), same[2]]
+    assert first_prompt_divergence(bidi + rebuilt) == (
+        "served, session 0, turn 2: a prompt of 120 tokens, miss_reason push_back_off, against bidirectional's of 100"
+    )
+    answered_otherwise = [_record("raw", 1, 1.0, prompt="p1", output=(9,))]  # bf16: the answer differed on turn 1
+    answered_otherwise += [_record("raw", t, 1.0, prompt="later", output=(t,)) for t in (2, 3)]
+    assert first_prompt_divergence(bidi + answered_otherwise) is None  # so later prompts may differ
+
+
+def test_the_served_line_gives_the_overhead_next_to_the_target() -> None:
+    records = [_record("bidirectional", t, 1.0) for t in (1, 2, 3)]
+    records += [_record("served", t, 1.02) for t in (1, 2, 3)]
+    line = served_overhead(summarize(records, {"bidirectional": 1.0, "served": 1.0}, None))
+    assert line is not None and line.startswith("served over bidirectional: 1.020x mean TTFT, +20.0 ms per step")
+    assert f"target <= {SERVED_TTFT_TARGET:.2f}x: met" in line
+    assert "the door's own share: +0.0 ms per step (0.0% of bidirectional's TTFT" in line  # the engine was slower
+    assert "client TTFT over the engine's: served 10.0 ms, bidirectional 10.0 ms)" in line
+    door = [r.model_copy(update={"engine_ttft_s": r.ttft_s - 0.015}) for r in records[3:]]
+    line = served_overhead(summarize(records[:3] + door, {"bidirectional": 1.0, "served": 1.0}, None))
+    assert line is not None and "the door's own share: +5.0 ms per step (0.5% of bidirectional's TTFT" in line
+    slower = records[:3] + [_record("served", t, 1.2) for t in (1, 2, 3)]
+    assert "NOT met" in (served_overhead(summarize(slower, {"bidirectional": 1.0, "served": 1.0}, None)) or "")
+    assert served_overhead(summarize(records[:3], {"bidirectional": 1.0}, None)) is None
+
+
+@pytest.mark.parametrize("name", ["agentic", "coding"])
+def test_the_served_row_replays_the_conversation_through_the_front_door(name: str) -> None:
+    """The `openai` client through `FrontDoor` gives the model bidirectional's prompts, pushes back from turn 2,
+    and its record carries the step's stats from the server."""
+    workload = make_workload(name, turns=3, scale=0.1)
+    modes = ["bidirectional", "served"]
+    with HonestPairEngine() as engine:
+        report = run_bench_sync(workload, modes=modes, engines=dict.fromkeys(modes, engine), sessions=2)
+        assert engine.violations == []
+    assert [(r.mode, r.session, r.turn) for r in report.records] == [
+        (m, s, t) for m in modes for s in (0, 1) for t in (1, 2, 3)
+    ]
+    assert report.answers_agree == {"served": True}
+    reference = {(r.session, r.turn): r for r in report.records if r.mode == "bidirectional"}
+    for record in (r for r in report.records if r.mode == "served"):
+        same = reference[(record.session, record.turn)]
+        assert (record.prompt_digest, record.prompt_tokens) == (same.prompt_digest, same.prompt_tokens)
+        assert record.pulled_tokens == same.pulled_tokens == (0 if record.turn == 1 else same.pulled_tokens)
+        assert record.turn == 1 or (record.pulled_tokens > 0 and record.miss_reason is None)
+        assert record.ttft_s >= record.engine_ttft_s > 0 and record.itl_s
+    (served,) = [s for s in report.summaries if s.mode == "served"]
+    assert served.overhead_vs_bidirectional_s is not None and served.reuse_ratio > 0
+    assert served_overhead(report.summaries) is not None
+
+
+@pytest.mark.anyio
+async def test_served_refuses_an_engine_the_front_door_cannot_call() -> None:
+    async with HonestPairEngine() as engine:  # opened on this loop: no thread can call into it
+        with pytest.raises(UserError, match="mode served needs its engine opened with `with`"):
+            await run_bench(make_workload("chat", turns=2), modes=["served"], engines={"served": engine})
+
+
+def test_a_diverging_mode_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mode that gives the model another prompt on the same history fails the bench, naming where."""
+
+    digests = itertools.count()
+    monkeypatch.setattr("agentkv._bench._runner._digest", lambda tokens: str(next(digests)))  # every prompt differs
+    modes = ["bidirectional", "raw"]
+    with HonestPairEngine() as engine, pytest.raises(AgentKVError, match="did not replay the same conversation"):
+        run_bench_sync(make_workload("chat", turns=2), modes=modes, engines=dict.fromkeys(modes, engine))

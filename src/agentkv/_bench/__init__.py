@@ -13,9 +13,9 @@ import anyio
 
 from .._engines import Engine
 from .._engines._pair_config import resolve_dtype
-from .._errors import UserError
-from ._records import BenchReport, ModeSummary, StepRecord, summarize
-from ._report import header, plot, table
+from .._errors import AgentKVError, UserError
+from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, StepRecord, first_prompt_divergence, summarize
+from ._report import header, plot, served_overhead, table
 from ._runner import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES, Progress, run_modes
 from ._workloads import WORKLOADS, Workload, load_replay, make_workload
 
@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_MODES",
     "DTYPES",
     "MODES",
+    "SERVED_TTFT_TARGET",
     "Progress",
     "WORKLOADS",
     "BenchReport",
@@ -36,6 +37,7 @@ __all__ = [
     "plot",
     "run_bench",
     "run_bench_sync",
+    "served_overhead",
     "table",
 ]
 
@@ -69,7 +71,12 @@ async def run_bench(
     ``engines`` maps each mode to an open engine to use (the caller's to close); by default
     the bench starts what the modes need, every engine in ``dtype`` (one of `DTYPES`; default
     float32, see `DEFAULT_DTYPE`: it keeps the modes' greedy answers, hence their prompts,
-    identical), and closes them at the end. ``dtype`` and ``engines`` exclude each other.
+    identical), and closes them at the end. ``dtype`` and ``engines`` exclude each other. Mode ``served``
+    puts a front door in a thread before its sessions: a given engine for it must be open on a loop that
+    thread can call (opened with ``with``).
+
+    Raises `AgentKVError` when a mode gave the model another prompt than bidirectional on the same history:
+    its figures would not compare (served: the front door did not give the model what `Session.run` gives it).
     """
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:
@@ -82,6 +89,9 @@ async def run_bench(
         raise UserError("dtype applies to the engines the bench starts; the given engines run in their own")
     started_dtype = None if engines is not None else resolve_dtype(dtype or DEFAULT_DTYPE)
     homes = {id(engine.home): engine.home for engine in (engines or {}).values() if engine.home is not None}
+    served = (engines or {}).get("served")
+    if "served" in modes and served is not None and (served.home is None or not served.home.owns_thread):
+        raise UserError("mode served needs its engine opened with `with`: the front door's thread calls into its loop")
     if len(homes) > 1:
         raise UserError("the given engines live on different event loops; open them on one")
     measure = functools.partial(
@@ -101,6 +111,9 @@ async def run_bench(
     else:
         records, walls, floor = await measure()
     records.sort(key=lambda r: (list(modes).index(r.mode), r.session, r.turn))
+    divergence = first_prompt_divergence(records)
+    if divergence is not None:
+        raise AgentKVError(f"agentkv bench: the modes did not replay the same conversation ({divergence})")
     return BenchReport(
         workload=workload.name,
         workload_description=workload.description,

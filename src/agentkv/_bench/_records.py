@@ -11,7 +11,18 @@ from pydantic import BaseModel, ConfigDict
 from .._engines import PrefillEngine
 from .._stats._stats import StepStats
 
-__all__ = ["BenchReport", "FloorFit", "ModeSummary", "StepRecord", "summarize"]
+__all__ = [
+    "SERVED_TTFT_TARGET",
+    "BenchReport",
+    "FloorFit",
+    "ModeSummary",
+    "StepRecord",
+    "first_prompt_divergence",
+    "summarize",
+]
+
+SERVED_TTFT_TARGET = 1.05
+"""The most served's mean TTFT may be over bidirectional's (issue 15: the front door costs at most 5%)."""
 
 
 class StepRecord(BaseModel):
@@ -23,12 +34,20 @@ class StepRecord(BaseModel):
     session: int
     turn: int
     ttft_s: float
-    """Client clock: the call (``Session.run``, or ``Engine.step`` for raw) to the first output token."""
+    """Client clock: the call (``Session.run``, or ``Engine.step`` for raw; served: the HTTP request sent) to the
+    first output token (served: the first chunk, which the front door sends at the first token)."""
     engine_ttft_s: float
     """The engine's own TTFT: request submitted to the first token (`StepStats.ttft_s`)."""
+    prefill_s: float | None = None
+    """The prefilling engine's compute time of the step (`StepStats.prefill_s`)."""
+    kv_wait_s: float = 0.0
+    """Time the step's requests waited for KV or in a queue before being scheduled (`StepStats.kv_wait_s`)."""
     itl_s: list[float]
-    """Gaps between output tokens as the client received them."""
+    """Gaps between output tokens as the client received them (served: between the text chunks)."""
     wall_s: float
+    """Client clock: the call to the step's end."""
+    request_s: float = 0.0
+    """Served: the `openai` client's own time from the call to its HTTP request sent (not in `ttft_s`)."""
     prompt_tokens: int
     new_tokens: int
     """Tokens this turn appended to the conversation (the user message and chat template)."""
@@ -44,6 +63,8 @@ class StepRecord(BaseModel):
     placement_reason: str | None
     """Why there (`StepStats.placement_reason`)."""
     output_token_ids: list[int]
+    prompt_digest: str
+    """A digest of the prompt's token ids: on the same history every mode must give the model the same prompt."""
 
     @classmethod
     def from_stats(cls, stats: StepStats, **client_side: Any) -> StepRecord:
@@ -77,6 +98,9 @@ class ModeSummary(BaseModel):
     ttft_p50_s: float
     ttft_p90_s: float
     engine_ttft_mean_s: float
+    client_over_engine_s: float
+    """Mean of TTFT on the client clock minus the engine's own: what lies between the caller and the engine
+    (the Session; for served also HTTP, the front door and the pool)."""
     itl_p50_s: float | None
     itl_p90_s: float | None
     itl_p99_s: float | None
@@ -101,6 +125,8 @@ class ModeSummary(BaseModel):
     ttft_over_floor: float | None
     overhead_vs_raw_s: float | None
     """Bidirectional only: its mean TTFT minus raw's (same pair, same push-back, no Session)."""
+    overhead_vs_bidirectional_s: float | None = None
+    """Served only: its mean TTFT minus bidirectional's (same pair, same prompts, through the front door)."""
 
 
 class BenchReport(BaseModel):
@@ -164,6 +190,7 @@ def summarize(
                 ttft_p50_s=_percentile(ttfts, 50),
                 ttft_p90_s=_percentile(ttfts, 90),
                 engine_ttft_mean_s=statistics.fmean(r.engine_ttft_s for r in rows),
+                client_over_engine_s=statistics.fmean(r.ttft_s - r.engine_ttft_s for r in rows),
                 itl_p50_s=itl_p50.get(mode),
                 itl_p90_s=_percentile(gaps, 90) if gaps else None,
                 itl_p99_s=_percentile(gaps, 99) if gaps else None,
@@ -181,6 +208,9 @@ def summarize(
                 floor_mean_s=statistics.fmean(floors) if floors else None,
                 ttft_over_floor=statistics.fmean(t / f for t, f in zip(ttfts, floors, strict=True)) if floors else None,
                 overhead_vs_raw_s=means[mode] - means["raw"] if "raw" in means and mode == "bidirectional" else None,
+                overhead_vs_bidirectional_s=(
+                    means[mode] - means["bidirectional"] if "bidirectional" in means and mode == "served" else None
+                ),
             )
         )
     return summaries
@@ -191,3 +221,27 @@ def _ratio(values: dict[str, float], mode: str, reference: str) -> float | None:
     if mode not in values or not values.get(reference):
         return None
     return values[mode] / values[reference]
+
+
+def first_prompt_divergence(records: Sequence[StepRecord]) -> str | None:
+    """Where a mode first gave the model another prompt than bidirectional on the same history, or None.
+
+    A session's turns are compared until its answer differs from bidirectional's (possible outside
+    float32: the next prompts then differ rightly).
+    """
+    reference = {(r.session, r.turn): r for r in records if r.mode == "bidirectional"}
+    ordered = sorted((r for r in records if r.mode != "bidirectional"), key=lambda r: (r.mode, r.session, r.turn))
+    diverged: set[tuple[str, int]] = set()
+    for record in ordered:
+        same = reference.get((record.session, record.turn))
+        if same is None or (record.mode, record.session) in diverged:
+            continue
+        if record.prompt_digest != same.prompt_digest:
+            why = f", miss_reason {record.miss_reason}" if record.miss_reason else ""
+            return (
+                f"{record.mode}, session {record.session}, turn {record.turn}: a prompt of {record.prompt_tokens} "
+                f"tokens{why}, against bidirectional's of {same.prompt_tokens}"
+            )
+        if record.output_token_ids != same.output_token_ids:
+            diverged.add((record.mode, record.session))
+    return None

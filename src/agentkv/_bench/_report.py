@@ -8,9 +8,9 @@ from pathlib import Path
 
 from .._stats._plots import plot_turns
 from .._stats._stats import text_table
-from ._records import BenchReport, ModeSummary, StepRecord
+from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, StepRecord
 
-__all__ = ["header", "per_turn", "plot", "table"]
+__all__ = ["header", "per_turn", "plot", "served_overhead", "table"]
 
 
 def _seconds(value: float | None) -> str:
@@ -105,10 +105,32 @@ def header(report: BenchReport) -> str:
         (
             f"workload: {report.workload} ({report.workload_description}); {report.turns} turns, "
             f"{report.sessions} session(s) per mode, {dtype}",
-            "figures over turns 2+; TTFT on the client clock (call -> first token); seconds",
+            "figures over turns 2+; TTFT on the client clock (call -> first token; served: HTTP request sent -> "
+            "first chunk); seconds",
             "on D: steps prefilled on D alone; vs bidi / vs coloc: the column before, over bidirectional's / "
             "colocated's",
         )
+    )
+
+
+def served_overhead(summaries: Sequence[ModeSummary]) -> str | None:
+    """The front door's cost next to its target: served's mean TTFT over bidirectional's (ratio, and ms per
+    step), and the door's own share of it: served's client-over-engine TTFT minus bidirectional's (the rest
+    is the engine's TTFT varying between rounds). None unless both modes ran."""
+    by_mode = {s.mode: s for s in summaries}
+    served, bidirectional = by_mode.get("served"), by_mode.get("bidirectional")
+    if served is None or bidirectional is None:
+        return None
+    ratio, extra = served.ttft_vs_bidirectional, served.overhead_vs_bidirectional_s
+    if ratio is None or extra is None:
+        return None
+    verdict = "met" if ratio <= SERVED_TTFT_TARGET else "NOT met"
+    door = served.client_over_engine_s - bidirectional.client_over_engine_s
+    return (
+        f"served over bidirectional: {ratio:.3f}x mean TTFT, {extra * 1000:+.1f} ms per step "
+        f"(target <= {SERVED_TTFT_TARGET:.2f}x: {verdict}); the door's own share: {door * 1000:+.1f} ms per step "
+        f"({door / bidirectional.ttft_mean_s:.1%} of bidirectional's TTFT; client TTFT over the engine's: served "
+        f"{served.client_over_engine_s * 1000:.1f} ms, bidirectional {bidirectional.client_over_engine_s * 1000:.1f} ms)"
     )
 
 
