@@ -140,6 +140,7 @@ def test_a_bench_record_is_the_steps_stats_plus_the_clients_clock() -> None:
         wall_s=0.4,
         new_tokens=20,
         output_token_ids=[1, 2, 3, 4, 5],
+        prompt_digest="d1",
     )
     assert (record.ttft_s, record.engine_ttft_s) == (0.3, stats.ttft_s)  # the client's clock, and the engine's
     shared = (StepRecord.model_fields.keys() & StepStats.model_fields.keys()) - {"ttft_s"}
