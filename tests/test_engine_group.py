@@ -118,3 +118,19 @@ def test_a_group_takes_unopened_engines_once() -> None:
         EngineGroup([pair, pair])
     with pair, pytest.raises(UserError, match="unopened"):
         EngineGroup([pair])
+
+
+def test_a_replacement_that_fails_leaves_the_others_serving(caplog: pytest.LogCaptureFixture) -> None:
+    def replace(dead: Engine) -> Engine:
+        raise RuntimeError("no cores left")
+
+    pairs = [HonestPairEngine(answer), HonestPairEngine(answer)]
+    with EngineGroup(pairs, replace=replace) as group, Session(engine=group) as session:
+        pairs[0].inject("die")
+        assert session.step_sync([user("Hi")]).text
+        deadline = time.monotonic() + 10
+        while "replacing a dead engine" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert group.live == 1 and not group.is_dead
+        assert session.step_sync([user("Hi"), {"role": "assistant", "content": "x"}, user("Again")]).text
+    assert "no cores left" in caplog.text and len(pairs[0].steps) == 1  # tried once, never again

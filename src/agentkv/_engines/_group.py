@@ -2,10 +2,10 @@
 
 A step that pushes a handle back goes to the pair whose D issued it (the handle names D's
 engine); a step without one (a new conversation) goes to the live pair with the fewest steps in
-flight, then the fewest conversations pinned. When a
-pair dies, the group keeps serving on the others: a step whose handle names the dead pair is
-re-placed on a live one and recomputes its prompt (its stats say ``declined``), and the dead
-pair is replaced in the background when the group was told how (``replace``).
+flight, then the fewest conversations pinned. When a pair dies, the group keeps serving on the
+others: a step whose handle names the dead pair is re-placed on a live one and recomputes its
+prompt (its stats say ``declined``), and the dead pair is replaced in the background when the
+group was told how (``replace``).
 """
 
 from __future__ import annotations
@@ -201,13 +201,16 @@ class EngineGroup(Engine):
             await dead.aclose()
             successor = self._replace(dead)
             await successor.open(home=self.home)
-        except BaseException:
-            logger.warning("agentkv: replacing a dead engine of the group failed; it stays out", exc_info=True)
-            member.given_up = True
+        except BaseException as exc:
+            member.given_up = not isinstance(exc, asyncio.CancelledError)
+            if member.given_up:
+                logger.warning("agentkv: replacing a dead engine of the group failed; it stays out", exc_info=True)
             if successor is not None:
                 with anyio.CancelScope(shield=True):
                     await successor.aclose()
-            raise
+            if not member.given_up:
+                raise
+            return
         finally:
             member.replacing = False
         member.engine = successor
