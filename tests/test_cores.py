@@ -22,7 +22,7 @@ import pytest
 from agentkv._engines import _vllm_patches
 from agentkv._engines._cores import ThreadBudget, elastic_bind_order
 from agentkv._engines._pair_config import CorePolicy, Role
-from agentkv._engines._vllm_patches import _bind_order, _ThreadBudgetFollower
+from agentkv._engines._vllm_patches import LENT_MIN_TOKENS, _bind_order, _ThreadBudgetFollower
 
 ROLES: tuple[Role, Role] = ("prefill", "decode")
 OTHER: dict[Role, Role] = {"prefill": "decode", "decode": "prefill"}
@@ -206,21 +206,26 @@ def _write(path: Path, own: int, lent: int) -> None:
         file.write(bytes([own, lent]))
 
 
-def test_follower_uses_lent_threads_while_lent_and_sets_on_change(
+def test_follower_uses_lent_threads_for_prefill_passes_only_and_sets_on_change(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     worker, path, follower = _follower(monkeypatch, tmp_path, own=1, lent=0)
-    follower.apply()  # nothing lent: own threads, bound on the first pass
+    follower.apply(500)  # nothing lent: own threads, bound on the first pass
     assert worker.threads == [1] and worker.bindings == [[1, 0]]
-    follower.apply()
+    follower.apply(1)
     assert worker.threads == [1]  # unchanged: not set again
     _write(path, 1, 2)
-    follower.apply()  # lent: every pass (prefill or decode) on all the cores
+    follower.apply(1)  # a decode pass: own threads even while lent
+    follower.apply(LENT_MIN_TOKENS - 1)
+    assert worker.threads == [1]
+    follower.apply(LENT_MIN_TOKENS)  # a prefill pass while lent: all the cores
     assert worker.threads == [1, 2]
-    follower.apply()
+    follower.apply(700)
     assert worker.threads == [1, 2]
-    _write(path, 1, 0)  # the other engine got work: back to its own cores
-    follower.apply()
+    follower.apply(1)  # back to its own for a decode pass
+    assert worker.threads == [1, 2, 1]
+    _write(path, 1, 0)  # the other engine got work: a prefill pass stays on its own cores
+    follower.apply(700)
     assert worker.threads == [1, 2, 1]
     assert worker.bindings == [[1, 0]]  # bound once, whatever the changes
 
@@ -228,10 +233,9 @@ def test_follower_uses_lent_threads_while_lent_and_sets_on_change(
 def test_follower_binds_before_its_first_setting_even_when_lent(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    worker, path, follower = _follower(monkeypatch, tmp_path, own=1, lent=2)
-    follower.apply()
-    _write(path, 1, 0)
-    follower.apply()
+    worker, _, follower = _follower(monkeypatch, tmp_path, own=1, lent=2)
+    follower.apply(300)
+    follower.apply(1)
     assert worker.bindings == [[1, 0]] and worker.threads == [2, 1]
 
 
@@ -243,15 +247,16 @@ def test_follower_reads_what_the_pairs_budget_writes(monkeypatch: pytest.MonkeyP
         prefill = _ThreadBudgetFollower(budget.path("prefill"))
         decode = _ThreadBudgetFollower(budget.path("decode"))
         budget.started("prefill")
-        prefill.apply()
+        prefill.apply(400)
         assert worker.threads == [4]  # P prefills on all four cores while D is idle
         budget.started("decode")
-        prefill.apply()
-        decode.apply()
+        prefill.apply(400)
+        decode.apply(400)
         assert worker.threads == [4, 2, 2]  # both busy: each on its own two
         budget.ended("prefill")
-        decode.apply()
-        assert worker.threads == [4, 2, 2, 4]  # P idle: D's passes (its decodes too) borrow P's cores
+        decode.apply(1)
+        decode.apply(400)
+        assert worker.threads == [4, 2, 2, 4]  # D's decode passes stay on its own; a prefill pass borrows
     finally:
         budget.close()
 

@@ -62,6 +62,9 @@ PARKED_POLL_ENV = "AGENTKV_PARKED_KV_POLL_MS"
 THREAD_BUDGET_ENV = "AGENTKV_THREAD_BUDGET"
 PIN_ON_DECODE = "agentkv_pin_on_decode"
 """A ``kv_transfer_params`` key: a step run on D alone, whose blocks D pins like a decode's (see below)."""
+LENT_MIN_TOKENS = 32
+"""A forward pass uses lent cores only when it computes at least this many tokens (a prefill): on the
+2-core machines measured, one decode token per pass ran slower on two threads than on one."""
 WORKER_SPIN_S = 0.002
 _PATCHED_MARK = "_agentkv_patched"
 
@@ -121,7 +124,7 @@ def _follow_thread_budget(path: str) -> None:
     follower = _ThreadBudgetFollower(path)
 
     def execute_within_budget(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        follower.apply()
+        follower.apply(scheduler_output.total_num_scheduled_tokens)
         return execute(self, scheduler_output, *args, **kwargs)
 
     CPUWorker.execute_model = execute_within_budget  # type: ignore[method-assign]
@@ -129,23 +132,18 @@ def _follow_thread_budget(path: str) -> None:
 
 
 class _ThreadBudgetFollower:
-    """The worker's side of a `ThreadBudget`: two bytes, (own threads, lent threads or 0).
-
-    Every forward pass, prefill or decode, runs on the lent threads while they are lent. Measured on
-    the 2-core machines (docs/performance.md section 1): with decode passes on D's own core only,
-    agentic ITL p50 was 69 ms (1.32x the colocated engine's); on both cores while P idles, 45 ms (0.94x).
-    """
+    """The worker's side of a `ThreadBudget`: two bytes, (own threads, lent threads or 0)."""
 
     def __init__(self, path: str) -> None:
         self._path = path
         self._fd: int | None = None  # opened at the first pass: only a worker runs passes
         self._threads = 0
 
-    def apply(self) -> None:
+    def apply(self, tokens: int) -> None:
         if self._fd is None:
             self._fd = os.open(self._path, os.O_RDONLY)
         own, lent = os.pread(self._fd, 2, 0)
-        wanted = lent or own
+        wanted = lent if lent and tokens >= LENT_MIN_TOKENS else own
         if wanted and wanted != self._threads:
             import torch
 
