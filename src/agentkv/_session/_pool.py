@@ -245,7 +245,8 @@ class SessionPool(EngineUser):
                     member.busy = True
                     return member
             answered = [i for i, m in enumerate(request.messages) if m.role == "assistant"]
-            saved_key = history_key(request.messages[: answered[-1] + 1]) if answered else None
+            saved = self.store is not None and answered  # the digest only when there is a store to look in
+            saved_key = history_key(request.messages[: answered[-1] + 1]) if saved else None
         member = _Member(Session(engine=self.engine, **self._session_options), conversation_id, busy=True)
         self._members.append(member)  # before opening: a second step of this conversation sees it busy
         try:
