@@ -27,6 +27,7 @@ from agentkv._bench import (
 )
 from agentkv._bench._records import FloorFit, StepRecord, first_prompt_divergence, summarize
 from agentkv._engines import PrefillEngine, StepRequest
+from agentkv._engines._cores import CoreSlot
 from agentkv._engines._pair_config import EngineLaunch, resolve_dtype
 from agentkv._stats._stats import StepStats
 from agentkv._surfaces._cli import _BenchProgress, main
@@ -267,7 +268,9 @@ def test_mistakes_in_bench_arguments_raise_user_error() -> None:
 def test_colocated_starts_its_engine_in_its_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     launches: list[EngineLaunch] = []
 
-    def runner(launch: EngineLaunch) -> None:
+    def runner(launch: EngineLaunch, *, core_slot: CoreSlot | None = None) -> None:
+        if core_slot is not None:
+            core_slot.release()
         launches.append(launch)
         raise UserError("not started")  # the launch is all this test needs
 

@@ -1,142 +1,133 @@
-"""Elastic cores without engines: the pair's `ThreadBudget` files and the worker's side that follows them.
+"""Elastic cores without engines: the host's `CoreTable` and the worker's side that follows it.
 
-The pair writes two bytes per engine (own thread count, lent count or 0) as requests start and
-end; each worker reads them before a forward pass and sets its thread count. These tests check
-both ends and that they agree, with a temp file for the file and recorders for torch's setter.
+Every embedded engine holds a slot (its pid, its own cores, its requests in flight); a worker
+reads the table before each forward pass and uses all the cores of its binding while no other
+busy, live engine owns any of them. These tests check both ends with a temp file for the table
+and recorders for torch's setter; one checks two processes sharing a table.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agentkv._engines import _vllm_patches
-from agentkv._engines._cores import ThreadBudget, elastic_bind_order
-from agentkv._engines._pair_config import CorePolicy, Role
-from agentkv._engines._vllm_patches import LENT_MIN_TOKENS, _bind_order, _ThreadBudgetFollower
-
-ROLES: tuple[Role, Role] = ("prefill", "decode")
-OTHER: dict[Role, Role] = {"prefill": "decode", "decode": "prefill"}
-
-
-def _bytes(budget: ThreadBudget, role: Role) -> tuple[int, int]:
-    data = Path(budget.path(role)).read_bytes()
-    assert len(data) == 2, data
-    return data[0], data[1]
+from agentkv._engines._cores import (
+    SLOT_BYTES,
+    SLOTS,
+    TABLE_BYTES,
+    CoreSlot,
+    CoreTable,
+    busy_sharers,
+    core_mask,
+    elastic_bind_order,
+    owned_cores,
+)
+from agentkv._engines._vllm_patches import _bind_order, _CoreTableFollower
 
 
 @pytest.fixture
-def two_cores() -> Iterator[ThreadBudget]:
-    budget = ThreadBudget("elastic", {"prefill": [0], "decode": [1]})
-    yield budget
-    budget.close()
+def table(tmp_path: Path) -> CoreTable:
+    return CoreTable(str(tmp_path / "cores"))
 
 
-# ----------------------------------------------------------------- the pair's side
+def _claim(table: CoreTable, cores: list[int]) -> CoreSlot:
+    slot = table.claim(cores)
+    assert slot is not None
+    return slot
 
 
-def test_elastic_budget_starts_idle_with_all_cores_lendable(two_cores: ThreadBudget) -> None:
-    for role in ROLES:  # both idle: whichever gets work first may use both cores
-        assert _bytes(two_cores, role) == (1, 2)
-        assert two_cores.in_flight(role) == 0 and two_cores.lent(role)
-    assert two_cores.path("prefill") != two_cores.path("decode")
+def _read(table: CoreTable) -> bytes:
+    return Path(table.path).read_bytes()
 
 
-def test_elastic_lends_all_cores_only_while_the_other_role_is_idle(two_cores: ThreadBudget) -> None:
-    budget = two_cores
-    budget.started("prefill")  # P prefills, D idle: P may use both cores
-    assert _bytes(budget, "prefill") == (1, 2) and budget.lent("prefill")
-    assert _bytes(budget, "decode") == (1, 0) and not budget.lent("decode")
-    budget.started("decode")  # both busy: nobody borrows
-    assert _bytes(budget, "prefill") == (1, 0) and _bytes(budget, "decode") == (1, 0)
-    budget.ended("prefill")  # P done, D decodes: D may borrow P's core
-    assert _bytes(budget, "prefill") == (1, 0) and _bytes(budget, "decode") == (1, 2)
-    budget.started("decode")
-    budget.ended("decode")  # one of D's two requests ended: D is still busy, so P gets nothing
-    assert budget.in_flight("decode") == 1
-    assert _bytes(budget, "prefill") == (1, 0) and _bytes(budget, "decode") == (1, 2)
-    budget.ended("decode")  # both idle: each may take all cores for its next pass
-    assert _bytes(budget, "prefill") == (1, 2) and _bytes(budget, "decode") == (1, 2)
-    assert budget.in_flight("prefill") == budget.in_flight("decode") == 0
+# ----------------------------------------------------------------- the table
 
 
-def test_more_ends_than_starts_never_count_below_zero(two_cores: ThreadBudget) -> None:
-    two_cores.ended("decode")
-    two_cores.ended("decode")
-    assert two_cores.in_flight("decode") == 0
-    two_cores.started("decode")  # one start after the extra ends: in flight, not still "owed"
-    assert two_cores.in_flight("decode") == 1
-    assert _bytes(two_cores, "prefill") == (1, 0) and _bytes(two_cores, "decode") == (1, 2)
+def test_slots_hold_their_cores_and_counts_and_free_on_release(table: CoreTable) -> None:
+    p, d = _claim(table, [0]), _claim(table, [1])
+    assert (p.index, d.index) == (0, 1) and os.path.getsize(table.path) == TABLE_BYTES
+    data = _read(table)
+    assert owned_cores(data, p.index) == {0} and owned_cores(data, d.index) == {1}
+    assert busy_sharers(data, cores=core_mask([0, 1]), me=p.index) == []  # both idle
+    d.set_in_flight(2)
+    assert busy_sharers(_read(table), cores=core_mask([0, 1]), me=p.index) == [d.index]
+    assert busy_sharers(_read(table), cores=core_mask([1]), me=d.index) == []  # never itself
+    d.set_in_flight(0)
+    assert busy_sharers(_read(table), cores=core_mask([0, 1]), me=p.index) == []
+    d.release()
+    assert _read(table)[d.index * SLOT_BYTES : (d.index + 1) * SLOT_BYTES] == bytes(SLOT_BYTES)
+    d.set_in_flight(3)  # a count after release (a request ending as the engine stops) writes nothing
+    d.release()
+    assert _claim(table, [5]).index == d.index  # a freed slot is taken again
 
 
-@pytest.mark.parametrize("policy", ["elastic", "split"])
-def test_random_request_traffic_keeps_the_lending_rule(policy: CorePolicy) -> None:
-    cores: dict[Role, list[int]] = {"prefill": [0, 1], "decode": [2, 3]}
-    budget = ThreadBudget(policy, cores)
+def test_busy_engines_on_other_cores_do_not_count(table: CoreTable) -> None:
+    mine, elsewhere = _claim(table, [0]), _claim(table, [2, 3])
+    elsewhere.set_in_flight(1)
+    assert busy_sharers(_read(table), cores=core_mask([0, 1]), me=mine.index) == []
+
+
+def test_a_dead_processs_slot_is_ignored_and_reused(table: CoreTable) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    slot = _claim(table, [1])
+    slot.set_in_flight(1)
+    with open(table.path, "r+b") as file:  # as if a process that was killed had left it busy
+        file.seek(slot.index * SLOT_BYTES)
+        file.write(dead_pid.to_bytes(4, "little", signed=True))
+    assert busy_sharers(_read(table), cores=core_mask([0, 1]), me=-1) == []
+    assert _claim(table, [0]).index == slot.index
+
+
+def test_a_full_table_gives_no_slot(table: CoreTable, caplog: pytest.LogCaptureFixture) -> None:
+    slots = [_claim(table, [0]) for _ in range(SLOTS)]
+    assert table.claim([0]) is None and "full" in caplog.text
+    slots[7].release()
+    assert _claim(table, [0]).index == 7
+
+
+def test_an_unusable_table_gives_no_slot(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    assert CoreTable(str(tmp_path / "missing-dir" / "cores")).claim([0]) is None
+    assert "cannot open" in caplog.text
+
+
+def test_cores_beyond_the_table_are_refused() -> None:
+    with pytest.raises(ValueError, match="outside"):
+        core_mask([4096])
+
+
+def test_two_processes_share_one_table(table: CoreTable) -> None:
+    """Another process's busy engine on our partner's cores is seen; its slot is never handed out twice."""
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from agentkv._engines._cores import CoreTable
+        slot = CoreTable(sys.argv[1]).claim([1])
+        slot.set_in_flight(1)
+        print(slot.index, flush=True)
+        sys.stdin.read()  # until the test is done
+        """
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", script, table.path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
-        expected = dict.fromkeys(ROLES, 0)
-        draw = random.Random(13)
-        for _ in range(300):
-            role: Role = draw.choice(ROLES)
-            if draw.random() < 0.5:
-                budget.started(role)
-                expected[role] += 1
-            else:
-                budget.ended(role)
-                expected[role] = max(0, expected[role] - 1)
-            for each in ROLES:
-                assert budget.in_flight(each) == expected[each]
-                lend = policy == "elastic" and expected[OTHER[each]] == 0
-                assert _bytes(budget, each) == (2, 4 if lend else 0), (policy, each, expected)
-                assert budget.lent(each) is lend
+        assert other.stdout is not None
+        theirs = int(other.stdout.readline())
+        mine = _claim(table, [0])
+        assert mine.index != theirs
+        assert busy_sharers(_read(table), cores=core_mask([0, 1]), me=mine.index) == [theirs]
     finally:
-        budget.close()
-
-
-def test_split_never_lends() -> None:
-    budget = ThreadBudget("split", {"prefill": [0], "decode": [1]})
-    try:
-        for role in ROLES:  # every state the elastic budget lends in
-            budget.started(role)
-            budget.ended(role)
-            assert all(_bytes(budget, each) == (1, 0) and not budget.lent(each) for each in ROLES)
-    finally:
-        budget.close()
-
-
-def test_cores_the_other_engine_shares_are_not_lent() -> None:
-    """Lent means more than one's own: with P's cores covering all of them, P is never lent any."""
-    budget = ThreadBudget("elastic", {"prefill": [0, 1], "decode": [1]})
-    try:
-        budget.started("prefill")
-        budget.ended("prefill")
-        assert _bytes(budget, "prefill") == (2, 0) and not budget.lent("prefill")
-        assert _bytes(budget, "decode") == (1, 2) and budget.lent("decode")
-    finally:
-        budget.close()
-
-
-def test_close_removes_the_files_and_later_updates_do_not_raise() -> None:
-    budget = ThreadBudget("elastic", {"prefill": [0], "decode": [1]})
-    paths = [budget.path(role) for role in ROLES]
-    assert all(os.path.exists(path) for path in paths)
-    budget.close()
-    assert not any(os.path.exists(path) for path in paths)
-    budget.started("prefill")  # a request ending after the pair closed (engines shutting down)
-    budget.ended("prefill")
-    budget.ended("decode")
-    assert budget.in_flight("prefill") == 0
-    budget.close()  # twice: nothing left to remove
-    assert not any(os.path.exists(path) for path in paths)
+        other.communicate("", timeout=60)
+    assert busy_sharers(_read(table), cores=core_mask([0, 1]), me=mine.index) == []  # exited: its slot is dead
 
 
 @pytest.mark.parametrize(
@@ -179,86 +170,66 @@ def test_bind_order_without_the_variable_is_empty(monkeypatch: pytest.MonkeyPatc
 
 
 class _Worker:
-    """Records what a `_ThreadBudgetFollower` asks of torch and of the binding."""
+    """Records what a `_CoreTableFollower` asks of torch and of the binding."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, bind: str) -> None:
         import torch
 
         self.threads: list[int] = []
         self.bindings: list[list[int]] = []
         monkeypatch.setattr(torch._C, "set_num_threads", self.threads.append)
         monkeypatch.setattr(_vllm_patches, "_bind_omp_threads_in_order", self.bindings.append)
-        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1,0")
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
 
 
-def _follower(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, own: int, lent: int
-) -> tuple[_Worker, Path, _ThreadBudgetFollower]:
-    """A follower of a budget file holding (own, lent), and the fake worker it drives."""
-    worker = _Worker(monkeypatch)
-    path = tmp_path / "budget"
-    path.write_bytes(bytes([own, lent]))
-    return worker, path, _ThreadBudgetFollower(str(path))
-
-
-def _write(path: Path, own: int, lent: int) -> None:
-    with path.open("r+b") as file:  # in place, as the pair's pwrite: the worker keeps its descriptor
-        file.write(bytes([own, lent]))
-
-
-def test_follower_uses_lent_threads_for_prefill_passes_only_and_sets_on_change(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_follower_borrows_only_while_no_sharer_is_busy_and_sets_on_change(
+    monkeypatch: pytest.MonkeyPatch, table: CoreTable
 ) -> None:
-    worker, path, follower = _follower(monkeypatch, tmp_path, own=1, lent=0)
-    follower.apply(500)  # nothing lent: own threads, bound on the first pass
-    assert worker.threads == [1] and worker.bindings == [[1, 0]]
-    follower.apply(1)
-    assert worker.threads == [1]  # unchanged: not set again
-    _write(path, 1, 2)
-    follower.apply(1)  # a decode pass: own threads even while lent
-    follower.apply(LENT_MIN_TOKENS - 1)
-    assert worker.threads == [1]
-    follower.apply(LENT_MIN_TOKENS)  # a prefill pass while lent: all the cores
-    assert worker.threads == [1, 2]
-    follower.apply(700)
-    assert worker.threads == [1, 2]
-    follower.apply(1)  # back to its own for a decode pass
-    assert worker.threads == [1, 2, 1]
-    _write(path, 1, 0)  # the other engine got work: a prefill pass stays on its own cores
-    follower.apply(700)
-    assert worker.threads == [1, 2, 1]
+    worker = _Worker(monkeypatch, "1,0")  # D of a two-core pair
+    p, d = _claim(table, [0]), _claim(table, [1])
+    follower = _CoreTableFollower(table.path, d.index)
+    d.set_in_flight(1)  # its own count never stops it
+    follower.apply()
+    assert worker.threads == [2] and worker.bindings == [[1, 0]]  # P idle: both cores, bound on the first pass
+    follower.apply()
+    assert worker.threads == [2]  # unchanged: not set again
+    p.set_in_flight(1)
+    follower.apply()
+    assert worker.threads == [2, 1]  # P busy: D's own core only
+    p.set_in_flight(0)
+    follower.apply()
+    assert worker.threads == [2, 1, 2]
     assert worker.bindings == [[1, 0]]  # bound once, whatever the changes
 
 
-def test_follower_binds_before_its_first_setting_even_when_lent(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    worker, _, follower = _follower(monkeypatch, tmp_path, own=1, lent=2)
-    follower.apply(300)
-    follower.apply(1)
-    assert worker.bindings == [[1, 0]] and worker.threads == [2, 1]
+def test_a_second_pair_on_the_same_cores_stops_borrowing(monkeypatch: pytest.MonkeyPatch, table: CoreTable) -> None:
+    """Two pairs split the same two cores: one pair's P may not borrow while the other's P or D computes."""
+    worker = _Worker(monkeypatch, "0,1")
+    p1, _d1 = _claim(table, [0]), _claim(table, [1])
+    p2, d2 = _claim(table, [0]), _claim(table, [1])
+    follower = _CoreTableFollower(table.path, p1.index)
+    follower.apply()
+    assert worker.threads == [2]
+    d2.set_in_flight(1)
+    follower.apply()
+    p2.set_in_flight(1)
+    d2.set_in_flight(0)
+    follower.apply()  # the other P owns P1's own core: P1 keeps to its own, one thread
+    assert worker.threads == [2, 1]
+    p2.set_in_flight(0)
+    follower.apply()
+    assert worker.threads == [2, 1, 2]
 
 
-def test_follower_reads_what_the_pairs_budget_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both ends of the protocol together: the byte order the pair writes is the one the worker reads."""
-    worker = _Worker(monkeypatch)
-    budget = ThreadBudget("elastic", {"prefill": [0, 1], "decode": [2, 3]})
-    try:
-        prefill = _ThreadBudgetFollower(budget.path("prefill"))
-        decode = _ThreadBudgetFollower(budget.path("decode"))
-        budget.started("prefill")
-        prefill.apply(400)
-        assert worker.threads == [4]  # P prefills on all four cores while D is idle
-        budget.started("decode")
-        prefill.apply(400)
-        decode.apply(400)
-        assert worker.threads == [4, 2, 2]  # both busy: each on its own two
-        budget.ended("prefill")
-        decode.apply(1)
-        decode.apply(400)
-        assert worker.threads == [4, 2, 2, 4]  # D's decode passes stay on its own; a prefill pass borrows
-    finally:
-        budget.close()
+def test_follower_on_four_cores_counts_its_own(monkeypatch: pytest.MonkeyPatch, table: CoreTable) -> None:
+    worker = _Worker(monkeypatch, "2,3,0,1")
+    p, d = _claim(table, [0, 1]), _claim(table, [2, 3])
+    follower = _CoreTableFollower(table.path, d.index)
+    p.set_in_flight(1)
+    follower.apply()
+    p.set_in_flight(0)
+    follower.apply()
+    assert worker.threads == [2, 4]
 
 
 # ----------------------------------------------------------------- binding the OMP team

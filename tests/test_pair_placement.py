@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import pytest
@@ -126,3 +127,58 @@ def _comm(pid: int) -> str:
             return file.read().strip()
     except OSError:
         return ""
+
+
+def _cpu_on(pids: set[int], cores: set[int]) -> float:
+    """CPU seconds so far of the threads of ``pids`` bound inside ``cores``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                if not os.sched_getaffinity(int(tid)) <= cores:
+                    continue
+                with open(f"/proc/{pid}/task/{tid}/stat") as file:
+                    fields = file.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def test_a_decode_borrows_the_idle_prefill_engines_cores(pair: EmbeddedPair, tokenizer: Any) -> None:
+    """Elastic cores for decodes too: while P has nothing in flight, D's thread team runs on P's cores as well
+    (its helper threads, bound to P's cores, do work)."""
+    if pair.info.extra["core_policy"] != "elastic":
+        pytest.skip("the pair runs with split cores (one core only?)")
+    assert pair.home is not None
+    pair.home.call(_decode_on_both, pair, tokenizer)
+
+
+async def _decode_on_both(pair: EmbeddedPair, tokenizer: Any) -> None:
+    assert pair._d is not None
+    p_cores = set(pair.info.extra["prefill_cores"])
+    d_workers = {pid for pid in pair._d.pids if _comm(pid).startswith("VLLM::Worker")}
+    before = _cpu_on(d_workers, p_cores)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Count from 1 to 100, one number per line."}], add_generation_prompt=True
+    )
+    request = StepRequest(
+        request_id=f"test-{uuid.uuid4().hex}",
+        prompt_token_ids=list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt),
+        sampling=Sampling(max_tokens=48),
+        cache_salt=uuid.uuid4().hex,
+    )
+    done: StepDone | None = None
+    async for event in pair.step(request):
+        if isinstance(event, StepDone):
+            done = event
+    assert done is not None and len(done.token_ids) >= 24, done
+    if done.handle is not None:
+        await pair.release(done.handle)
+    borrowed = _cpu_on(d_workers, p_cores) - before
+    assert borrowed > 0.05, f"D's threads on P's cores used {borrowed:.3f} s of CPU over {len(done.token_ids)} tokens"

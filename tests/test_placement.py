@@ -30,7 +30,6 @@ from agentkv import (
 )
 from agentkv._engines import Placement
 from agentkv._engines._base import pair_modes
-from agentkv._engines._cores import ThreadBudget
 from agentkv._engines._placement import PlacementChoice, PlacementCosts
 from agentkv._engines._vllm import first_token_of_prefill
 from agentkv._session._pinning import miss_after_step
@@ -148,10 +147,12 @@ def _handle(tokens: int) -> KVHandle:
 
 @pytest.fixture
 def unstarted_pair() -> Any:
-    pair = EmbeddedPair(warmup=False)
-    pair._budget = ThreadBudget("elastic", {"prefill": [0], "decode": [1]})
-    yield pair
-    pair._budget.close()
+    return EmbeddedPair(warmup=False)
+
+
+def _runners() -> tuple[Any, Any]:
+    """Stand-ins for P's and D's runners: what placement reads of them (requests in flight, D's block size)."""
+    return SimpleNamespace(in_flight=0), SimpleNamespace(in_flight=0, block_size=BLOCK)
 
 
 def _request(placement: Placement, *, handle: KVHandle | None, prompt: int = 300) -> StepRequest:
@@ -161,34 +162,34 @@ def _request(placement: Placement, *, handle: KVHandle | None, prompt: int = 300
 
 
 def test_the_pair_places_as_asked_and_auto_only_with_a_pin(unstarted_pair: Any) -> None:
-    d = SimpleNamespace(block_size=BLOCK)
-    assert unstarted_pair._place(_request("prefill", handle=_handle(256)), d).engine == "prefill"
-    assert unstarted_pair._place(_request("decode", handle=_handle(256)), d) == PlacementChoice("decode", "asked")
+    p, d = _runners()
+    assert unstarted_pair._place(_request("prefill", handle=_handle(256)), p, d).engine == "prefill"
+    assert unstarted_pair._place(_request("decode", handle=_handle(256)), p, d) == PlacementChoice("decode", "asked")
     placements: tuple[Placement, ...] = ("auto", "decode")
     for placement in placements:  # nothing pinned on D to extend: P, whatever was asked
-        choice = unstarted_pair._place(_request(placement, handle=None), d)
+        choice = unstarted_pair._place(_request(placement, handle=None), p, d)
         assert choice == PlacementChoice("prefill", "no pin to extend on D")
 
 
 def test_the_pair_passes_what_is_in_flight_to_its_choice(unstarted_pair: Any) -> None:
-    d = SimpleNamespace(block_size=BLOCK)
+    p, d = _runners()
     request = _request("auto", handle=_handle(256), prompt=300)
     unstarted_pair.costs = PlacementCosts(fixed_s={"prefill": 0.0, "decode": 5.0})
-    assert unstarted_pair._place(request, d).engine == "prefill"  # estimated
-    unstarted_pair._budget.started("prefill")
-    choice = unstarted_pair._place(request, d)
+    assert unstarted_pair._place(request, p, d).engine == "prefill"  # estimated
+    p.in_flight = 1
+    choice = unstarted_pair._place(request, p, d)
     assert choice.engine == "decode" and "P busy (1 in flight)" in choice.reason
-    unstarted_pair._budget.started("decode")
-    assert unstarted_pair._place(request, d).engine == "prefill"  # D busy wins over P busy
+    d.in_flight = 1
+    assert unstarted_pair._place(request, p, d).engine == "prefill"  # D busy wins over P busy
 
 
 def test_auto_never_places_a_second_step_on_d_beside_one_not_finished(unstarted_pair: Any) -> None:
-    d = SimpleNamespace(block_size=BLOCK)
+    p, d = _runners()
     request = _request("auto", handle=_handle(256), prompt=300)
     unstarted_pair.costs = PlacementCosts(fixed_s={"prefill": 5.0, "decode": 0.0})
-    assert unstarted_pair._place(request, d).engine == "decode"
+    assert unstarted_pair._place(request, p, d).engine == "decode"
     unstarted_pair._steps_on_decode = 1  # chosen, its request not yet on D
-    choice = unstarted_pair._place(request, d)
+    choice = unstarted_pair._place(request, p, d)
     assert choice.engine == "prefill" and "D busy (1 in flight)" in choice.reason
 
 

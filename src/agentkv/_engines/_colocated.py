@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
 from .._model import prepare_model_off_loop
 from ._base import Engine, EngineInfo, StepDone, StepEvent, StepRequest, StepTimings
+from ._cores import CoreTable
 from ._pair import run_warmup_steps
 from ._pair_config import engine_launch
 from ._system import available_cores
@@ -87,7 +88,8 @@ class Colocated(Engine):
                 max_model_len=self._max_model_len,
                 kv_cache_gib=self._kv_cache_gib,
                 dtype=self._dtype,
-            )
+            ),
+            core_slot=CoreTable().claim(cores),  # elastic pairs on the host see it busy and keep off its cores
         )
         await self._engine.start_async(self._progress)
         self._info = EngineInfo(

@@ -1,93 +1,160 @@
-"""Elastic cores: which of a pair's engines may compute on the other's cores, and when.
+"""Elastic cores: when an engine may compute on cores it does not own, decided for the whole host.
 
 P and D each own half the cores. In one conversation only one of them computes at a time
 (P prefills while D waits; D decodes while P idles), so with ``core_policy="split"`` every
 step runs on half the machine. With ``"elastic"`` each engine's thread team is bound to its
-own cores first and the other engine's cores after them, and its worker sets its thread
-count before each forward pass (a patch, `agentkv._engines._vllm_patches`) from a
-`ThreadBudget` the pair writes: its own cores, or all cores for a prefill pass while the
-other engine has no request in flight. Two thread teams never share a core for longer
-than one forward pass (the pass that was running when the other engine got work); two
-teams that share cores for good thrash (D decoded 30x slower, DESIGN.md section 4).
+own cores first and its partner's after them, and before each forward pass its worker (a
+patch, `agentkv._engines._vllm_patches`) uses all of them when **no other busy engine on the
+host owns any of them**, its own otherwise. Two thread teams that share cores for good
+thrash (D decoded 30x slower, DESIGN.md section 4); this way they share a core for at most
+one forward pass, the one running when the other engine got work.
+
+"Busy" is known host-wide: every engine agentkv starts in this user's processes holds a slot
+in one small shared file (`CoreTable`), with its pid, its own cores and how many requests it
+has in flight. So several pairs on the same cores (``agentkv serve --pairs 2`` on two cores,
+a notebook with two pairs, a colocated engine beside a pair) never borrow into each other's
+busy cores; a slot whose process died is ignored and reused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import struct
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
-from ._pair_config import CorePolicy, Role
-
-__all__ = ["ThreadBudget", "elastic_bind_order"]
+__all__ = ["CoreSlot", "CoreTable", "busy_sharers", "core_mask", "elastic_bind_order", "owned_cores"]
 
 logger = logging.getLogger("agentkv")
 
+SLOTS = 64
+"""Engines one host's table holds at once (each embedded engine takes one while it runs)."""
+MAX_CORES = 1024
+_HEADER = struct.Struct("<iI")  # pid (0: free), requests in flight
+_MASK_BYTES = MAX_CORES // 8
+SLOT_BYTES = _HEADER.size + _MASK_BYTES
+TABLE_BYTES = SLOTS * SLOT_BYTES
+
 
 def elastic_bind_order(own: Sequence[int], other: Sequence[int]) -> list[int]:
-    """An engine's thread binding: its own cores first (its threads at its own budget), then the other's."""
+    """An engine's thread binding: its own cores first (its threads at its own count), then the other's."""
     return [*own, *[core for core in other if core not in own]]
 
 
-class ThreadBudget:
-    """The thread counts of a pair's two workers, shared through one two-byte file per engine.
+def core_mask(cores: Iterable[int]) -> int:
+    """``[0, 2]`` -> ``0b101``."""
+    mask = 0
+    for core in cores:
+        if not 0 <= core < MAX_CORES:
+            raise ValueError(f"core {core} is outside the table's range (0-{MAX_CORES - 1})")
+        mask |= 1 << core
+    return mask
 
-    Byte 0 is the engine's own thread count; byte 1 the count it may use for a prefill pass
-    now (0: none lent). The pair calls `started` and `ended` around every request it sends an
-    engine; the budget follows what is in flight.
-    """
 
-    def __init__(self, policy: CorePolicy, cores: Mapping[Role, Sequence[int]]) -> None:
-        self.policy = policy
-        self._own = {role: len(cores[role]) for role in cores}
-        self._all = len({core for role_cores in cores.values() for core in role_cores})
-        self._in_flight: dict[Role, int] = dict.fromkeys(cores, 0)
-        self._lent: dict[Role, int] = dict.fromkeys(cores, 0)
-        self._paths: dict[Role, str] = {}
-        self._fds: dict[Role, int] = {}
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        for role in cores:
-            fd, path = tempfile.mkstemp(prefix=f"agentkv-threads-{role}-", dir=directory)
-            self._fds[role], self._paths[role] = fd, path
-            os.pwrite(fd, bytes([self._own[role], 0]), 0)
-        self._update()
+def default_table_path() -> str:
+    """One table per user and host: in ``/dev/shm`` where there is one (memory, not disk)."""
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(directory, f"agentkv-cores-{os.getuid()}")
 
-    def path(self, role: Role) -> str:
-        """The file the ``role`` engine's worker reads (``AGENTKV_THREAD_BUDGET``)."""
-        return self._paths[role]
 
-    def in_flight(self, role: Role) -> int:
-        """Requests the pair has sent ``role`` that have not ended."""
-        return self._in_flight[role]
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process with our uid's pid number: alive, not ours
+        return True
+    return True
 
-    def lent(self, role: Role) -> bool:
-        """Whether ``role`` may now prefill on the other engine's cores too."""
-        return self._lent[role] > 0
 
-    def started(self, role: Role) -> None:
-        self._in_flight[role] += 1
-        self._update()
+def busy_sharers(table: bytes, *, cores: int, me: int) -> list[int]:
+    """The slots, other than ``me``, of live engines with requests in flight that own any of ``cores`` (a mask)."""
+    found: list[int] = []
+    for index in range(min(SLOTS, len(table) // SLOT_BYTES)):
+        offset = index * SLOT_BYTES
+        pid, in_flight = _HEADER.unpack_from(table, offset)
+        if index == me or not pid or not in_flight:
+            continue
+        owned = int.from_bytes(table[offset + _HEADER.size : offset + SLOT_BYTES], "little")
+        if owned & cores and _alive(pid):
+            found.append(index)
+    return found
 
-    def ended(self, role: Role) -> None:
-        self._in_flight[role] = max(0, self._in_flight[role] - 1)
-        self._update()
 
-    def _update(self) -> None:
-        for role in self._fds:
-            others_idle = all(count == 0 for other, count in self._in_flight.items() if other != role)
-            lent = self._all if self.policy == "elastic" and others_idle and self._all > self._own[role] else 0
-            if lent != self._lent[role]:
-                self._lent[role] = lent
-                with contextlib.suppress(OSError):  # closed: the engines are gone
-                    os.pwrite(self._fds[role], bytes([self._own[role], lent]), 0)
+def owned_cores(table: bytes, index: int) -> set[int]:
+    """The cores slot ``index`` owns."""
+    offset = index * SLOT_BYTES + _HEADER.size
+    mask = int.from_bytes(table[offset : offset + _MASK_BYTES], "little")
+    return {core for core in range(MAX_CORES) if mask >> core & 1}
 
-    def close(self) -> None:
-        """Remove the files (the workers keep what they opened until they exit)."""
-        for role, fd in list(self._fds.items()):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(self._paths[role])
-        self._fds.clear()
+
+class CoreTable:
+    """The host's table of engines: who owns which cores and who is busy (one file, `SLOTS` fixed-size slots)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path or default_table_path()
+
+    def claim(self, cores: Sequence[int]) -> CoreSlot | None:
+        """A free slot for an engine owning ``cores`` (None when the table is full or cannot be opened)."""
+        mask = core_mask(cores).to_bytes(_MASK_BYTES, "little")
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            logger.warning("agentkv: cannot open the core table %s (%s); engines will not borrow cores", self.path, exc)
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                index = self._take_free_slot(fd, mask)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as exc:
+            index, problem = None, f"failed ({exc})"
+        else:
+            problem = f"is full ({SLOTS} engines)"
+        if index is None:
+            os.close(fd)
+            logger.warning("agentkv: the core table %s %s; this engine will not borrow cores", self.path, problem)
+            return None
+        return CoreSlot(fd, self.path, index, list(cores))
+
+    @staticmethod
+    def _take_free_slot(fd: int, mask: bytes) -> int | None:
+        if os.fstat(fd).st_size < TABLE_BYTES:
+            os.ftruncate(fd, TABLE_BYTES)
+        table = os.pread(fd, TABLE_BYTES, 0)
+        for index in range(SLOTS):
+            pid, _ = _HEADER.unpack_from(table, index * SLOT_BYTES)
+            if pid == 0 or not _alive(pid):  # free, or its process died without releasing it
+                os.pwrite(fd, _HEADER.pack(os.getpid(), 0) + mask, index * SLOT_BYTES)
+                return index
+        return None
+
+
+class CoreSlot:
+    """One engine's slot in the `CoreTable`: its runner writes how many requests it has in flight."""
+
+    def __init__(self, fd: int, path: str, index: int, cores: list[int]) -> None:
+        self._fd: int | None = fd
+        self.path = path
+        self.index = index
+        self.cores = cores
+
+    def set_in_flight(self, requests: int) -> None:
+        """The engine has ``requests`` in flight (0: idle, its cores may be borrowed)."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):  # one aligned 4-byte write: readers see the old or the new count
+                os.pwrite(self._fd, struct.pack("<I", requests), self.index * SLOT_BYTES + _HEADER.size - 4)
+
+    def release(self) -> None:
+        """Free the slot (the engine has stopped); later counts are dropped."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.pwrite(fd, bytes(SLOT_BYTES), self.index * SLOT_BYTES)
+        with contextlib.suppress(OSError):
+            os.close(fd)

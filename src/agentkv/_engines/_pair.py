@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import time
@@ -23,7 +22,7 @@ import anyio.to_thread
 from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
 from .._model import prepare_model_off_loop
 from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings, pair_modes, prompt_split
-from ._cores import ThreadBudget, elastic_bind_order
+from ._cores import CoreTable, elastic_bind_order
 from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params, release_params
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
 from ._pin_budget import PinBudget
@@ -67,7 +66,7 @@ class EmbeddedPair(Engine):
         self._p: AsyncLLMRunner | None = None
         self._d: AsyncLLMRunner | None = None
         self._info: EngineInfo | None = None
-        self._budget: ThreadBudget | None = None
+        self._core_policy = self.config.core_policy
         self._pins: PinBudget | None = None
         self.costs = PlacementCosts()
         """What the pair has measured of its steps on P and on D (mode ``"auto"`` compares them)."""
@@ -113,11 +112,19 @@ class EmbeddedPair(Engine):
         model_path = await prepare_model_off_loop(config.model, progress=self._progress)
         p_cores, d_cores = (list(c) for c in config.cores) if config.cores else split_cores()
         own: dict[Role, list[int]] = {"prefill": p_cores, "decode": d_cores}
-        elastic = config.core_policy == "elastic" and not set(p_cores) & set(d_cores)
-        self._budget = budget = ThreadBudget(config.core_policy if elastic else "split", own)
+        table = CoreTable()
+        slots = {role: table.claim(own[role]) for role in own}  # other engines on the host see these two busy
+        elastic = (
+            config.core_policy == "elastic"
+            and not set(p_cores) & set(d_cores)
+            and all(slot is not None for slot in slots.values())
+        )
+        self._core_policy = "elastic" if elastic else "split"
         tag = uuid.uuid4().hex[:8]
         roles: tuple[tuple[Role, Role], ...] = (("prefill", "decode"), ("decode", "prefill"))
+        runners: list[AsyncLLMRunner] = []
         for role, other in roles:
+            slot = slots[role]
             launch = pair_engine_launch(
                 config,
                 role,
@@ -125,14 +132,12 @@ class EmbeddedPair(Engine):
                 cores=elastic_bind_order(own[role], own[other]) if elastic else own[role],
                 engine_id=f"agentkv-{role}-{tag}",
                 side_channel_port=free_port(),
-                thread_budget=budget.path(role) if elastic else None,
+                core_table=f"{slot.path}:{slot.index}" if elastic and slot is not None else None,
             )
-            runner = AsyncLLMRunner(launch)
-            runner.on_request = functools.partial(_follow_requests, budget, role)
-            if role == "prefill":
-                self._p = runner
-            else:
-                self._d = runner
+            runner = AsyncLLMRunner(launch, core_slot=slot)
+            runners.append(runner)
+        self._p, self._d = runners
+        for runner in runners:
             await runner.start_async(self._progress)
         assert self._d is not None
         self._info = EngineInfo(
@@ -142,7 +147,7 @@ class EmbeddedPair(Engine):
             extra={
                 "prefill_cores": p_cores,
                 "decode_cores": d_cores,
-                "core_policy": budget.policy,
+                "core_policy": self._core_policy,
                 "pin_ttl_s": config.pin_ttl_s,
                 "prefill_prefix_cache": config.prefill_prefix_cache,
                 "decode_kv_blocks": self._d.num_blocks,
@@ -167,8 +172,6 @@ class EmbeddedPair(Engine):
         engines = [e for e in (self._d, self._p) if e is not None]
         for engine in engines:
             await engine.shutdown_async()
-        if self._budget is not None:
-            self._budget.close()
 
     # ----------------------------------------------------------------- one step
 
@@ -211,7 +214,7 @@ class EmbeddedPair(Engine):
     async def _placed_step(self, request: StepRequest) -> AsyncGenerator[StepEvent, None]:
         p, d = self._engines()
         started = time.perf_counter()
-        choice = self._place(request, d)
+        choice = self._place(request, p, d)
         if choice.engine == "decode":
             self._steps_on_decode += 1
             try:
@@ -276,19 +279,18 @@ class EmbeddedPair(Engine):
             timings=timings,
         )
 
-    def _place(self, request: StepRequest, d: AsyncLLMRunner) -> PlacementChoice:
+    def _place(self, request: StepRequest, p: AsyncLLMRunner, d: AsyncLLMRunner) -> PlacementChoice:
         """Where to prefill ``request``: P unless asked for D, or ``auto`` finds D faster."""
         if request.handle is None or request.placement == "prefill":
             return PlacementChoice("prefill", "no pin to extend on D" if request.placement != "prefill" else "asked")
         if request.placement == "decode":
             return PlacementChoice("decode", "asked")
-        assert self._budget is not None
         return self.costs.choose(
             prompt_tokens=len(request.prompt_token_ids),
             held_tokens=request.handle.remote_num_tokens,
             block_size=d.block_size,
-            decode_in_flight=self._budget.in_flight("decode") + self._steps_on_decode,
-            prefill_in_flight=self._budget.in_flight("prefill"),
+            decode_in_flight=d.in_flight + self._steps_on_decode,
+            prefill_in_flight=p.in_flight,
         )
 
     async def _step_on_decode(
@@ -433,13 +435,6 @@ def _finished(stream: DecodeStream) -> tuple[Any, Any, TransferLedger, Any]:
 
 _ON_DECODE_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False, PIN_ON_DECODE: True}
 """A step on D alone: nothing to pull; D pins its blocks after it (a patch makes D's worker track that pin)."""
-
-
-def _follow_requests(budget: ThreadBudget, role: Role, delta: int) -> None:
-    if delta > 0:
-        budget.started(role)
-    else:
-        budget.ended(role)
 
 
 _RELEASE_MARGIN_S = 10.0

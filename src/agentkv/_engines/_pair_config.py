@@ -20,7 +20,7 @@ from typing import Any, Literal, TypedDict
 
 from .._errors import UserError
 from ._system import bind_order, cpu_list
-from ._vllm_patches import THREAD_BUDGET_ENV, engine_env
+from ._vllm_patches import CORE_TABLE_ENV, engine_env
 
 __all__ = [
     "CorePolicy",
@@ -36,7 +36,8 @@ __all__ = [
 Role = Literal["prefill", "decode"]
 CorePolicy = Literal["split", "elastic"]
 """How P and D share the cores: each on its own half (``"split"``), or each with a thread team on its
-own half that grows onto the other engine's half while that engine has nothing to compute (``"elastic"``)."""
+own half that grows onto the other engine's half while no engine owning that half has anything to
+compute (``"elastic"``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,8 +58,9 @@ class PairConfig:
     cores: tuple[Sequence[int], Sequence[int]] | None = None
     """The core sets of P and D (disjoint); default: the available cores split in two halves."""
     core_policy: CorePolicy = "elastic"
-    """``"elastic"``: an engine computes on both core sets while the other has nothing to compute, on its
-    own set otherwise; ``"split"``: always on its own set. See ``docs/performance.md``."""
+    """``"elastic"``: an engine computes on both core sets while no other engine owning them has anything to
+    compute (host-wide), on its own set otherwise; ``"split"``: always on its own set. See
+    ``docs/performance.md``."""
     dtype: str = "auto"
     """Weights and KV dtype of both engines: ``"auto"`` (bfloat16 where the CPU computes it natively,
     else float32), ``"float32"`` or ``"bfloat16"``."""
@@ -220,11 +222,11 @@ def pair_engine_launch(
     engine_id: str,
     side_channel_port: int,
     nixl_host: str = "127.0.0.1",
-    thread_budget: str | None = None,
+    core_table: str | None = None,
 ) -> EngineLaunch:
     """P's or D's engine: NIXL (P ``kv_producer``, D ``kv_consumer``), the pair's connector settings.
 
-    ``thread_budget``: the file of the engine's `ThreadBudget` (elastic cores), or None.
+    ``core_table``: ``"<path>:<slot>"``, the engine's slot in the host's `CoreTable` (elastic cores), or None.
     """
     launch = engine_launch(
         name=role,
@@ -244,8 +246,8 @@ def pair_engine_launch(
         idle_poll_ms=config.idle_poll_ms,
         dtype=config.dtype,
     )
-    if thread_budget is not None:
-        launch.env[THREAD_BUDGET_ENV] = thread_budget
+    if core_table is not None:
+        launch.env[CORE_TABLE_ENV] = core_table
     return launch
 
 

@@ -25,6 +25,7 @@ import anyio.to_thread
 
 from .._errors import EngineDeadError, EngineError, EngineStartError
 from ._base import Sampling, StepRequest, TokenDelta
+from ._cores import CoreSlot
 from ._pair_config import EngineLaunch
 from ._system import cpu_list, descendants, is_helper, kill_and_reap, repin_threads
 from ._vllm_patches import check_vllm_version, keep_prefill_stats, stop_output_handler
@@ -83,7 +84,7 @@ class AsyncLLMRunner:
     `EmbeddedPair` runs two (P and D), `Colocated` one; each starts, feeds and stops its runners.
     """
 
-    def __init__(self, launch: EngineLaunch) -> None:
+    def __init__(self, launch: EngineLaunch, *, core_slot: CoreSlot | None = None) -> None:
         self.launch = launch
         self.name = launch.name
         self.cores = list(launch.cores or [])
@@ -91,8 +92,11 @@ class AsyncLLMRunner:
         self.pids: set[int] = set()
         self._llm: AsyncLLM | None = None
         self._readouts = _Readouts()
-        self.on_request: Callable[[int], None] | None = None
-        """Called with +1 when a request starts and -1 when it ends (a pair's `ThreadBudget` follows them)."""
+        self.core_slot = core_slot
+        """The engine's slot in the host's `CoreTable`: the requests in flight, for engines that borrow cores;
+        released when the engine stops."""
+        self.in_flight = 0
+        """Requests sent to the engine that have not ended."""
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -163,6 +167,8 @@ class AsyncLLMRunner:
             gc.collect()  # run AsyncLLM.__del__ now, while the interpreter is whole
         killed = kill_and_reap(self.pids)
         forget_pids(self.pids)
+        if self.core_slot is not None:
+            self.core_slot.release()
         return killed
 
     @property
@@ -211,8 +217,7 @@ class AsyncLLMRunner:
         if in_ledger:
             self._readouts.in_flight[request_id] = TransferLedger()
         ran_to_end = False
-        if self.on_request is not None:
-            self.on_request(1)
+        self._count_request(1)
         try:
             prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
             if cache_salt is not None:
@@ -230,10 +235,14 @@ class AsyncLLMRunner:
                 raise EngineDeadError(f"the {self.name} engine died: {exc}") from exc
             raise EngineError(f"the {self.name} engine failed a request: {exc}") from exc
         finally:
-            if self.on_request is not None:
-                self.on_request(-1)
+            self._count_request(-1)
             if not ran_to_end:
                 self.forget(request_id)
+
+    def _count_request(self, delta: int) -> None:
+        self.in_flight = max(0, self.in_flight + delta)
+        if self.core_slot is not None:
+            self.core_slot.set_in_flight(self.in_flight)
 
     async def run(
         self,

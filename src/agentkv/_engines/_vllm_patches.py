@@ -16,8 +16,8 @@ Each patch and its measured reason is described in ``docs/vllm-patches.md``. In 
   puts in its queue (a traceback at every exit).
 * **Pins of steps on D alone**: D's worker tracks them as it tracks a decode's pin.
 * **Elastic cores** (with ``core_policy="elastic"``): before each forward pass a worker sets its
-  thread count from a small file its pair writes (`ThreadBudget`): its own cores, or, for a
-  prefill while the other engine has nothing to compute, both engines' cores.
+  thread count from the host's core table (`CoreTable`): all the cores of its binding while no
+  other busy engine owns any of them, its own otherwise.
 * **Read-outs** (`keep_prefill_stats`): each request's local/external prefix-cache split,
   which vLLM computes but does not return.
 * **The server's additions** (`add_server_readouts`): the read-outs for agentkv's API
@@ -40,6 +40,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from .._errors import EngineStartError
+from ._cores import TABLE_BYTES, busy_sharers, core_mask, owned_cores
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -59,12 +60,10 @@ SUPPORTED_VLLM = "0.32"
 ENGINE_ENV = "AGENTKV_ENGINE"
 NIXL_DELAY_ENV = "AGENTKV_NIXL_PROGRESS_DELAY_US"
 PARKED_POLL_ENV = "AGENTKV_PARKED_KV_POLL_MS"
-THREAD_BUDGET_ENV = "AGENTKV_THREAD_BUDGET"
+CORE_TABLE_ENV = "AGENTKV_CORE_TABLE"
+"""``<path>:<slot>``: the host's core table and the engine's slot in it (elastic cores)."""
 PIN_ON_DECODE = "agentkv_pin_on_decode"
 """A ``kv_transfer_params`` key: a step run on D alone, whose blocks D pins like a decode's (see below)."""
-LENT_MIN_TOKENS = 32
-"""A forward pass uses lent cores only when it computes at least this many tokens (a prefill): on the
-2-core machines measured, one decode token per pass ran slower on two threads than on one."""
 WORKER_SPIN_S = 0.002
 _PATCHED_MARK = "_agentkv_patched"
 
@@ -109,48 +108,62 @@ def install() -> None:
     if poll_ms:
         _wait_for_input_while_only_parked(int(poll_ms) / 1000)
         _shorten_worker_spin(WORKER_SPIN_S)
-    budget_path = os.environ.get(THREAD_BUDGET_ENV)
-    if budget_path:
-        _follow_thread_budget(budget_path)
+    table = os.environ.get(CORE_TABLE_ENV)
+    if table:
+        _follow_core_table(table)
 
 
-def _follow_thread_budget(path: str) -> None:
-    """Set the worker's thread count before each forward pass from the budget its pair writes at ``path``."""
+def _follow_core_table(table: str) -> None:
+    """Set the worker's thread count before each forward pass from the host's core table (``table``: "path:slot")."""
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     if getattr(CPUWorker, _PATCHED_MARK, None) is not None:
         return
     execute = CPUWorker.execute_model
-    follower = _ThreadBudgetFollower(path)
+    path, _, slot = table.rpartition(":")
+    follower = _CoreTableFollower(path, int(slot))
 
     def execute_within_budget(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        follower.apply(scheduler_output.total_num_scheduled_tokens)
+        follower.apply()
         return execute(self, scheduler_output, *args, **kwargs)
 
     CPUWorker.execute_model = execute_within_budget  # type: ignore[method-assign]
-    setattr(CPUWorker, _PATCHED_MARK, path)
+    setattr(CPUWorker, _PATCHED_MARK, table)
 
 
-class _ThreadBudgetFollower:
-    """The worker's side of a `ThreadBudget`: two bytes, (own threads, lent threads or 0)."""
+class _CoreTableFollower:
+    """The worker's side of the `CoreTable`: all the cores of its binding while no other busy engine owns any of
+    them, its own otherwise."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, slot: int) -> None:
         self._path = path
+        self._slot = slot
         self._fd: int | None = None  # opened at the first pass: only a worker runs passes
+        self._order: list[int] = []
+        self._order_mask = 0
+        self._own = 0
         self._threads = 0
 
-    def apply(self, tokens: int) -> None:
+    def apply(self) -> None:
         if self._fd is None:
-            self._fd = os.open(self._path, os.O_RDONLY)
-        own, lent = os.pread(self._fd, 2, 0)
-        wanted = lent if lent and tokens >= LENT_MIN_TOKENS else own
+            self._start()
+        assert self._fd is not None
+        table = os.pread(self._fd, TABLE_BYTES, 0)
+        wanted = self._own if busy_sharers(table, cores=self._order_mask, me=self._slot) else len(self._order)
         if wanted and wanted != self._threads:
             import torch
 
-            if self._threads == 0:
-                _bind_omp_threads_in_order(_bind_order())
             torch._C.set_num_threads(wanted)  # vLLM replaces torch.set_num_threads with a warning
             self._threads = wanted
+
+    def _start(self) -> None:
+        self._fd = os.open(self._path, os.O_RDONLY)
+        self._order = _bind_order()
+        self._order_mask = core_mask(self._order)
+        table = os.pread(self._fd, TABLE_BYTES, 0)
+        owned = owned_cores(table, self._slot)
+        self._own = sum(1 for core in self._order if core in owned) or len(self._order)
+        _bind_omp_threads_in_order(self._order)
 
 
 def _bind_order() -> list[int]:

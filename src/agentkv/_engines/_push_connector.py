@@ -1,0 +1,114 @@
+"""A NIXL connector for vLLM 0.32 that pushes P->D and pulls D's pinned conversation back (push-back).
+
+P WRITEs its KV into the blocks D registered (vLLM's push mode). With ``bidirectional_kv_xfer``, D pins its
+blocks when a decode ends and returns a handle, and on the next turn P READs the part it lacks from D
+(pull mode's D->P path, with its ``kv_recompute_threshold`` and its refusal to read near expiry).
+
+vLLM's ``NixlPushConnectorScheduler`` refuses the flag. The conflict: in push mode D's worker gets "P's WRITE
+into this request is done" and "P has read this request's pin" as the same notification (``<D's request
+id>:<n>``) and tells them apart only by whether it tracks the request for sending. Pull mode tracks D's request
+for sending from allocation on, which would make P's WRITE release a pin that does not exist yet and leave D
+waiting for its KV. Here D's request is tracked for sending only once it is pinned; everything else is vLLM's
+push or pull code, picked per request.
+
+vLLM loads this module in its engine processes (``kv_connector="AgentKVPushConnector"``,
+``kv_connector_module_path="agentkv._engines._push_connector"``); it imports nothing from agentkv.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPushConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.utils import BlockIds
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["AgentKVPushConnector"]
+
+
+class AgentKVPushScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):  # type: ignore[misc]  # vLLM is not type-checked here
+    """Push's scheduler, with pull's read of D's handle on P and pull's pin at the end of a decode on D."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        # push's __init__ raises on the flag and reads it nowhere else: hide it for that call only
+        assert vllm_config.kv_transfer_config is not None
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        bidirectional = extra.pop("bidirectional_kv_xfer", None)
+        try:
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        finally:
+            if bidirectional is not None:
+                extra["bidirectional_kv_xfer"] = bidirectional
+        self.is_bidirectional_kv_xfer_enabled = bool(bidirectional)
+
+    # Pull's count covers both D waiting for a push (the same as push's) and P holding a handle to D's pin.
+    get_num_new_matched_tokens = NixlPullConnectorScheduler.get_num_new_matched_tokens
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """P: pull's (queue the read of D's pin, if any). D: push's (register the blocks it lacks with P).
+
+        Pull's version on D would track the request for sending now; see the module docstring.
+        """
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode"):
+            NixlPullConnectorScheduler.update_state_after_alloc(self, request, blocks, num_external_tokens)
+        else:
+            NixlPushConnectorScheduler.update_state_after_alloc(self, request, blocks, num_external_tokens)
+
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+        """P, and a D request never scheduled: push's. A D request that ran: pull's pin and handle.
+
+        A pinned request is tracked for sending from here on, so the next notification for it is P's read.
+        """
+        params = request.kv_transfer_params
+        finished: tuple[bool, dict[str, Any] | None]
+        if not params or params.get("do_remote_decode") or params.get("do_remote_prefill"):
+            finished = NixlPushConnectorScheduler.request_finished(self, request, block_ids)
+            return finished
+        self._push_registration_deadlines.pop(request.request_id, None)
+        finished = NixlPullConnectorScheduler.request_finished(self, request, block_ids)
+        if finished[0]:
+            self._reqs_in_batch.add(request.request_id)
+        return finished
+
+
+class AgentKVPushWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):  # type: ignore[misc]  # vLLM is not type-checked here
+    """Push's writer thread and notification routing, with pull's READ for P's reads of D's pin."""
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        """A receive that names remote blocks is P reading D's pin (pull's path); the others wait for a push."""
+        reads = NixlConnectorMetadata()
+        reads.reqs_to_recv = {r: m for r, m in metadata.reqs_to_recv.items() if m.remote and m.remote.block_ids}
+        pushed = copy.copy(metadata)
+        pushed.reqs_to_recv = {r: m for r, m in metadata.reqs_to_recv.items() if r not in reads.reqs_to_recv}
+        NixlPushConnectorWorker.start_load_kv(self, pushed)
+        # also starts the reads whose handshake with D has just finished
+        NixlPullConnectorWorker.start_load_kv(self, reads)
+
+
+class AgentKVPushConnector(NixlPushConnector):  # type: ignore[misc]  # vLLM is not type-checked here
+    """``NixlPushConnector`` with `AgentKVPushScheduler` and `AgentKVPushWorker`."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        # not NixlPushConnector.__init__: it builds vLLM's push scheduler, which refuses the flag
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            raise ValueError("AgentKVPushConnector does not support decode_context_parallel_size > 1.")
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = AgentKVPushScheduler(vllm_config, self.engine_id, kv_cache_config)
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = AgentKVPushWorker(vllm_config, self.engine_id, kv_cache_config)
+        else:
+            raise ValueError(f"Unsupported KVConnectorRole: {role}")
