@@ -24,6 +24,7 @@ __all__ = [
     "SERVER_EXTRAS_FIELD",
     "KVHandle",
     "PrefillResult",
+    "PushSource",
     "parse_handle",
     "parse_prefill_result",
     "prefill_params",
@@ -55,7 +56,7 @@ class _RemoteBlocks(BaseModel):
     tp_size: int = Field(ge=1)
     dcp_size: int = Field(default=1, ge=1)
     pp_size: int = Field(default=1, ge=1)
-    transfer_mode: Literal["pull"] = "pull"
+    transfer_mode: Literal["pull", "push"] = "pull"
 
 
 class KVHandle(_RemoteBlocks):
@@ -85,6 +86,28 @@ class PrefillResult(_RemoteBlocks):
     def as_decode_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` that ask D to pull these blocks and decode."""
         return self.model_dump(exclude_none=True)
+
+
+class PushSource(BaseModel):
+    """What D needs to receive a step's KV by push: P's coordinates and the request P writes from.
+
+    D registers the blocks it lacks with P under ``remote_request_id``; P, given the same external
+    request id, writes into them when its prefill is done. All fields are required: D's engine died
+    on push parameters missing ``remote_request_id`` (DESIGN.md section 4).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    remote_engine_id: _Name
+    remote_host: _Name
+    remote_port: int = Field(gt=0, lt=65536)
+    remote_request_id: _Name
+    tp_size: int = Field(default=1, ge=1)
+    pp_size: int = Field(default=1, ge=1)
+
+    def as_decode_params(self) -> dict[str, Any]:
+        """The ``kv_transfer_params`` that ask D to wait for P's push, then decode."""
+        return {"do_remote_prefill": True, "do_remote_decode": False, **self.model_dump()}
 
 
 def prefill_params(handle: KVHandle | None) -> dict[str, Any]:

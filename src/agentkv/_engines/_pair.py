@@ -7,6 +7,7 @@ decodes, pins its blocks and returns a new handle.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -21,9 +22,20 @@ import anyio.to_thread
 
 from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
 from .._model import prepare_model_off_loop
-from ._base import Engine, EngineInfo, Sampling, StepDone, StepEvent, StepRequest, StepTimings, pair_modes, prompt_split
+from ._base import (
+    Engine,
+    EngineInfo,
+    Sampling,
+    StepDone,
+    StepEvent,
+    StepRequest,
+    StepTimings,
+    TokenDelta,
+    pair_modes,
+    prompt_split,
+)
 from ._cores import CoreTable, elastic_bind_order
-from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params, release_params
+from ._handle import KVHandle, PushSource, parse_handle, parse_prefill_result, prefill_params, release_params
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
 from ._pin_budget import PinBudget
 from ._placement import Placement, PlacementChoice, PlacementCosts
@@ -143,11 +155,12 @@ class EmbeddedPair(Engine):
         self._info = EngineInfo(
             model_path=model_path,
             max_model_len=config.max_model_len,
-            modes=pair_modes(push_back=config.bidirectional, placement=True),
+            modes=pair_modes(push_back=config.bidirectional, placement=config.transfer == "pull"),
             extra={
                 "prefill_cores": p_cores,
                 "decode_cores": d_cores,
                 "core_policy": self._core_policy,
+                "transfer": config.transfer,
                 "pin_ttl_s": config.pin_ttl_s,
                 "prefill_prefix_cache": config.prefill_prefix_cache,
                 "decode_kv_blocks": self._d.num_blocks,
@@ -157,7 +170,7 @@ class EmbeddedPair(Engine):
     async def _warm_up(self) -> None:
         if self.config.warmup:
             self._progress("agentkv: warming up (kernels, NIXL handshakes)")
-            placements: tuple[Placement, ...] = ("prefill", "decode")
+            placements: tuple[Placement, ...] = ("prefill", "decode" if self.config.transfer == "pull" else "prefill")
             await run_warmup_steps(self, push_back=self.bidirectional, placements=placements)  # first prefills: cold
             self.costs = PlacementCosts()
             await run_warmup_steps(self, push_back=self.bidirectional, placements=placements)  # calibrates both
@@ -224,6 +237,11 @@ class EmbeddedPair(Engine):
             finally:
                 self._steps_on_decode -= 1
             return
+        if self.config.transfer == "push":
+            async with contextlib.aclosing(self._pushed_step(p, d, request, started, choice)) as events:
+                async for event in events:
+                    yield event
+            return
         declined = False
         p_out, p_stats, p_ledger = await self._prefill(p, request, request.handle)
         if p_out is None and request.handle is not None:
@@ -249,15 +267,42 @@ class EmbeddedPair(Engine):
         d_out, d_stats, d_ledger, completion = _finished(stream)
         if first is None:
             first_token_at = stream.first_token_at or time.perf_counter()
-        prefill_s, p_wait, _ = engine_seconds(p_out)
-        _, d_wait, decode_s = engine_seconds(d_out)
+        _, p_wait, _ = engine_seconds(p_out)
+        _, d_wait, _ = engine_seconds(d_out)
+        timings = self._timings(
+            request,
+            choice,
+            ttft_s=first_token_at - started,
+            kv_wait_s=p_wait + d_wait,
+            declined=declined,
+            prefill=(p_out, p_stats, p_ledger),
+            decode=(d_out, d_stats, d_ledger),
+        )
+        yield self._done(first, stream, completion, d_out, timings)
+
+    def _timings(
+        self,
+        request: StepRequest,
+        choice: PlacementChoice,
+        *,
+        ttft_s: float,
+        kv_wait_s: float,
+        declined: bool,
+        prefill: tuple[Any, Any, TransferLedger],
+        decode: tuple[Any, Any, TransferLedger],
+    ) -> StepTimings:
+        """A step through P and D: where its prompt's KV came from, what moved, and the times (recorded as a
+        cost of a step on P for placement)."""
+        (p_out, p_stats, p_ledger), (d_out, d_stats, d_ledger) = prefill, decode
+        prefill_s, _, _ = engine_seconds(p_out)
+        _, _, decode_s = engine_seconds(d_out)
         if p_stats is None:  # vLLM reported no split (not seen in 0.32): say so, rather than guess quietly
             logger.warning("agentkv: vLLM gave no prefill split for a step; its cached tokens are reported as local")
         split = (p_stats.num_local_cached_tokens, p_stats.num_external_cached_tokens) if p_stats is not None else None
         timings = StepTimings(
-            ttft_s=first_token_at - started,
+            ttft_s=ttft_s,
             prefill_s=prefill_s,
-            kv_wait_s=p_wait + d_wait,
+            kv_wait_s=kv_wait_s,
             decode_s=decode_s,
             handoff_tokens=d_stats.num_external_cached_tokens if d_stats is not None else 0,
             pullback_declined=declined or p_ledger.expired > 0,
@@ -266,11 +311,15 @@ class EmbeddedPair(Engine):
             **_transfer(p_ledger, d_ledger),
             **prompt_split(len(request.prompt_token_ids), split=split, cached_tokens=p_out.num_cached_tokens),
         )
-        self.costs.observe(
-            "prefill", computed_tokens=timings.computed_tokens, ttft_s=timings.ttft_s, prefill_s=prefill_s
-        )
+        self.costs.observe("prefill", computed_tokens=timings.computed_tokens, ttft_s=ttft_s, prefill_s=prefill_s)
+        return timings
+
+    def _done(
+        self, first: TokenDelta | None, stream: DecodeStream, completion: Any, d_out: Any, timings: StepTimings
+    ) -> StepDone:
+        """The step's end: its tokens (P's first, when streamed, then D's) and D's new handle."""
         handle, handle_error = parse_handle(d_out.kv_transfer_params) if self.bidirectional else (None, None)
-        yield StepDone(
+        return StepDone(
             token_ids=[*first.token_ids, *stream.token_ids] if first is not None else stream.token_ids,
             text=first.text + stream.text if first is not None else stream.text,
             finish_reason=completion.finish_reason,
@@ -279,8 +328,70 @@ class EmbeddedPair(Engine):
             timings=timings,
         )
 
+    async def _pushed_step(
+        self, p: AsyncLLMRunner, d: AsyncLLMRunner, request: StepRequest, started: float, choice: PlacementChoice
+    ) -> AsyncGenerator[StepEvent, None]:
+        """One step with P pushing (``transfer="push"``): P and D start together under one request id. D
+        registers the blocks it lacks with P and waits; P prefills (pulling D's pin back when given the handle)
+        and writes into them; D decodes. D samples the first token (it was sent before P's existed)."""
+        shared_id = f"{request.request_id}-x"
+        assert p.launch.engine_id is not None and p.side_channel_port is not None  # every pair engine has both
+        source = PushSource(
+            remote_engine_id=p.launch.engine_id,
+            remote_host=_NIXL_HOST,
+            remote_port=p.side_channel_port,
+            remote_request_id=shared_id,
+        )
+        params = vllm_sampling(request.sampling, kv_transfer_params=source.as_decode_params(), stream=True)
+        stream = self._decode_stream(d, request.prompt_token_ids, params, request, "x")
+        prefill = asyncio.ensure_future(self._push_prefill(p, request, shared_id))
+        deltas = aiter(stream)
+        got_kv = False
+        try:
+            async for delta in deltas:
+                got_kv = True
+                yield delta
+            (p_out, p_stats, p_ledger), declined = await prefill
+        finally:
+            await _stop_pushing(prefill, deltas, got_kv=got_kv, timeout_s=self.config.step_timeout_s)
+            p.forget(shared_id)  # P's ledger has counted its write: D's KV has arrived
+        d_out, d_stats, d_ledger, completion = _finished(stream)
+        p_metrics, d_metrics = p_out.metrics, d_out.metrics
+        # D waited for the push from its submission: only the wait after P's prefill ended is the transfer's
+        pushed_wait = max(0.0, d_metrics.scheduled_ts - p_metrics.first_token_ts) if p_metrics and d_metrics else 0.0
+        timings = self._timings(
+            request,
+            choice,
+            ttft_s=(stream.first_token_at or time.perf_counter()) - started,
+            kv_wait_s=engine_seconds(p_out)[1] + pushed_wait,
+            declined=declined,
+            prefill=(p_out, p_stats, p_ledger),
+            decode=(d_out, d_stats, d_ledger),
+        )
+        yield self._done(None, stream, completion, d_out, timings)
+
+    async def _push_prefill(
+        self, p: AsyncLLMRunner, request: StepRequest, shared_id: str
+    ) -> tuple[tuple[Any, Any, TransferLedger], bool]:
+        """P's half of a pushed step: ((output, stats, ledger), whether D's handle was declined).
+
+        A declined read (an expired pin) is retried without the handle under the same id: D is still
+        waiting for a push from that request.
+        """
+        result = await self._prefill(p, request, request.handle, request_id=shared_id)
+        declined = result[0] is None and request.handle is not None
+        if declined:
+            result = await self._prefill(p, request, None, request_id=shared_id)
+        if result[0] is None:
+            raise EngineError("the prefill engine failed the request")
+        return result, declined
+
     def _place(self, request: StepRequest, p: AsyncLLMRunner, d: AsyncLLMRunner) -> PlacementChoice:
         """Where to prefill ``request``: P unless asked for D, or ``auto`` finds D faster."""
+        if self.config.transfer == "push":  # a step on D alone would need vLLM's pull connector on D
+            if request.placement == "decode":
+                raise UserError("a step on D alone needs a pull pair (transfer='pull'); this pair pushes")
+            return PlacementChoice("prefill", "push pair: every step on P")
         if request.handle is None or request.placement == "prefill":
             return PlacementChoice("prefill", "no pin to extend on D" if request.placement != "prefill" else "asked")
         if request.placement == "decode":
@@ -344,19 +455,23 @@ class EmbeddedPair(Engine):
         )
 
     async def _prefill(
-        self, p: AsyncLLMRunner, request: StepRequest, handle: KVHandle | None
+        self, p: AsyncLLMRunner, request: StepRequest, handle: KVHandle | None, *, request_id: str | None = None
     ) -> tuple[Any, Any, TransferLedger]:
-        """Run P to completion; the output is None when P failed (e.g. declined an expired read)."""
+        """Run P to completion; the output is None when P failed (e.g. declined an expired read).
+
+        ``request_id``: the id P knows the request by (push: the one D registered under, and P's ledger
+        goes on counting its write to D until the caller forgets the request); default: its own.
+        """
         # P's token is the answer's first only when no stop string can involve it (`first_token_of_prefill`)
         sampling = dataclasses.replace(request.sampling, max_tokens=1, json_schema=None, stop=())
         params = vllm_sampling(sampling, kv_transfer_params=prefill_params(handle), stream=False)
-        request_id = f"{request.request_id}-p{'h' if handle else ''}"
         final, stats, ledger = await p.run(
             request.prompt_token_ids,
             params,
-            request_id,
+            request_id or f"{request.request_id}-p{'h' if handle else ''}",
             timeout_s=self.config.step_timeout_s,
             cache_salt=request.cache_salt,
+            hold_ledger=request_id is not None,
         )
         if final is None or final.outputs[0].finish_reason == "error" or final.kv_transfer_params is None:
             return None, stats, ledger
@@ -432,6 +547,34 @@ def _finished(stream: DecodeStream) -> tuple[Any, Any, TransferLedger, Any]:
         raise EngineError(f"the decode engine ended the step with {completion.finish_reason!r}")
     return d_out, d_stats, d_ledger, completion
 
+
+async def _stop_pushing(
+    prefill: asyncio.Future[Any], deltas: AsyncGenerator[TokenDelta, None], *, got_kv: bool, timeout_s: float
+) -> None:
+    """End both halves of a pushed step, whatever ended it (the answer, an error, the caller leaving early).
+
+    P is never aborted: an aborted P pushes nothing, and vLLM 0.32 keeps the blocks of a D that
+    was aborted while waiting for a push until some P writes into them (measured: they stayed
+    held). So P runs to its end, and D is closed only once its KV has arrived (its first output):
+    P's write never lands in blocks D has freed, and D frees everything.
+    """
+    with anyio.CancelScope(shield=True):  # a cancelled step still ends both halves, in this order
+        with contextlib.suppress(Exception), anyio.move_on_after(timeout_s):
+            await asyncio.shield(prefill)
+        if not prefill.done():
+            prefill.cancel()
+            logger.error("agentkv: the prefill engine did not finish a pushed step; D's blocks for it stay held")
+        pushed = prefill.done() and not prefill.cancelled() and prefill.exception() is None
+        if not pushed and not got_kv:
+            logger.error("agentkv: the prefill engine failed a pushed step; D's blocks for it stay held")
+        elif not got_kv:
+            with contextlib.suppress(Exception), anyio.move_on_after(timeout_s):
+                await anext(deltas)
+        await deltas.aclose()
+
+
+_NIXL_HOST = "127.0.0.1"
+"""Where an embedded engine's NIXL side channel listens (`pair_engine_launch`'s default host)."""
 
 _ON_DECODE_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False, PIN_ON_DECODE: True}
 """A step on D alone: nothing to pull; D pins its blocks after it (a patch makes D's worker track that pin)."""

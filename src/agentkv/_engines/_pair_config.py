@@ -23,17 +23,24 @@ from ._system import bind_order, cpu_list
 from ._vllm_patches import CORE_TABLE_ENV, engine_env
 
 __all__ = [
+    "PUSH_CONNECTOR",
     "CorePolicy",
     "EngineLaunch",
     "PairConfig",
     "PairSettings",
     "Role",
+    "Transfer",
+    "connector_choice",
+    "kv_buffer_device",
     "engine_launch",
     "pair_engine_launch",
     "resolve_dtype",
 ]
 
 Role = Literal["prefill", "decode"]
+Transfer = Literal["pull", "push"]
+"""How a step's KV goes from P to D: D reads it once P is done (``"pull"``, vLLM's ``NixlConnector``), or P
+writes it into blocks D registered while P computed (``"push"``). Push-back (D to P) is a read either way."""
 CorePolicy = Literal["split", "elastic"]
 """How P and D share the cores: each on its own half (``"split"``), or each with a thread team on its
 own half that grows onto the other engine's half while no engine owning that half has anything to
@@ -53,6 +60,10 @@ class PairConfig:
     bidirectional: bool = True
     """D pins each step's KV and P can pull it back (vLLM ``bidirectional_kv_xfer``). Off, the pair is
     standard disaggregated inference."""
+    transfer: Transfer = "pull"
+    """``"pull"``: D reads P's KV after P's prefill; ``"push"``: P writes it into D as soon as it is computed,
+    D submitted beside P (with push-back: agentkv's connector, `agentkv._engines._push_connector`). See
+    ``docs/transfer.md``."""
     prefill_prefix_cache: bool = True
     """P's own prefix cache (off reproduces the source's baseline)."""
     cores: tuple[Sequence[int], Sequence[int]] | None = None
@@ -107,6 +118,8 @@ class PairConfig:
             raise UserError("cores takes two non-empty core lists: prefill's, then decode's")
         if self.core_policy not in ("split", "elastic"):
             raise UserError(f"core_policy is 'split' or 'elastic', not {self.core_policy!r}")
+        if self.transfer not in ("pull", "push"):
+            raise UserError(f"transfer is 'pull' or 'push', not {self.transfer!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise UserError(f"dtype is 'auto', 'float32', 'bfloat16' or 'float16', not {self.dtype!r}")
         object.__setattr__(self, "connector_options", dict(self.connector_options))
@@ -128,10 +141,12 @@ class PairConfig:
 
     def connector_config(self) -> dict[str, Any]:
         """``kv_connector_extra_config`` of both engines (``connector_options`` win)."""
+        push = {"push_registration_timeout": self.step_timeout_s} if self.transfer == "push" else {}
         return {
             "bidirectional_kv_xfer": self.bidirectional,
             "kv_recompute_threshold": self.recompute_threshold,
             "decoder_kv_blocks_ttl": self.pin_ttl_s,
+            **push,  # a D whose push never comes gives up with the step (vLLM's default: the pin's TTL)
             **self.connector_options,
         }
 
@@ -140,6 +155,7 @@ class PairSettings(TypedDict, total=False):
     """`PairConfig`'s fields as keyword arguments (``EmbeddedPair(max_model_len=2048)``)."""
 
     bidirectional: bool
+    transfer: Transfer
     prefill_prefix_cache: bool
     cores: tuple[Sequence[int], Sequence[int]] | None
     core_policy: CorePolicy
@@ -236,9 +252,9 @@ def pair_engine_launch(
         kv_cache_gib=config.kv_cache_gib,
         prefix_caching=config.prefill_prefix_cache if role == "prefill" else True,
         kv_transfer={
-            "kv_connector": "NixlConnector",
+            **connector_choice(config),
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_buffer_device": "cpu",
+            "kv_buffer_device": kv_buffer_device(),
             "engine_id": engine_id,
             "kv_connector_extra_config": config.connector_config(),
         },
@@ -249,6 +265,30 @@ def pair_engine_launch(
     if core_table is not None:
         launch.env[CORE_TABLE_ENV] = core_table
     return launch
+
+
+PUSH_CONNECTOR = {
+    "kv_connector": "AgentKVPushConnector",
+    "kv_connector_module_path": "agentkv._engines._push_connector",
+}
+"""agentkv's connector: vLLM 0.32's push connector refuses ``bidirectional_kv_xfer``."""
+
+
+def connector_choice(config: PairConfig) -> dict[str, str]:
+    """The ``KVTransferConfig`` fields that name the connector of ``config``'s transfer."""
+    if config.transfer == "pull":
+        return {"kv_connector": "NixlConnector"}
+    return dict(PUSH_CONNECTOR) if config.bidirectional else {"kv_connector": "NixlPushConnector"}
+
+
+def kv_buffer_device() -> str:
+    """Where NIXL registers the KV: the platform's own memory (``"cpu"`` here; ``"cuda"`` on a GPU host, where
+    NIXL moves VRAM to VRAM over RDMA/EFA). vLLM's platform says which; without vLLM, ``"cpu"``."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return "cpu"
+    return str(current_platform.device_type) or "cpu"
 
 
 def resolve_dtype(dtype: str) -> str:

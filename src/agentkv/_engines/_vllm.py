@@ -252,10 +252,13 @@ class AsyncLLMRunner:
         *,
         timeout_s: float,
         cache_salt: str | None = None,
+        hold_ledger: bool = False,
     ) -> tuple[RequestOutput | None, Any, TransferLedger]:
         """Run a request to its end: (final output or None, ``PrefillStats`` or None, transfer ledger).
 
-        A request not done within ``timeout_s`` is aborted and raises `EngineError`.
+        A request not done within ``timeout_s`` is aborted and raises `EngineError`. With
+        ``hold_ledger`` the ledger goes on counting the engine's transfers after the request ended
+        (a push P writes once its request is done) until `forget` is called.
         """
         final: RequestOutput | None = None
         try:
@@ -264,6 +267,9 @@ class AsyncLLMRunner:
                     final = output
         except TimeoutError as exc:
             raise EngineError(f"the {self.name} engine did not finish a request within {timeout_s} s") from exc
+        if hold_ledger:
+            ledger = self._readouts.in_flight.get(request_id, TransferLedger(shared=True))
+            return final, self._readouts.prefill_stats.pop(request_id, None), ledger
         stats, ledger = self.finish(request_id)
         return final, stats, ledger
 
