@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Unpack
 
 import anyio
@@ -346,14 +347,20 @@ class EmbeddedPair(Engine):
         stream = self._decode_stream(d, request.prompt_token_ids, params, request, "x")
         prefill = asyncio.ensure_future(self._push_prefill(p, request, shared_id))
         deltas = aiter(stream)
-        got_kv = False
+        arrived = asyncio.ensure_future(_first_or_none(deltas))  # D's first output: its KV has arrived
         try:
-            async for delta in deltas:
-                got_kv = True
-                yield delta
+            await asyncio.wait({prefill, arrived}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and prefill.exception() is not None:
+                await prefill  # P failed: D still waits for a push (the cleanup pushes, then closes D)
+            first = await arrived
+            if first is not None:
+                yield first
+                async for delta in deltas:
+                    yield delta
             (p_out, p_stats, p_ledger), declined = await prefill
         finally:
-            await _stop_pushing(prefill, deltas, got_kv=got_kv, timeout_s=self.config.step_timeout_s)
+            rescue = functools.partial(self._prefill, p, request, None, request_id=shared_id)
+            await _stop_pushing(prefill, arrived, deltas, rescue, timeout_s=self.config.step_timeout_s)
             p.forget(shared_id)  # P's ledger has counted its write: D's KV has arrived
         d_out, d_stats, d_ledger, completion = _finished(stream)
         p_metrics, d_metrics = p_out.metrics, d_out.metrics
@@ -548,28 +555,43 @@ def _finished(stream: DecodeStream) -> tuple[Any, Any, TransferLedger, Any]:
     return d_out, d_stats, d_ledger, completion
 
 
+async def _first_or_none(deltas: AsyncGenerator[TokenDelta, None]) -> TokenDelta | None:
+    return await anext(deltas, None)
+
+
 async def _stop_pushing(
-    prefill: asyncio.Future[Any], deltas: AsyncGenerator[TokenDelta, None], *, got_kv: bool, timeout_s: float
+    prefill: asyncio.Future[Any],
+    arrived: asyncio.Future[TokenDelta | None],
+    deltas: AsyncGenerator[TokenDelta, None],
+    rescue: Callable[[], Awaitable[Any]],
+    *,
+    timeout_s: float,
 ) -> None:
     """End both halves of a pushed step, whatever ended it (the answer, an error, the caller leaving early).
 
     P is never aborted: an aborted P pushes nothing, and vLLM 0.32 keeps the blocks of a D that
     was aborted while waiting for a push until some P writes into them (measured: they stayed
-    held). So P runs to its end, and D is closed only once its KV has arrived (its first output):
+    held). So P runs to its end (a P that failed is replaced by ``rescue``, a plain prefill under
+    the same id), and D is closed only once its KV has arrived (``arrived``, its first output):
     P's write never lands in blocks D has freed, and D frees everything.
     """
     with anyio.CancelScope(shield=True):  # a cancelled step still ends both halves, in this order
         with contextlib.suppress(Exception), anyio.move_on_after(timeout_s):
             await asyncio.shield(prefill)
-        if not prefill.done():
-            prefill.cancel()
-            logger.error("agentkv: the prefill engine did not finish a pushed step; D's blocks for it stay held")
         pushed = prefill.done() and not prefill.cancelled() and prefill.exception() is None
-        if not pushed and not got_kv:
-            logger.error("agentkv: the prefill engine failed a pushed step; D's blocks for it stay held")
-        elif not got_kv:
+        if not arrived.done() and not pushed:
+            prefill.cancel()
             with contextlib.suppress(Exception), anyio.move_on_after(timeout_s):
-                await anext(deltas)
+                pushed = (await rescue())[0] is not None
+            if not pushed:
+                logger.error("agentkv: no prefill could push a step's KV; D keeps its blocks for it until restart")
+        if pushed:
+            with contextlib.suppress(Exception), anyio.move_on_after(timeout_s):
+                await asyncio.shield(arrived)
+        if not arrived.done():
+            arrived.cancel()
+        with contextlib.suppress(BaseException):
+            await arrived
         await deltas.aclose()
 
 
