@@ -107,3 +107,29 @@ def test_a_server_that_dies_mid_step_is_restarted_and_the_conversation_kept(laun
         third = session.run_sync(QUESTIONS[2])
         assert third.steps[0].stats.pulled_tokens > 0  # push-back works with the new D
     assert [m.role for m in session.messages][-6:] == ["user", "assistant"] * 3
+
+
+def test_a_launched_push_pair_and_a_remote_one_on_its_servers_push_back_and_agree(pair: EmbeddedPair) -> None:
+    """Push over HTTP: P and D get each step under one X-Request-Id, P writes, D pins, P pulls back. A RemotePair
+    on the same servers learns P's NIXL coordinates from its first step's reply, then sends both at once."""
+    with LaunchedPair(max_model_len=2048, pin_ttl_s=30, dtype="float32", transfer="push") as pushing:
+        assert pushing.info.extra["transfer"] == "push"
+        answers: dict[str, list[list[int]]] = {}
+        with Session(engine=pushing, system=SYSTEM, max_tokens=MAX_TOKENS, cache_salt="launched-push") as session:
+            results = _run(session)
+        answers["launched push"] = [result.steps[0].token_ids for result in results]
+        with (
+            RemotePair(*pushing.urls, transfer="push", warmup=False) as remote,
+            Session(engine=remote, system=SYSTEM, max_tokens=MAX_TOKENS, cache_salt="remote-push") as session,
+        ):
+            remote_results = _run(session)
+        answers["remote push"] = [result.steps[0].token_ids for result in remote_results]
+        for later in [*results[1:], *remote_results[1:]]:
+            step = later.steps[0].stats
+            _assert_invariant(step)
+            assert step.handle_forwarded and step.miss_reason is None and step.pulled_tokens > 0
+    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, cache_salt="launched-push-reference") as session:
+        answers["embedded pull"] = [result.steps[0].token_ids for result in _run(session)]
+    for name in ("remote push", "embedded pull"):
+        for turn, (a, b) in enumerate(zip(answers["launched push"], answers[name], strict=True), start=1):
+            assert a == b, f"{name}, turn {turn}: {_first_difference(a, b)}"

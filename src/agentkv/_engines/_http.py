@@ -20,7 +20,8 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from ._base import (
     pair_modes,
     prompt_split,
 )
-from ._handle import KVHandle, parse_handle, parse_prefill_result, prefill_params, release_params
+from ._handle import KVHandle, PushSource, parse_handle, parse_prefill_result, prefill_params, release_params
 from ._http_capabilities import ServerCapabilities, ServerKind, probe_servers
 from ._http_transport import (
     PairTransport,
@@ -50,6 +51,8 @@ from ._http_transport import (
     retrying,
     translated,
 )
+from ._pair_config import Transfer
+from ._push import PushedStep
 
 __all__ = ["HTTPPair", "stock_decode_streaming_error"]
 
@@ -104,6 +107,7 @@ class HTTPPair(Engine):
         push_back: bool = True,
         decode_streaming: bool = True,
         exclusive: bool = False,
+        transfer: Transfer = "pull",
     ) -> None:
         super().__init__()
         if attempts < 1:
@@ -122,6 +126,9 @@ class HTTPPair(Engine):
         self._baseline = _Baseline()
         self._in_flight = 0
         self._started_steps = 0
+        self._transfer = transfer
+        self._prefill_coordinates: tuple[str, str, int] | None = None
+        """P's NIXL engine id, host and side-channel port, which D needs to register for a push."""
         self._retired_engines: set[str] = set()
         """Engine ids of servers that are gone: their handles are dropped, never sent to P."""
 
@@ -192,6 +199,7 @@ class HTTPPair(Engine):
                 "prefill_url": prefill_url,
                 "decode_url": decode_url,
                 "server_kind": capabilities.server_kind,
+                "transfer": self._transfer,
             },
         )
 
@@ -272,17 +280,23 @@ class HTTPPair(Engine):
 
     async def _step(self, request: StepRequest, alone_from: int | None) -> AsyncIterator[StepEvent]:
         started = time.perf_counter()
-        p_reply, declined = await self._prefill(request)
-        handoff = parse_prefill_result(p_reply.kv_transfer_params)
-        body = self._body(
-            request, max_tokens=request.sampling.max_tokens, kv_transfer_params=handoff.as_decode_params()
-        )
+        pushed: PushedStep[tuple[Any, ServerReply | None], tuple[ServerReply, bool]] | None = None
+        if self._transfer == "push":
+            pushed = await self._pushed_halves(request)
+            outputs: AsyncIterator[tuple[Any, ServerReply | None]] = aiter(pushed)
+        else:
+            p_reply, declined = await self._prefill(request)
+            handoff = parse_prefill_result(p_reply.kv_transfer_params)
+            body = self._body(
+                request, max_tokens=request.sampling.max_tokens, kv_transfer_params=handoff.as_decode_params()
+            )
+            outputs = self._decode(body)
         token_ids: list[int] = []
         texts: list[str] = []
         first_token_at: float | None = None
         finish_reason: str | None = None
         d_reply = ServerReply()
-        async for choice, reply in self._decode(body):
+        async for choice, reply in outputs:
             if reply is not None:
                 d_reply = reply
                 continue
@@ -296,6 +310,8 @@ class HTTPPair(Engine):
             finish_reason = choice.finish_reason or finish_reason
             if ids or choice.text:
                 yield TokenDelta(token_ids=ids, text=choice.text)
+        if pushed is not None:
+            p_reply, declined = pushed.prefill_result
         if finish_reason not in ("stop", "length"):
             raise EngineError(f"the decode server ended the step with {finish_reason!r}")
         handle, handle_error = parse_handle(d_reply.kv_transfer_params) if self.info.push_back else (None, None)
@@ -323,8 +339,44 @@ class HTTPPair(Engine):
             ),
         )
 
-    async def _prefill(self, request: StepRequest) -> tuple[ServerReply, bool]:
-        """P's reply, and whether the handle was dropped (P declined it, or it may have been spent)."""
+    async def _pushed_halves(
+        self, request: StepRequest
+    ) -> PushedStep[tuple[Any, ServerReply | None], tuple[ServerReply, bool]]:
+        """A pushed step's P and D under one ``X-Request-Id`` (see `PushedStep`), sent together once P's NIXL
+        coordinates are known; the first step of a remote pair sends P first and learns them from its reply."""
+        shared = uuid.uuid4().hex
+        prefill: Awaitable[tuple[ServerReply, bool]]
+        if self._prefill_coordinates is None:
+            result = await self._prefill(request, request_id=shared)
+            handoff = parse_prefill_result(result[0].kv_transfer_params)
+            self._prefill_coordinates = (handoff.remote_engine_id, handoff.remote_host, handoff.remote_port)
+            served_id = handoff.remote_request_id
+            prefill = _ready(result)
+        else:
+            served_id = f"cmpl-{shared}-0"  # the id vLLM's server gives the single prompt of X-Request-Id `shared`
+            prefill = self._prefill(request, request_id=shared)
+        engine_id, host, port = self._prefill_coordinates
+        source = PushSource(remote_engine_id=engine_id, remote_host=host, remote_port=port, remote_request_id=served_id)
+        body = self._body(
+            request,
+            max_tokens=request.sampling.max_tokens,
+            kv_transfer_params=source.as_decode_params(),
+            request_id=shared,
+        )
+
+        async def rescue() -> bool:
+            plain = self._body(request, max_tokens=1, kv_transfer_params=prefill_params(None), request_id=shared)
+            with translated("prefill"):
+                _, reply = await self._transport.complete("prefill", plain)
+            return reply.kv_transfer_params is not None
+
+        return PushedStep(prefill, self._decode(body), rescue, timeout_s=self._transport.step_timeout_s)
+
+    async def _prefill(self, request: StepRequest, *, request_id: str | None = None) -> tuple[ServerReply, bool]:
+        """P's reply, and whether the handle was dropped (P declined it, or it may have been spent).
+
+        ``request_id``: the ``X-Request-Id`` P gets (a pushed step's, which D waits on), or none.
+        """
         handle: KVHandle | None = request.handle
         dropped = False
         if handle is not None and handle.remote_engine_id in self._retired_engines:
@@ -334,7 +386,13 @@ class HTTPPair(Engine):
                 with attempt:
                     try:
                         _, reply = await self._transport.complete(
-                            "prefill", self._body(request, max_tokens=1, kv_transfer_params=prefill_params(handle))
+                            "prefill",
+                            self._body(
+                                request,
+                                max_tokens=1,
+                                kv_transfer_params=prefill_params(handle),
+                                request_id=request_id,
+                            ),
                         )
                     except Exception as exc:
                         if handle is not None and not never_arrived(exc):
@@ -343,13 +401,14 @@ class HTTPPair(Engine):
             if reply.kv_transfer_params is None and handle is not None:  # P could not read D's blocks
                 dropped = True
                 _, reply = await self._transport.complete(
-                    "prefill", self._body(request, max_tokens=1, kv_transfer_params=prefill_params(None))
+                    "prefill",
+                    self._body(request, max_tokens=1, kv_transfer_params=prefill_params(None), request_id=request_id),
                 )
         if reply.kv_transfer_params is None:
             raise EngineError("the prefill server returned no kv_transfer_params (is it a kv_producer with NIXL?)")
         return reply, dropped
 
-    async def _decode(self, body: dict[str, Any]) -> AsyncIterator[tuple[Any, ServerReply | None]]:
+    async def _decode(self, body: dict[str, Any]) -> AsyncGenerator[tuple[Any, ServerReply | None], None]:
         """D's output: ``(choice, None)`` per chunk, then ``(None, reply)`` with the handle when sent."""
         if self._decode_streaming:
             async with contextlib.aclosing(self._transport.stream("decode", body)) as chunks:
@@ -361,9 +420,16 @@ class HTTPPair(Engine):
         yield choice, None
         yield None, reply
 
-    def _body(self, request: StepRequest, *, max_tokens: int, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    def _body(
+        self,
+        request: StepRequest,
+        *,
+        max_tokens: int,
+        kv_transfer_params: dict[str, Any],
+        request_id: str | None = None,
+    ) -> dict[str, Any]:
         assert self._capabilities is not None
-        return completion_body(
+        body = completion_body(
             model=self._capabilities.served_model,
             prompt_token_ids=request.prompt_token_ids,
             max_tokens=max_tokens,
@@ -371,6 +437,13 @@ class HTTPPair(Engine):
             kv_transfer_params=kv_transfer_params,
             cache_salt=request.cache_salt,
         )
+        if request_id is not None:
+            body["extra_headers"] = {"X-Request-Id": request_id}
+        return body
+
+
+async def _ready(value: Any) -> Any:
+    return value
 
 
 def _moved(p_moved: dict[str, float] | None, d_moved: dict[str, float] | None, *, alone: bool) -> dict[str, Any]:

@@ -74,6 +74,7 @@ class LaunchedPair(HTTPPair):
             progress=progress,
             push_back=self.config.bidirectional,
             exclusive=True,  # agentkv started the servers: nobody else talks to them
+            transfer=self.config.transfer,
         )
         if len(hosts) != 2 or len(launch_prefixes) != 2:
             raise UserError("hosts and launch_prefixes take two entries: prefill's, then decode's")
@@ -124,6 +125,7 @@ class LaunchedPair(HTTPPair):
             "decode": self._server("decode", model_path, d_cores),
         }
         await self._launch(list(self._servers.values()))
+        self._know_prefill()
         await self._open_servers(
             self._servers["prefill"].url, self._servers["decode"].url, kind="launched", model_path=model_path
         )
@@ -163,6 +165,12 @@ class LaunchedPair(HTTPPair):
 
     async def _wait_ready(self, server: ServerProcess) -> None:
         await server.wait_ready(timeout_s=self._start_timeout_s, progress=self._progress)
+
+    def _know_prefill(self) -> None:
+        """P's NIXL coordinates, which a pushed step's D registers with (a restarted P has new ones)."""
+        spec = self._servers["prefill"].spec
+        assert spec.engine_id is not None and spec.side_channel_port is not None
+        self._prefill_coordinates = (spec.engine_id, self._hosts[0], spec.side_channel_port)
 
     def _info_extra(self, extra: dict[str, Any]) -> None:
         self._info = dataclasses.replace(self.info, extra={**self.info.extra, **extra})
@@ -209,4 +217,5 @@ class LaunchedPair(HTTPPair):
                 self._baseline.totals.pop(role, None)  # a new server counts NIXL bytes from zero
                 self._servers[role] = self._server(role, old.spec.launch.model_path, old.spec.cores or [])
             await self._launch([self._servers[role] for role in dead])
+            self._know_prefill()
             await self._reconnect(self._servers["prefill"].url, self._servers["decode"].url)

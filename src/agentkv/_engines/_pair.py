@@ -7,15 +7,13 @@ decodes, pins its blocks and returns a new handle.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Unpack
 
 import anyio
@@ -40,6 +38,7 @@ from ._handle import KVHandle, PushSource, parse_handle, parse_prefill_result, p
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
 from ._pin_budget import PinBudget
 from ._placement import Placement, PlacementChoice, PlacementCosts
+from ._push import PushedStep
 from ._system import free_port, split_cores
 from ._vllm import AsyncLLMRunner, DecodeStream, TransferLedger, engine_seconds, first_token_of_prefill, vllm_sampling
 from ._vllm_patches import PIN_ON_DECODE
@@ -345,23 +344,19 @@ class EmbeddedPair(Engine):
         )
         params = vllm_sampling(request.sampling, kv_transfer_params=source.as_decode_params(), stream=True)
         stream = self._decode_stream(d, request.prompt_token_ids, params, request, "x")
-        prefill = asyncio.ensure_future(self._push_prefill(p, request, shared_id))
-        deltas = aiter(stream)
-        arrived = asyncio.ensure_future(_first_or_none(deltas))  # D's first output: its KV has arrived
+
+        async def rescue() -> bool:
+            return (await self._prefill(p, request, None, request_id=shared_id))[0] is not None
+
+        halves = PushedStep(
+            self._push_prefill(p, request, shared_id), aiter(stream), rescue, timeout_s=self.config.step_timeout_s
+        )
         try:
-            await asyncio.wait({prefill, arrived}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill.done() and prefill.exception() is not None:
-                await prefill  # P failed: D still waits for a push (the cleanup pushes, then closes D)
-            first = await arrived
-            if first is not None:
-                yield first
-                async for delta in deltas:
-                    yield delta
-            (p_out, p_stats, p_ledger), declined = await prefill
+            async for delta in halves:
+                yield delta
         finally:
-            rescue = functools.partial(self._prefill, p, request, None, request_id=shared_id)
-            await _stop_pushing(prefill, arrived, deltas, rescue, timeout_s=self.config.step_timeout_s)
-            p.forget(shared_id)  # P's ledger has counted its write: D's KV has arrived
+            p.forget(shared_id)  # P's ledger has counted its write: D's KV has arrived (or the step failed)
+        (p_out, p_stats, p_ledger), declined = halves.prefill_result
         d_out, d_stats, d_ledger, completion = _finished(stream)
         p_metrics, d_metrics = p_out.metrics, d_out.metrics
         # D waited for the push from its submission: only the wait after P's prefill ended is the transfer's
@@ -553,46 +548,6 @@ def _finished(stream: DecodeStream) -> tuple[Any, Any, TransferLedger, Any]:
     if completion.finish_reason not in ("stop", "length"):
         raise EngineError(f"the decode engine ended the step with {completion.finish_reason!r}")
     return d_out, d_stats, d_ledger, completion
-
-
-async def _first_or_none(deltas: AsyncGenerator[TokenDelta, None]) -> TokenDelta | None:
-    return await anext(deltas, None)
-
-
-async def _stop_pushing(
-    prefill: asyncio.Future[Any],
-    arrived: asyncio.Future[TokenDelta | None],
-    deltas: AsyncGenerator[TokenDelta, None],
-    rescue: Callable[[], Awaitable[Any]],
-    *,
-    timeout_s: float,
-) -> None:
-    """End both halves of a pushed step, whatever ended it (the answer, an error, the caller leaving early).
-
-    P is never aborted: an aborted P pushes nothing, and vLLM 0.32 keeps the blocks of a D that
-    was aborted while waiting for a push until some P writes into them (measured: they stayed
-    held). So P runs to its end (a P that failed is replaced by ``rescue``, a plain prefill under
-    the same id), and D is closed only once its KV has arrived (``arrived``, its first output):
-    P's write never lands in blocks D has freed, and D frees everything.
-    """
-    with anyio.CancelScope(shield=True):  # a cancelled step still ends both halves, in this order
-        with contextlib.suppress(Exception), anyio.move_on_after(timeout_s):
-            await asyncio.shield(prefill)
-        pushed = prefill.done() and not prefill.cancelled() and prefill.exception() is None
-        if not arrived.done() and not pushed:
-            prefill.cancel()
-            with contextlib.suppress(Exception), anyio.move_on_after(timeout_s):
-                pushed = (await rescue())[0] is not None
-            if not pushed:
-                logger.error("agentkv: no prefill could push a step's KV; D keeps its blocks for it until restart")
-        if pushed:
-            with contextlib.suppress(Exception), anyio.move_on_after(timeout_s):
-                await asyncio.shield(arrived)
-        if not arrived.done():
-            arrived.cancel()
-        with contextlib.suppress(BaseException):
-            await arrived
-        await deltas.aclose()
 
 
 _NIXL_HOST = "127.0.0.1"

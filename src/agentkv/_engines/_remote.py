@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable
 
 from ._http import HTTPPair
+from ._pair_config import Transfer
 
 __all__ = ["RemotePair"]
 
@@ -33,6 +34,9 @@ class RemotePair(HTTPPair):
         model: the model the servers serve, for its tokenizer and chat template (a bundled
             name or a local HF folder; default: the bundled SmolLM2-135M).
         push_back: forward D's handle to P (needs ``bidirectional_kv_xfer`` on the servers).
+        transfer: what the servers' connector does: ``"pull"`` (vLLM's ``NixlConnector``) or ``"push"``
+            (``agentkv engine --transfer push``); each step then speaks that protocol. A push pair's first step
+            sends P before D, to learn P's NIXL coordinates from its reply; later steps send both at once.
         decode_streaming: stream D's tokens (see above).
         exclusive: this pair is the servers' only client, so differences of their NIXL
             totals between two replies are this session's (``kv_bytes``); otherwise None.
@@ -51,6 +55,7 @@ class RemotePair(HTTPPair):
         push_back: bool = True,
         decode_streaming: bool = True,
         exclusive: bool = False,
+        transfer: Transfer = "pull",
         attempts: int = 4,
         warmup: bool = True,
         step_timeout_s: float = 300.0,
@@ -65,6 +70,7 @@ class RemotePair(HTTPPair):
             push_back=push_back,
             decode_streaming=decode_streaming,
             exclusive=exclusive,
+            transfer=transfer,
         )
         self._urls = (prefill_url, decode_url)
 

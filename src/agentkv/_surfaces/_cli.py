@@ -18,6 +18,7 @@ from tqdm import tqdm
 from .._bench._runner import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
 from .._bench._workloads import WORKLOADS
 from .._engines import EmbeddedPair, Engine, EngineGroup, LaunchedPair, RemotePair
+from .._engines._pair_config import Transfer
 from .._engines._system import split_cores_among_pairs
 from .._errors import AgentKVError, UserError
 from .._model import list_models, prepare_model
@@ -144,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine.add_argument("--kv-cache-gib", type=float, default=4.0)
     engine.add_argument("--pin-ttl-s", type=float, default=480.0)
     engine.add_argument("--no-push-back", action="store_true", help="standard disaggregated (no bidirectional)")
+    engine.add_argument(
+        "--transfer", choices=get_args(Transfer), default="pull", help="the connector: pull (default) or push"
+    )
     engine.add_argument("--no-prefix-cache", action="store_true", help="a prefill server without its own prefix cache")
 
     models = commands.add_parser("models", help="list the bundled models, or prepare one")
@@ -213,19 +217,30 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("PREFILL_URL", "DECODE_URL"),
         help="use servers started elsewhere (agentkv engine); repeat it for several pairs",
     )
+    parser.add_argument(
+        "--transfer",
+        choices=get_args(Transfer),
+        default="pull",
+        help="how P's KV reaches D: D reads it (pull, default) or P writes it (push); docs/transfer.md",
+    )
 
 
 def _engine(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments of a session or pool the command line asks for (the engine opens and closes with it)."""
     pairs: int = getattr(args, "pairs", 1)
     if args.remote:
-        remotes = [RemotePair(*urls, model=args.model) for urls in args.remote]
+        remotes = [RemotePair(*urls, model=args.model, transfer=args.transfer) for urls in args.remote]
         return {"engine": remotes[0] if len(remotes) == 1 else EngineGroup(remotes)}
-    if pairs == 1:
-        return {"engine": LaunchedPair(args.model)} if args.engine == "launched" else {"model": args.model}
     kind = LaunchedPair if args.engine == "launched" else EmbeddedPair
+    if pairs == 1:
+        if args.engine == "embedded" and args.transfer == "pull":
+            return {"model": args.model}  # the session's own default pair
+        return {"engine": kind(args.model, transfer=args.transfer)}
     bidirectional = args.mode in (None, "bidirectional", "auto")
-    engines = [kind(args.model, cores=cores, bidirectional=bidirectional) for cores in split_cores_among_pairs(pairs)]
+    engines = [
+        kind(args.model, cores=cores, bidirectional=bidirectional, transfer=args.transfer)
+        for cores in split_cores_among_pairs(pairs)
+    ]
     return {"engine": EngineGroup(engines, replace=_replacement)}
 
 
@@ -398,6 +413,7 @@ def _engine_server(args: argparse.Namespace) -> int:
 
     config = PairConfig(
         bidirectional=not args.no_push_back,
+        transfer=args.transfer,
         prefill_prefix_cache=not args.no_prefix_cache,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
