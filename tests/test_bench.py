@@ -20,6 +20,7 @@ from agentkv._bench import (
     load_replay,
     make_workload,
     plot,
+    push_against_pull,
     run_bench,
     run_bench_sync,
     served_overhead,
@@ -322,7 +323,7 @@ async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_pl
     engines = _Engines()
     for name in ("EmbeddedPair", "Colocated", "LaunchedPair"):
         monkeypatch.setattr(f"agentkv._bench._runner.{name}", engines.kind(name))
-    modes = [*DEFAULT_MODES, "bidirectional-split", "launched", "served"]
+    modes = [*DEFAULT_MODES, "bidirectional-split", "launched", "served", "push", "push-disaggregated"]
     workload = make_workload("chat", turns=2, scale=0.25)
     report = await run_bench(workload, modes=modes, dtype="bfloat16", max_model_len=1024)
     assert report.dtype == "bfloat16" and "dtype bfloat16" in header(report)
@@ -333,6 +334,7 @@ async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_pl
             "EmbeddedPair",
             {"max_model_len": 1024, "bidirectional": False, "prefill_prefix_cache": False, "dtype": "bfloat16"},
         ),
+        ("EmbeddedPair", {"max_model_len": 1024, "dtype": "bfloat16", "transfer": "push"}),  # both push rows
         ("Colocated", {"max_model_len": 1024, "dtype": "bfloat16"}),
         ("LaunchedPair", {"max_model_len": 1024, "dtype": "bfloat16"}),
     ]
@@ -340,6 +342,7 @@ async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_pl
     assert placements["auto"] == {"auto"}  # the session asks the pair to place each step
     assert placements["raw"] == placements["bidirectional"] == placements["bidirectional-split"] == {"prefill"}
     assert placements["served"] == {"prefill"}  # the front door's sessions, on the bidirectional pair
+    assert placements["push"] == placements["push-disaggregated"] == {"prefill"}
     assert sorted({m for m, _ in engines.requests}) == sorted(modes)
     assert [(r.mode, r.turn) for r in report.records] == [(m, t) for m in modes for t in (1, 2)]
     assert report.answers_agree == dict.fromkeys([m for m in modes if m != "bidirectional"], True)
@@ -383,6 +386,27 @@ def test_a_prompt_that_differs_on_the_same_history_is_found() -> None:
     answered_otherwise = [_record("raw", 1, 1.0, prompt="p1", output=(9,))]  # bf16: the answer differed on turn 1
     answered_otherwise += [_record("raw", t, 1.0, prompt="later", output=(t,)) for t in (2, 3)]
     assert first_prompt_divergence(bidi + answered_otherwise) is None  # so later prompts may differ
+
+
+def test_the_push_line_compares_each_transfer_with_its_pull_twin() -> None:
+    records = [
+        _record(mode, t, ttft, itl=(gap, 0.1))
+        for mode, ttft, gap in (
+            ("bidirectional", 1.0, 0.3),
+            ("push", 1.2, 0.1),
+            ("disaggregated", 2.0, 0.3),
+            ("push-disaggregated", 1.8, 0.1),
+        )
+        for t in (1, 2, 3)
+    ]
+    walls = dict.fromkeys(("bidirectional", "push", "disaggregated", "push-disaggregated"), 1.0)
+    line = push_against_pull(summarize(records, walls, None))
+    assert line is not None
+    assert line.startswith(
+        "push over bidirectional: TTFT 1.20x (1.200 vs 1.000 s), second token 1.00x (1.300 vs 1.300 s)"
+    )
+    assert "push-disaggregated over disaggregated: TTFT 0.90x" in line
+    assert push_against_pull(summarize(records[:3], {"bidirectional": 1.0}, None)) is None
 
 
 def test_the_served_line_gives_the_overhead_next_to_the_target() -> None:

@@ -101,6 +101,9 @@ class ModeSummary(BaseModel):
     client_over_engine_s: float
     """Mean of TTFT on the client clock minus the engine's own: what lies between the caller and the engine
     (the Session; for served also HTTP, the front door and the pool)."""
+    second_token_mean_s: float | None
+    """Mean time from the call to the answer's second token (TTFT plus the first gap): a pull pair streams
+    P's token first and D's token comes second; a push pair's first two both come from D."""
     itl_p50_s: float | None
     itl_p90_s: float | None
     itl_p99_s: float | None
@@ -191,6 +194,7 @@ def summarize(
                 ttft_p90_s=_percentile(ttfts, 90),
                 engine_ttft_mean_s=statistics.fmean(r.engine_ttft_s for r in rows),
                 client_over_engine_s=statistics.fmean(r.ttft_s - r.engine_ttft_s for r in rows),
+                second_token_mean_s=statistics.fmean(seconds) if (seconds := _second_tokens(rows)) else None,
                 itl_p50_s=itl_p50.get(mode),
                 itl_p90_s=_percentile(gaps, 90) if gaps else None,
                 itl_p99_s=_percentile(gaps, 99) if gaps else None,
@@ -214,6 +218,10 @@ def summarize(
             )
         )
     return summaries
+
+
+def _second_tokens(rows: Sequence[StepRecord]) -> list[float]:
+    return [r.ttft_s + r.itl_s[0] for r in rows if r.itl_s]
 
 
 def _ratio(values: dict[str, float], mode: str, reference: str) -> float | None:

@@ -10,7 +10,7 @@ from .._stats._plots import plot_turns
 from .._stats._stats import text_table
 from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, StepRecord
 
-__all__ = ["header", "per_turn", "plot", "served_overhead", "table"]
+__all__ = ["header", "per_turn", "plot", "push_against_pull", "served_overhead", "table"]
 
 
 def _seconds(value: float | None) -> str:
@@ -132,6 +132,28 @@ def served_overhead(summaries: Sequence[ModeSummary]) -> str | None:
         f"({door / bidirectional.ttft_mean_s:.1%} of bidirectional's TTFT; client TTFT over the engine's: served "
         f"{served.client_over_engine_s * 1000:.1f} ms, bidirectional {bidirectional.client_over_engine_s * 1000:.1f} ms)"
     )
+
+
+def push_against_pull(summaries: Sequence[ModeSummary]) -> str | None:
+    """Push transfer next to pull, each with and without push-back: mean TTFT and mean time to the second
+    token (the first token D sends in a pull pair, which streams P's first). None unless a pair ran."""
+    by_mode = {s.mode: s for s in summaries}
+    parts = []
+    for push, pull in (("push", "bidirectional"), ("push-disaggregated", "disaggregated")):
+        a, b = by_mode.get(push), by_mode.get(pull)
+        if a is None or b is None:
+            continue
+        second = (
+            f", second token {a.second_token_mean_s / b.second_token_mean_s:.2f}x"
+            f" ({a.second_token_mean_s:.3f} vs {b.second_token_mean_s:.3f} s)"
+            if a.second_token_mean_s and b.second_token_mean_s
+            else ""
+        )
+        parts.append(
+            f"{push} over {pull}: TTFT {a.ttft_mean_s / b.ttft_mean_s:.2f}x ({a.ttft_mean_s:.3f} vs "
+            f"{b.ttft_mean_s:.3f} s){second}, reuse {a.reuse_ratio:.0%} vs {b.reuse_ratio:.0%}"
+        )
+    return "; ".join(parts) or None
 
 
 def per_turn(records: Sequence[StepRecord]) -> dict[str, list[tuple[int, float, float]]]:

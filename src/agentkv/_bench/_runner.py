@@ -9,7 +9,8 @@ baseline); ``colocated`` one engine with prefix caching; ``launched`` the bidire
 as two API-server processes over HTTP (`LaunchedPair`); ``netns`` the same with P and D in
 two network namespaces (KV over UCX/TCP; needs root); ``served`` sends the conversation
 through the front door (`FrontDoor`, in a thread) with the `openai` client, to sessions on the
-bidirectional pair. All stay up for the whole run, all with the run's dtype. In every turn
+bidirectional pair; ``push`` and ``push-disaggregated`` get a pair with push transfer (P writes each
+step's KV into D), with push-back and without. All stay up for the whole run, all with the run's dtype. In every turn
 each mode takes its turn in a rotated order, so machine noise and warm caches hit every mode
 alike; a mode's sessions run concurrently.
 """
@@ -60,6 +61,8 @@ _SESSION_MODES: dict[str, Mode] = {
     "launched": "bidirectional",
     "netns": "bidirectional",
     "served": "bidirectional",
+    "push": "bidirectional",
+    "push-disaggregated": "disaggregated",
 }
 """The `Session` mode of each bench mode that runs sessions (``raw`` drives the engine by hand; ``served``'s
 sessions are the front door's)."""
@@ -74,6 +77,8 @@ MODES = (
     "launched",
     "netns",
     "served",
+    "push",
+    "push-disaggregated",
 )
 DEFAULT_MODES = MODES[:6]
 """What ``agentkv bench`` runs unless told: the modes of one embedded pair, the source's baseline and the
@@ -347,6 +352,11 @@ async def _engines(
                 progress=progress,
             )
             by_mode["disaggregated-nocache"] = await opened(baseline)
+        if {"push", "push-disaggregated"} & set(modes):
+            push = await opened(
+                EmbeddedPair(max_model_len=max_model_len, dtype=dtype, transfer="push", progress=progress)
+            )
+            by_mode.update({"push": push, "push-disaggregated": push})
         if "colocated" in modes:
             colocated = Colocated(max_model_len=max_model_len, dtype=dtype, progress=progress)
             by_mode["colocated"] = await opened(colocated)

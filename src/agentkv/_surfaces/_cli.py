@@ -343,7 +343,16 @@ class _BenchProgress:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .._bench import header, load_replay, make_workload, plot, run_bench_sync, served_overhead, table
+    from .._bench import (
+        header,
+        load_replay,
+        make_workload,
+        plot,
+        push_against_pull,
+        run_bench_sync,
+        served_overhead,
+        table,
+    )
 
     if args.replay:
         workload = load_replay(args.replay, max_tokens=args.max_tokens or 64, turns=args.turns)
@@ -370,8 +379,9 @@ def _bench(args: argparse.Namespace) -> int:
     if report.answers_agree:
         agree = ", ".join(f"{mode} {'yes' if same else 'NO'}" for mode, same in report.answers_agree.items())
         print(f"greedy answers equal to bidirectional's: {agree}")
-    if (served := served_overhead(report.summaries)) is not None:
-        print(served)
+    for line in (served_overhead(report.summaries), push_against_pull(report.summaries)):
+        if line is not None:
+            print(line)
     if args.json:
         Path(args.json).write_text(report.model_dump_json(indent=2))
         print(f"wrote {args.json}")
