@@ -56,6 +56,12 @@ def test_a_good_handle_is_kept_and_sent_back_whole() -> None:
     assert prefill_params(handle) == d_reply()
 
 
+def test_a_push_pairs_handle_is_kept_with_its_transfer_mode() -> None:
+    handle, problem = parse_handle(d_reply(transfer_mode="push"))
+    assert problem is None and handle is not None and handle.transfer_mode == "push"
+    assert prefill_params(handle) == d_reply(transfer_mode="push")
+
+
 def test_no_handle_is_not_a_problem() -> None:
     assert parse_handle(None) == (None, None)
 
@@ -76,7 +82,7 @@ def test_no_handle_is_not_a_problem() -> None:
         ({"remote_request_id": ...}, "remote_request_id"),
         ({"remote_port": 0}, "remote_port"),
         ({"remote_num_tokens": 0}, "remote_num_tokens"),
-        ({"transfer_mode": "push"}, "transfer_mode"),
+        ({"transfer_mode": "teleport"}, "transfer_mode"),
         ({"do_remote_decode": False}, "do_remote_decode"),
     ],
 )
