@@ -348,3 +348,32 @@ async def test_a_pin_released_to_make_room_is_never_pushed_back() -> None:
         done = await run_step(pair, request(handle=a))
     assert done.timings.pin_evicted and not done.timings.stats_fields().get("pin_evicted")
     assert "remote_request_id" not in sent_to_p()[-1]  # the step's prefill went without the handle
+
+
+async def test_a_request_waiting_for_a_push_counts_as_busy_only_from_its_first_output() -> None:
+    """A push D computes nothing until P's write lands: until then P may use D's cores."""
+    arrived = anyio.Event()
+    seen: list[int] = []
+
+    async def decode(prompt: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+        seen.append(engine.in_flight)  # submitted, waiting for the push
+        await arrived.wait()
+        yield _output(token_ids=[11], finished=False)
+        seen.append(engine.in_flight)
+        yield _output(token_ids=[12], finished=True)
+
+    engine, _ = fake_engine("decode", decode)
+    outputs = engine.generate([1, 2], None, "r-x", busy_from_first_output=True)
+    first = asyncio.ensure_future(anext(outputs))
+    await anyio.sleep(0.01)
+    arrived.set()
+    await first
+    async for _ in outputs:
+        pass
+    assert seen == [0, 1] and engine.in_flight == 0
+    plain = engine.generate([1, 2], None, "r-d")
+    arrived = anyio.Event()
+    arrived.set()
+    async for _ in plain:
+        pass
+    assert seen[2:] == [1, 1] and engine.in_flight == 0

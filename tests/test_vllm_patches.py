@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from agentkv import EngineStartError
+from agentkv._engines import _vllm_patches
 from agentkv._engines._vllm_patches import (
     ENGINE_ENV,
     NIXL_DELAY_ENV,
@@ -120,3 +121,38 @@ def test_install_without_the_environment_changes_nothing() -> None:
     env = {k: v for k, v in os.environ.items() if k not in (ENGINE_ENV, NIXL_DELAY_ENV, PARKED_POLL_ENV)}
     done = _run(script, env)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _core(*statuses: str, running: bool = False) -> Any:
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    requests = {
+        str(i): SimpleNamespace(status=RequestStatus[name], is_finished=lambda name=name: name.startswith("FINISHED"))
+        for i, name in enumerate(statuses)
+    }
+    scheduler = SimpleNamespace(
+        requests=requests,
+        running=[object()] if running else [],
+        finished_req_ids=set(),
+        has_unfinished_requests=lambda: any(not r.is_finished() for r in requests.values()),
+    )
+    return SimpleNamespace(scheduler=scheduler, engines_running=False, batch_queue=None)
+
+
+def test_an_engine_waiting_only_for_remote_kv_steps_at_once_then_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pull's short wait is picked up at once; a push D waiting for P's prefill stops busy-looping."""
+    clock = [100.0]
+    monkeypatch.setattr(_vllm_patches.time, "monotonic", lambda: clock[0])
+    core = _core("WAITING_FOR_REMOTE_KVS", "FINISHED_LENGTH_CAPPED")
+    assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) is None
+    clock[0] += _vllm_patches.KV_WAIT_BUSY_S / 2
+    assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) is None
+    clock[0] += _vllm_patches.KV_WAIT_BUSY_S
+    assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) == _vllm_patches.KV_WAIT_POLL_S
+    busy = _core("WAITING_FOR_REMOTE_KVS", "RUNNING", running=True)  # something else to run: never wait
+    assert _vllm_patches._idle_wait_s(busy, parked_poll_s=0.05) is None
+    assert _vllm_patches._idle_wait_s(_core("FINISHED_STOPPED"), parked_poll_s=0.05) == 0.05  # only parked KV
+    assert core._agentkv_kv_wait_since is not None
+    assert _vllm_patches._idle_wait_s(_core("WAITING"), parked_poll_s=0.05) is None  # a request to schedule

@@ -343,7 +343,8 @@ class EmbeddedPair(Engine):
             remote_request_id=shared_id,
         )
         params = vllm_sampling(request.sampling, kv_transfer_params=source.as_decode_params(), stream=True)
-        stream = self._decode_stream(d, request.prompt_token_ids, params, request, "x")
+        # D idles until P's write lands: not counted busy till then, so P prefills on all the cores
+        stream = self._decode_stream(d, request.prompt_token_ids, params, request, "x", waits_for_push=True)
 
         async def rescue() -> bool:
             return (await self._prefill(p, request, None, request_id=shared_id))[0] is not None
@@ -445,7 +446,14 @@ class EmbeddedPair(Engine):
         )
 
     def _decode_stream(
-        self, d: AsyncLLMRunner, prompt: Sequence[int], params: Any, request: StepRequest, suffix: str
+        self,
+        d: AsyncLLMRunner,
+        prompt: Sequence[int],
+        params: Any,
+        request: StepRequest,
+        suffix: str,
+        *,
+        waits_for_push: bool = False,
     ) -> DecodeStream:
         return DecodeStream(
             d,
@@ -454,6 +462,7 @@ class EmbeddedPair(Engine):
             f"{request.request_id}-{suffix}",
             idle_timeout_s=self.config.step_timeout_s,
             cache_salt=request.cache_salt,
+            busy_from_first_output=waits_for_push,
         )
 
     async def _prefill(

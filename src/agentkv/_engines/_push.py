@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 
@@ -83,7 +83,7 @@ class PushedStep(Generic[T, R]):
         with anyio.CancelScope(shield=True):  # a cancelled step still ends both halves, in this order
             with contextlib.suppress(Exception), anyio.move_on_after(self._timeout_s):
                 await asyncio.shield(prefill)
-            pushed = prefill.done() and not prefill.cancelled() and prefill.exception() is None
+            pushed = _succeeded(prefill)
             if not arrived.done() and not pushed:
                 prefill.cancel()
                 with contextlib.suppress(Exception), anyio.move_on_after(self._timeout_s):
@@ -93,8 +93,16 @@ class PushedStep(Generic[T, R]):
             if pushed:
                 with contextlib.suppress(Exception), anyio.move_on_after(self._timeout_s):
                     await asyncio.shield(arrived)
+                if not _succeeded(arrived):
+                    logger.error(
+                        "agentkv: a step's KV was pushed but D never took it; D may keep its blocks until restart"
+                    )
             if not arrived.done():
                 arrived.cancel()
             with contextlib.suppress(BaseException):
                 await arrived
             await self._outputs.aclose()
+
+
+def _succeeded(future: asyncio.Future[Any]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None

@@ -203,6 +203,7 @@ class AsyncLLMRunner:
         *,
         cache_salt: str | None = None,
         in_ledger: bool = True,
+        busy_from_first_output: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream ``RequestOutput``s for one request, with errors translated to agentkv's.
 
@@ -210,6 +211,10 @@ class AsyncLLMRunner:
         other way (error, timeout, cancellation, the caller leaving early) drops them, so
         that it is not counted as in flight beside later requests. A request that moves no
         KV of a step (``in_ledger=False``: a pin's release) is not counted at all.
+
+        ``busy_from_first_output``: the request counts as in flight (for the core table) only
+        from its first output on: a push D waits, computing nothing, while P prefills, and P
+        may use D's cores meanwhile.
         """
         from vllm.inputs import TokensPrompt
 
@@ -217,13 +222,18 @@ class AsyncLLMRunner:
         if in_ledger:
             self._readouts.in_flight[request_id] = TransferLedger()
         ran_to_end = False
-        self._count_request(1)
+        counted = not busy_from_first_output
+        if counted:
+            self._count_request(1)
         try:
             prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
             async with contextlib.aclosing(llm.generate(prompt, params, request_id)) as outputs:
                 async for output in outputs:  # closing vLLM's generator early aborts the request
+                    if not counted:
+                        counted = True
+                        self._count_request(1)
                     yield output
             ran_to_end = True
         except Exception as exc:
@@ -235,7 +245,8 @@ class AsyncLLMRunner:
                 raise EngineDeadError(f"the {self.name} engine died: {exc}") from exc
             raise EngineError(f"the {self.name} engine failed a request: {exc}") from exc
         finally:
-            self._count_request(-1)
+            if counted:
+                self._count_request(-1)
             if not ran_to_end:
                 self.forget(request_id)
 
@@ -405,8 +416,10 @@ class DecodeStream:
         *,
         idle_timeout_s: float,
         cache_salt: str | None = None,
+        busy_from_first_output: bool = False,
     ) -> None:
         self._engine = engine
+        self._busy_from_first_output = busy_from_first_output
         self._cache_salt = cache_salt
         self._prompt = prompt_token_ids
         self._params = params
@@ -424,7 +437,13 @@ class DecodeStream:
         return "".join(self._text)
 
     async def __aiter__(self) -> AsyncGenerator[TokenDelta, None]:
-        outputs = self._engine.generate(self._prompt, self._params, self._request_id, cache_salt=self._cache_salt)
+        outputs = self._engine.generate(
+            self._prompt,
+            self._params,
+            self._request_id,
+            cache_salt=self._cache_salt,
+            busy_from_first_output=self._busy_from_first_output,
+        )
         try:
             while True:
                 with anyio.fail_after(self._idle_timeout_s):

@@ -9,8 +9,9 @@ Each patch and its measured reason is described in ``docs/vllm-patches.md``. In 
   a peer (D's pins, for minutes) before it tears down; waiting, it was killed after 5 s
   with its shared memory and semaphores left behind.
 * **Idle engines sleep** (with ``idle_poll_ms``): NIXL agents get a progress-thread delay;
-  an engine core whose only work is parked KV waits on its input queue; a worker spins
-  2 ms, not 1 s, before it sleeps.
+  an engine core whose only work is parked KV waits on its input queue, one that has waited
+  20 ms for remote KV with nothing else to run steps every 5 ms; a worker spins 2 ms, not 1 s,
+  before it sleeps.
 * **Shutdown order** (`stop_output_handler`): an ``AsyncLLM``'s output handler is stopped
   before the engine, not after, so it never reads the "engine dead" that vLLM's own shutdown
   puts in its queue (a traceback at every exit).
@@ -65,6 +66,10 @@ CORE_TABLE_ENV = "AGENTKV_CORE_TABLE"
 PIN_ON_DECODE = "agentkv_pin_on_decode"
 """A ``kv_transfer_params`` key: a step run on D alone, whose blocks D pins like a decode's (see below)."""
 WORKER_SPIN_S = 0.002
+KV_WAIT_BUSY_S = 0.02
+"""An engine core waiting only for remote KV steps in a busy loop this long (a pull's wait: picked up at once)."""
+KV_WAIT_POLL_S = 0.005
+"""... and then steps every this many seconds (a push D waiting for P's prefill: up to 5 ms later, not a core)."""
 _PATCHED_MARK = "_agentkv_patched"
 
 
@@ -106,7 +111,7 @@ def install() -> None:
     if delay_us:
         _give_nixl_agents_a_delay(int(delay_us))
     if poll_ms:
-        _wait_for_input_while_only_parked(int(poll_ms) / 1000)
+        _wait_for_input_while_idle(int(poll_ms) / 1000)
         _shorten_worker_spin(WORKER_SPIN_S)
     table = os.environ.get(CORE_TABLE_ENV)
     if table:
@@ -232,7 +237,11 @@ def _give_nixl_agents_a_delay(delay_us: int) -> None:
         nixl_api.nixlBind = _BindingsWithDelay(bindings, delay_us)
 
 
-def _wait_for_input_while_only_parked(poll_s: float) -> None:
+def _wait_for_input_while_idle(poll_s: float) -> None:
+    """An engine core with nothing to compute waits on its input queue instead of stepping in a busy loop:
+    for ``poll_s`` while it only holds parked KV, for `KV_WAIT_POLL_S` once it has waited `KV_WAIT_BUSY_S`
+    for remote KV with nothing else to run (a push D while P prefills: its loop took half of P's second
+    core). Each wait ends early on a new request."""
     from vllm.v1.engine.core import EngineCoreProc
 
     if getattr(EngineCoreProc, _PATCHED_MARK, None) is not None:
@@ -240,18 +249,21 @@ def _wait_for_input_while_only_parked(poll_s: float) -> None:
         return
     step = EngineCoreProc._process_engine_step
 
-    def step_then_wait_if_only_parked(self: Any) -> bool:
+    def step_then_wait_if_idle(self: Any) -> bool:
         model_executed: bool = step(self)
-        if not model_executed and _only_parked_kv(self):
+        wait_s = None if model_executed else _idle_wait_s(self, parked_poll_s=getattr(EngineCoreProc, _PATCHED_MARK))
+        if model_executed:
+            self._agentkv_kv_wait_since = None
+        if wait_s is not None:
             try:
-                request = self.input_queue.get(timeout=getattr(EngineCoreProc, _PATCHED_MARK))
+                request = self.input_queue.get(timeout=wait_s)
             except queue.Empty:
                 pass
             else:
                 self._handle_client_request(*request)
         return model_executed
 
-    EngineCoreProc._process_engine_step = step_then_wait_if_only_parked  # type: ignore[method-assign]
+    EngineCoreProc._process_engine_step = step_then_wait_if_idle  # type: ignore[method-assign]
     setattr(EngineCoreProc, _PATCHED_MARK, poll_s)
 
 
@@ -302,6 +314,31 @@ def _only_parked_kv(core: Any) -> bool:
     return not (
         core.engines_running or core.batch_queue or scheduler.has_unfinished_requests() or scheduler.finished_req_ids
     )
+
+
+def _idle_wait_s(core: Any, *, parked_poll_s: float) -> float | None:
+    """How long an engine core that ran no model may wait for input before its next step (None: step now)."""
+    if _only_parked_kv(core):
+        return parked_poll_s
+    if not _only_waiting_for_kv(core):
+        core._agentkv_kv_wait_since = None
+        return None
+    now = time.monotonic()
+    since = getattr(core, "_agentkv_kv_wait_since", None)
+    if since is None:
+        core._agentkv_kv_wait_since = since = now
+    return KV_WAIT_POLL_S if now - since > KV_WAIT_BUSY_S else None
+
+
+def _only_waiting_for_kv(core: Any) -> bool:
+    """Nothing to run: every unfinished request waits for KV from a peer."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = core.scheduler
+    if core.engines_running or core.batch_queue or scheduler.running or scheduler.finished_req_ids:
+        return False
+    unfinished = [r for r in scheduler.requests.values() if not r.is_finished()]
+    return bool(unfinished) and all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in unfinished)
 
 
 def _shorten_worker_spin(spin_s: float) -> None:
