@@ -19,8 +19,10 @@ pytestmark = pytest.mark.anyio
 class Halves:
     """A scripted P and D: D's first output comes once some prefill (P or the rescue) has pushed."""
 
-    def __init__(self, *, p_fails: bool = False, p_seconds: float = 0.01, push_arrives: bool = True) -> None:
-        self.p_fails, self.p_seconds, self.push_arrives = p_fails, p_seconds, push_arrives
+    def __init__(
+        self, *, p_fails: bool = False, p_seconds: float = 0.01, push_arrives: bool = True, d_seconds: float = 0.0
+    ) -> None:
+        self.p_fails, self.p_seconds, self.push_arrives, self.d_seconds = p_fails, p_seconds, push_arrives, d_seconds
         self.pushed = asyncio.Event()
         self.events: list[str] = []
 
@@ -48,8 +50,12 @@ class Halves:
             try:
                 with anyio.fail_after(0.5):
                     await self.pushed.wait()
+                    await asyncio.sleep(self.d_seconds)  # the write lands, D's first pass
             except TimeoutError as exc:
                 raise EngineError("the decode engine made no progress for 0.5 s") from exc
+            except asyncio.CancelledError:
+                self.events.append("d aborted")
+                raise
             self.events.append("d arrived")
             for token in ("a", "b"):
                 yield token
@@ -83,7 +89,7 @@ async def test_a_push_that_never_comes_fails_the_step_within_its_bound(caplog: p
             async for _ in halves.step():
                 pass
     assert halves.events == ["p pushed", "d closed"]
-    assert "D never took it" in caplog.text  # vLLM's D keeps blocks it waited in: said, not hidden
+    assert "D gave no output" in caplog.text  # vLLM's D keeps blocks it waited in: said, not hidden
 
 
 async def test_a_cancelled_step_lets_p_finish_and_closes_d_after_its_kv() -> None:
@@ -92,3 +98,11 @@ async def test_a_cancelled_step_lets_p_finish_and_closes_d_after_its_kv() -> Non
         async for _ in halves.step():
             pass
     assert halves.events == ["p pushed", "d arrived", "d closed"]  # P not aborted; D closed last
+
+
+async def test_a_step_cancelled_after_p_pushed_still_waits_for_ds_kv() -> None:
+    halves = Halves(d_seconds=0.2)
+    with anyio.move_on_after(0.1):  # P has pushed; D's KV is not in yet
+        async for _ in halves.step():
+            pass
+    assert halves.events == ["p pushed", "d arrived", "d closed"]  # D not aborted while its KV was in flight

@@ -136,6 +136,8 @@ def _core(*statuses: str, running: bool = False) -> Any:
         requests=requests,
         running=[object()] if running else [],
         finished_req_ids=set(),
+        finished_recving_kv_req_ids=set(),
+        failed_recving_kv_req_ids=set(),
         has_unfinished_requests=lambda: any(not r.is_finished() for r in requests.values()),
     )
     return SimpleNamespace(scheduler=scheduler, engines_running=False, batch_queue=None)
@@ -151,8 +153,11 @@ def test_an_engine_waiting_only_for_remote_kv_steps_at_once_then_polls(monkeypat
     assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) is None
     clock[0] += _vllm_patches.KV_WAIT_BUSY_S
     assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) == _vllm_patches.KV_WAIT_POLL_S
+    core.scheduler.finished_recving_kv_req_ids.add("0")  # its KV is in: the next step schedules it, at once
+    assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) is None
+    core.scheduler.finished_recving_kv_req_ids.clear()
+    assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) is None  # a new wait: busy again at first
     busy = _core("WAITING_FOR_REMOTE_KVS", "RUNNING", running=True)  # something else to run: never wait
     assert _vllm_patches._idle_wait_s(busy, parked_poll_s=0.05) is None
     assert _vllm_patches._idle_wait_s(_core("FINISHED_STOPPED"), parked_poll_s=0.05) == 0.05  # only parked KV
-    assert core._agentkv_kv_wait_since is not None
     assert _vllm_patches._idle_wait_s(_core("WAITING"), parked_poll_s=0.05) is None  # a request to schedule

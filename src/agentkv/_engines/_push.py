@@ -70,18 +70,18 @@ class PushedStep(Generic[T, R]):
             await asyncio.wait({prefill, arrived}, return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and prefill.exception() is not None:
                 await prefill  # P failed: D still waits for a push (the cleanup completes it, then closes D)
-            first = await arrived
+            first = await asyncio.shield(arrived)  # a cancelled step must not abort D before its KV is in
             if first is not None:
                 yield first
                 async for output in self._outputs:
                     yield output
-            self._prefill_result = await prefill
+            self._prefill_result = await asyncio.shield(prefill)
         finally:
             await self._end(prefill, arrived)
 
     async def _end(self, prefill: asyncio.Future[R], arrived: asyncio.Future[T | None]) -> None:
         with anyio.CancelScope(shield=True):  # a cancelled step still ends both halves, in this order
-            with contextlib.suppress(Exception), anyio.move_on_after(self._timeout_s):
+            with contextlib.suppress(Exception, asyncio.CancelledError), anyio.move_on_after(self._timeout_s):
                 await asyncio.shield(prefill)
             pushed = _succeeded(prefill)
             if not arrived.done() and not pushed:
@@ -91,11 +91,11 @@ class PushedStep(Generic[T, R]):
                 if not pushed:
                     logger.error("agentkv: no prefill could push a step's KV; D keeps its blocks for it until restart")
             if pushed:
-                with contextlib.suppress(Exception), anyio.move_on_after(self._timeout_s):
+                with contextlib.suppress(Exception, asyncio.CancelledError), anyio.move_on_after(self._timeout_s):
                     await asyncio.shield(arrived)
                 if not _succeeded(arrived):
                     logger.error(
-                        "agentkv: a step's KV was pushed but D never took it; D may keep its blocks until restart"
+                        "agentkv: a step's KV was pushed but D gave no output; D may keep its blocks until restart"
                     )
             if not arrived.done():
                 arrived.cancel()

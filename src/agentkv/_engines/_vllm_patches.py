@@ -319,6 +319,7 @@ def _only_parked_kv(core: Any) -> bool:
 def _idle_wait_s(core: Any, *, parked_poll_s: float) -> float | None:
     """How long an engine core that ran no model may wait for input before its next step (None: step now)."""
     if _only_parked_kv(core):
+        core._agentkv_kv_wait_since = None
         return parked_poll_s
     if not _only_waiting_for_kv(core):
         core._agentkv_kv_wait_since = None
@@ -337,6 +338,8 @@ def _only_waiting_for_kv(core: Any) -> bool:
     scheduler = core.scheduler
     if core.engines_running or core.batch_queue or scheduler.running or scheduler.finished_req_ids:
         return False
+    if scheduler.finished_recving_kv_req_ids or scheduler.failed_recving_kv_req_ids:
+        return False  # a request's KV has just arrived (or failed): the next step schedules it
     unfinished = [r for r in scheduler.requests.values() if not r.is_finished()]
     return bool(unfinished) and all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in unfinished)
 
