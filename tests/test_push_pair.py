@@ -138,16 +138,16 @@ def test_a_prefill_that_fails_leaves_d_clean_and_the_pair_usable(
     """P fails after D registered for its push: the step raises `EngineError`, D is not left waiting with its
     blocks held (a plain prefill under the same id completes the push before D is closed), and the next step
     works."""
-    original = push_pair._push_prefill
+    original = push_pair._prefill_or_recompute
 
-    async def failing(*args: Any) -> Any:
+    async def failing(*args: Any, **kwargs: Any) -> Any:
         raise EngineError("the prefill engine failed the request (test)")
 
-    monkeypatch.setattr(push_pair, "_push_prefill", failing)
+    monkeypatch.setattr(push_pair, "_prefill_or_recompute", failing)
     assert push_pair.home is not None
     with pytest.raises(EngineError, match="test"):
         push_pair.home.call(_run, push_pair, _request(PROMPT, None, "failed"))
-    monkeypatch.setattr(push_pair, "_push_prefill", original)
+    monkeypatch.setattr(push_pair, "_prefill_or_recompute", original)
     assert push_pair.home.call(_d_holds_no_block, push_pair)
     after = push_pair.home.call(_run, push_pair, _request(PROMPT, None, "failed"))
     assert after.handle is not None and after.token_ids

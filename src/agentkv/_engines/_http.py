@@ -365,10 +365,8 @@ class HTTPPair(Engine):
         )
 
         async def rescue() -> bool:
-            plain = self._body(request, max_tokens=1, kv_transfer_params=prefill_params(None), request_id=shared)
-            with translated("prefill"):
-                _, reply = await self._transport.complete("prefill", plain)
-            return reply.kv_transfer_params is not None
+            await self._prefill(dataclasses.replace(request, handle=None), request_id=shared)  # raises if it failed
+            return True
 
         return PushedStep(prefill, self._decode(body), rescue, timeout_s=self._transport.step_timeout_s)
 

@@ -242,14 +242,7 @@ class EmbeddedPair(Engine):
                 async for event in events:
                     yield event
             return
-        declined = False
-        p_out, p_stats, p_ledger = await self._prefill(p, request, request.handle)
-        if p_out is None and request.handle is not None:
-            # P failed to read D's blocks (expired or failed): the handle is spent; recompute.
-            declined = True
-            p_out, p_stats, p_ledger = await self._prefill(p, request, None)
-        if p_out is None:
-            raise EngineError("the prefill engine failed the request")
+        (p_out, p_stats, p_ledger), declined = await self._prefill_or_recompute(p, request)
         handoff = parse_prefill_result(p_out.kv_transfer_params)
         first = first_token_of_prefill(request, p_out, d.block_size)
         sampling, d_prompt = request.sampling, list(request.prompt_token_ids)
@@ -335,11 +328,12 @@ class EmbeddedPair(Engine):
         registers the blocks it lacks with P and waits; P prefills (pulling D's pin back when given the handle)
         and writes into them; D decodes. D samples the first token (it was sent before P's existed)."""
         shared_id = f"{request.request_id}-x"
-        assert p.launch.engine_id is not None and p.side_channel_port is not None  # every pair engine has both
+        launch = p.launch
+        assert launch.engine_id and launch.side_channel_host and launch.side_channel_port  # every pair engine's
         source = PushSource(
-            remote_engine_id=p.launch.engine_id,
-            remote_host=_NIXL_HOST,
-            remote_port=p.side_channel_port,
+            remote_engine_id=launch.engine_id,
+            remote_host=launch.side_channel_host,
+            remote_port=launch.side_channel_port,
             remote_request_id=shared_id,
         )
         params = vllm_sampling(request.sampling, kv_transfer_params=source.as_decode_params(), stream=True)
@@ -350,7 +344,10 @@ class EmbeddedPair(Engine):
             return (await self._prefill(p, request, None, request_id=shared_id))[0] is not None
 
         halves = PushedStep(
-            self._push_prefill(p, request, shared_id), aiter(stream), rescue, timeout_s=self.config.step_timeout_s
+            self._prefill_or_recompute(p, request, request_id=shared_id),
+            aiter(stream),
+            rescue,
+            timeout_s=self.config.step_timeout_s,
         )
         try:
             async for delta in halves:
@@ -373,18 +370,18 @@ class EmbeddedPair(Engine):
         )
         yield self._done(None, stream, completion, d_out, timings)
 
-    async def _push_prefill(
-        self, p: AsyncLLMRunner, request: StepRequest, shared_id: str
+    async def _prefill_or_recompute(
+        self, p: AsyncLLMRunner, request: StepRequest, *, request_id: str | None = None
     ) -> tuple[tuple[Any, Any, TransferLedger], bool]:
-        """P's half of a pushed step: ((output, stats, ledger), whether D's handle was declined).
+        """P's half of a step: ((output, stats, ledger), whether D's handle was declined).
 
-        A declined read (an expired pin) is retried without the handle under the same id: D is still
-        waiting for a push from that request.
+        A read P declined (D's pin expired or failed) spends the handle: P recomputes, under the same
+        ``request_id`` when one is given (a pushed step's: D still waits for a push from that request).
         """
-        result = await self._prefill(p, request, request.handle, request_id=shared_id)
+        result = await self._prefill(p, request, request.handle, request_id=request_id)
         declined = result[0] is None and request.handle is not None
         if declined:
-            result = await self._prefill(p, request, None, request_id=shared_id)
+            result = await self._prefill(p, request, None, request_id=request_id)
         if result[0] is None:
             raise EngineError("the prefill engine failed the request")
         return result, declined
@@ -558,9 +555,6 @@ def _finished(stream: DecodeStream) -> tuple[Any, Any, TransferLedger, Any]:
         raise EngineError(f"the decode engine ended the step with {completion.finish_reason!r}")
     return d_out, d_stats, d_ledger, completion
 
-
-_NIXL_HOST = "127.0.0.1"
-"""Where an embedded engine's NIXL side channel listens (`pair_engine_launch`'s default host)."""
 
 _ON_DECODE_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False, PIN_ON_DECODE: True}
 """A step on D alone: nothing to pull; D pins its blocks after it (a patch makes D's worker track that pin)."""

@@ -146,7 +146,7 @@ class PairConfig:
             "bidirectional_kv_xfer": self.bidirectional,
             "kv_recompute_threshold": self.recompute_threshold,
             "decoder_kv_blocks_ttl": self.pin_ttl_s,
-            **push,  # a D whose push never comes gives up with the step (vLLM's default: the pin's TTL)
+            **push,  # vLLM logs a D still waiting for its push after this long (it does not give up: PushedStep)
             **self.connector_options,
         }
 
@@ -183,6 +183,7 @@ class EngineLaunch:
     env: dict[str, str]
     """Environment variables the engine's processes must start with."""
     engine_id: str | None = None
+    side_channel_host: str | None = None
     side_channel_port: int | None = None
 
 
@@ -225,6 +226,7 @@ def engine_launch(
         engine_args=engine_args,
         env=env,
         engine_id=kv_transfer["engine_id"] if kv_transfer else None,
+        side_channel_host=side_channel[0] if side_channel else None,
         side_channel_port=side_channel[1] if side_channel else None,
     )
 
