@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -26,8 +26,10 @@ from agentkv._bench import (
     served_overhead,
     table,
 )
-from agentkv._bench._records import FloorFit, StepRecord, first_prompt_divergence, summarize
-from agentkv._engines import PrefillEngine, StepRequest
+from agentkv._bench._records import FloorFit, FloorPoint, StepRecord, first_prompt_divergence, summarize
+from agentkv._bench._runner import FloorSampler
+from agentkv._engines import Engine, PrefillEngine, StepRequest
+from agentkv._engines._base import StepDone, StepEvent, StepTimings, TokenDelta
 from agentkv._engines._cores import CoreSlot
 from agentkv._engines._pair_config import EngineLaunch, resolve_dtype
 from agentkv._stats._stats import StepStats
@@ -120,7 +122,7 @@ def test_summaries_compare_modes_over_turns_two_and_later() -> None:
         _record("raw", 2, 1.25, pulled=80),
         _record("raw", 3, 1.25, pulled=80),
     ]
-    floor = FloorFit(a_s=0.1, b_s_per_token=0.01, points=[(16, 0.26)])
+    floor = FloorFit(a_s=0.1, b_s_per_token=0.01, c_s_per_attended=1e-5, points=[])
     by_mode = {s.mode: s for s in summarize(records, {"bidirectional": 10, "disaggregated": 20, "raw": 5}, floor)}
     bidi, plain = by_mode["bidirectional"], by_mode["disaggregated"]
     assert bidi.steps == 2 and bidi.ttft_mean_s == pytest.approx(1.5)
@@ -128,9 +130,64 @@ def test_summaries_compare_modes_over_turns_two_and_later() -> None:
     assert bidi.reuse_ratio == pytest.approx(0.8) and plain.reuse_ratio == 0
     assert bidi.kv_bytes == 2000 and plain.kv_bytes is None
     assert bidi.output_tokens_per_s == pytest.approx(6 / 10)  # turn 1 counts for throughput
-    assert bidi.floor_mean_s == pytest.approx(0.1 + 0.2 + 0.01)
+    # 20 new tokens after 80 of history attend to 20 * (80 + 10) tokens; plus the step's transfer
+    assert bidi.floor_mean_s == pytest.approx(0.1 + 0.2 + 1e-5 * 20 * 90 + 0.01)
     assert bidi.overhead_vs_raw_s == pytest.approx(0.25) and plain.overhead_vs_raw_s is None
     assert bidi.itl_p50_s == pytest.approx(0.15)
+
+
+def test_the_floor_fit_recovers_a_cost_per_token_and_one_per_token_attended() -> None:
+    def ttft(context: int, computed: int) -> float:
+        return 0.06 + 0.002 * computed + 1.5e-6 * FloorFit.attended(computed, context)
+
+    shapes = [(0, 16), (0, 64), (0, 512), (0, 2048), (1024, 64), (1024, 512), (2048, 64), (2048, 512)]
+    fit = FloorFit.fit([FloorPoint(context=c, computed=n, ttft_s=ttft(c, n)) for c, n in shapes])
+    assert (fit.a_s, fit.b_s_per_token, fit.c_s_per_attended) == pytest.approx((0.06, 0.002, 1.5e-6))
+    assert fit.floor_s(500, 2500, 0.01) == pytest.approx(ttft(2500, 500) + 0.01)
+    # 500 tokens over a 2,500-token history cost more than twice the same tokens fresh: the old floor's omission
+    assert fit.floor_s(500, 2500, None) > 2 * fit.floor_s(500, 0, None)
+    # times that fall with size: every term but the fixed one fits below 0; the fixed one is then their mean
+    falling = [FloorPoint(context=0, computed=n, ttft_s=0.5 - 0.0001 * n) for n in (16, 256, 512)]
+    noisy = FloorFit.fit(falling)
+    assert (noisy.b_s_per_token, noisy.c_s_per_attended) == (0.0, 0.0)
+    assert noisy.a_s == pytest.approx(sum(p.ttft_s for p in falling) / 3)
+
+
+class _BlockCacheEngine:
+    """Stands in for the colocated engine under the floor: whole 128-token blocks of earlier prompts are cached."""
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+
+    async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
+        prompt = list(request.prompt_token_ids)
+        cached = max((self._common_blocks(prompt, seen) for seen in self.prompts), default=0)
+        self.prompts.append(prompt)
+        yield TokenDelta(token_ids=[7], text="x")
+        timings = StepTimings(ttft_s=0.0, local_hit_tokens=cached, computed_tokens=len(prompt) - cached)
+        yield StepDone(token_ids=[7], text="x", finish_reason="length", handle=None, timings=timings)
+
+    @staticmethod
+    def _common_blocks(prompt: list[int], seen: list[int]) -> int:
+        same = next(
+            (i for i, (a, b) in enumerate(zip(prompt, seen, strict=False)) if a != b), min(len(prompt), len(seen))
+        )
+        return min(same, len(prompt) - 1) // 128 * 128
+
+
+@pytest.mark.anyio
+async def test_the_floor_is_sampled_in_rounds_and_each_point_says_what_the_engine_computed() -> None:
+    engine = _BlockCacheEngine()
+    sampler = FloorSampler(cast(Engine, engine), max_model_len=4096)
+    await sampler.sample()
+    await sampler.sample()  # after a turn: the history is not prefilled again
+    shapes = [(p.context, p.computed) for p in sampler.points]
+    fresh = [(0, 16), (0, 64), (0, 256), (0, 512)]
+    appended = [(1024, 64), (1024, 512), (2048, 64), (2048, 512)]
+    assert shapes == [*fresh, (0, 2048), *appended, *fresh, *appended]
+    short = FloorSampler(cast(Engine, _BlockCacheEngine()), max_model_len=1024)  # no history fits
+    await short.sample()
+    assert [(p.context, p.computed) for p in short.points] == fresh
 
 
 def test_summaries_count_steps_on_d_and_compare_with_colocated() -> None:

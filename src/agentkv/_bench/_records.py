@@ -15,6 +15,7 @@ __all__ = [
     "SERVED_TTFT_TARGET",
     "BenchReport",
     "FloorFit",
+    "FloorPoint",
     "ModeSummary",
     "StepRecord",
     "first_prompt_divergence",
@@ -77,16 +78,59 @@ class StepRecord(BaseModel):
         return cls(engine_ttft_s=stats.ttft_s, **stats.model_dump(include=shared), **client_side)
 
 
+class FloorPoint(BaseModel):
+    """One prefill measured for the floor: ``computed`` new tokens after ``context`` cached ones."""
+
+    context: int
+    computed: int
+    ttft_s: float
+
+
 class FloorFit(BaseModel):
-    """Prefill time of n fresh tokens on one engine, measured at start: ``a_s + b_s_per_token * n``."""
+    """Least time to compute a step's new tokens on one engine, fitted on prefills measured over the run.
+
+    ``a_s + b_s_per_token * n + c_s_per_attended * attended(n, context)``: a fixed cost per pass, a
+    cost per token (the weights' work), and a cost per pair of (new token, token it attends to): new
+    tokens attend to the whole history before them (docs/performance.md section 5).
+    """
 
     a_s: float
     b_s_per_token: float
-    points: list[tuple[int, float]]
+    c_s_per_attended: float
+    points: list[FloorPoint]
 
-    def floor_s(self, new_tokens: int, transfer_s: float | None) -> float:
-        """Least TTFT of a step: compute only its new tokens, plus the KV transfer it needed."""
-        return self.a_s + self.b_s_per_token * new_tokens + (transfer_s or 0.0)
+    @staticmethod
+    def attended(new_tokens: int, context_tokens: int) -> float:
+        """(new token, token it attends to) pairs: each new token sees the context and the new tokens before it."""
+        return new_tokens * (context_tokens + new_tokens / 2)
+
+    @classmethod
+    def fit(cls, points: Sequence[FloorPoint]) -> FloorFit:
+        """Least squares over the points with no coefficient below 0: a term that noise fits below 0 is dropped
+        (taken as 0) and the others are fitted again without it."""
+        import numpy as np  # vLLM's dependency; only the bench fits a floor
+
+        design = np.array([[1.0, p.computed, cls.attended(p.computed, p.context)] for p in points])
+        times = np.array([p.ttft_s for p in points])
+        kept = [0, 1, 2]
+        coefficients = np.zeros(3)
+        while kept:
+            solution, *_ = np.linalg.lstsq(design[:, kept], times, rcond=None)
+            if (solution >= 0).all():
+                coefficients[kept] = solution
+                break
+            del kept[int(np.argmin(solution))]
+        a, b, c = (float(value) for value in coefficients)
+        return cls(a_s=a, b_s_per_token=b, c_s_per_attended=c, points=list(points))
+
+    def floor_s(self, new_tokens: int, context_tokens: int, transfer_s: float | None) -> float:
+        """Least TTFT of a step: compute only its new tokens over its history, plus the KV transfer it needed."""
+        return (
+            self.a_s
+            + self.b_s_per_token * new_tokens
+            + self.c_s_per_attended * self.attended(new_tokens, context_tokens)
+            + (transfer_s or 0.0)
+        )
 
 
 class ModeSummary(BaseModel):
@@ -181,7 +225,11 @@ def summarize(
         if not rows:
             continue
         ttfts = [r.ttft_s for r in rows]
-        floors = [floor.floor_s(r.new_tokens, r.kv_transfer_s) for r in rows] if floor else None
+        floors = (
+            [floor.floor_s(r.new_tokens, r.prompt_tokens - r.new_tokens, r.kv_transfer_s) for r in rows]
+            if floor
+            else None
+        )
         every = [r for r in records if r.mode == mode]
         gaps = itls[mode]
         placed = [r.prefill_engine for r in rows if r.prefill_engine is not None]

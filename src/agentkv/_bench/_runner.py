@@ -46,10 +46,10 @@ from .._session._results import TextDelta
 from .._session._session import Mode, Session, load_tokenizer
 from .._stats._stats import StepStats
 from .._surfaces._serve import FrontDoor
-from ._records import FloorFit, StepRecord
+from ._records import FloorFit, FloorPoint, StepRecord
 from ._workloads import Workload
 
-__all__ = ["DEFAULT_DTYPE", "DEFAULT_MODES", "DTYPES", "MODES", "Progress", "measure_floor", "run_modes"]
+__all__ = ["DEFAULT_DTYPE", "DEFAULT_MODES", "DTYPES", "MODES", "FloorSampler", "Progress", "run_modes"]
 
 _SESSION_MODES: dict[str, Mode] = {
     "auto": "auto",
@@ -181,13 +181,7 @@ class _RawConversation:
             cache_salt=self._cache_salt,
             placement="prefill",  # the plain protocol (P, push-back), what `bidirectional` runs through a Session
         )
-        done: StepDone | None = None
-        async for event in self._engine.step(request):
-            if isinstance(event, TokenDelta):
-                clock.tokens(len(event.token_ids))
-            else:
-                done = event
-        assert done is not None
+        done = await _drain(self._engine, request, clock)
         self._conversation.add_output(done.token_ids, done.text)
         self._handle = done.handle
         self._turns += 1
@@ -377,24 +371,74 @@ async def _engines(
         yield {mode: by_mode[mode] for mode in modes}
 
 
-async def measure_floor(engine: Engine, *, seed: int = 0, sizes: Sequence[int] = (16, 64, 256, 512)) -> FloorFit:
-    """Fit prefill time of n fresh tokens (no cache hit) on one engine: least squares, 2 runs per size."""
-    rng = random.Random(seed)
-    points: list[tuple[int, float]] = []
-    for size in [*sizes, *sizes]:
-        prompt = [rng.randrange(1000, 20000) for _ in range(size)]  # fresh tokens: no cached block
+async def _drain(engine: Engine, request: StepRequest, clock: _Clock) -> StepDone:
+    """Run one step on the engine, its tokens timed by ``clock``; return its end."""
+    done: StepDone | None = None
+    async for event in engine.step(request):
+        if isinstance(event, TokenDelta):
+            clock.tokens(len(event.token_ids))
+        else:
+            done = event
+    assert done is not None, "an engine's step ends with StepDone"
+    return done
+
+
+class FloorSampler:
+    """Measures the floor (`FloorFit`) on one engine in rounds, one before the first turn and one after each turn,
+    so that the machine's speed over the run weighs on the floor as on every mode (a shared host's speed drifts).
+
+    A round prefills fresh prompts, then tokens appended to cached histories. The longest history that fits
+    ``max_model_len`` is prefilled in the first round (a fresh point itself) so that the engine's prefix cache
+    holds it; the appended prompts then compute only their new tokens. Each point's split between cached and
+    computed tokens comes from the engine's own report, not from what was meant.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_model_len: int,
+        seed: int = 0,
+        sizes: Sequence[int] = (16, 64, 256, 512),
+        histories: Sequence[int] = (1024, 2048),
+        appended: Sequence[int] = (64, 512),
+    ) -> None:
+        self._engine = engine
+        self._rng = random.Random(seed)
+        self._sizes = sizes
+        self._histories = [size for size in histories if size + max(appended) < max_model_len]
+        self._appended = appended
+        self._history: list[int] | None = None
+        self.points: list[FloorPoint] = []
+
+    async def sample(self) -> None:
+        """One round of every prompt shape."""
+        self.points.extend([await self._prefill(self._fresh(size)) for size in self._sizes])
+        if not self._histories:
+            return
+        if self._history is None:
+            self._history = self._fresh(max(self._histories))
+            self.points.append(await self._prefill(self._history))
+        for size in self._histories:
+            self.points.extend([await self._prefill(self._history[:size] + self._fresh(n)) for n in self._appended])
+
+    def fit(self) -> FloorFit:
+        return FloorFit.fit(self.points)
+
+    def _fresh(self, size: int) -> list[int]:
+        return [self._rng.randrange(1000, 20000) for _ in range(size)]  # random ids: no cached block
+
+    async def _prefill(self, prompt: list[int]) -> FloorPoint:
         clock = _Clock()
         request = StepRequest(
             request_id=f"agentkv-floor-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=Sampling(max_tokens=1)
         )
-        async for event in engine.step(request):
-            if isinstance(event, TokenDelta):
-                clock.tokens(len(event.token_ids))
-        points.append((size, clock.ttft_s))
-    mean_n = sum(n for n, _ in points) / len(points)
-    mean_t = sum(t for _, t in points) / len(points)
-    slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / sum((n - mean_n) ** 2 for n, _ in points)
-    return FloorFit(a_s=max(0.0, mean_t - slope * mean_n), b_s_per_token=slope, points=points)
+        timings = (await _drain(self._engine, request, clock)).timings
+        return FloorPoint(
+            context=timings.local_hit_tokens + timings.pulled_tokens,
+            computed=timings.computed_tokens,
+            ttft_s=clock.ttft_s,
+        )
 
 
 async def run_modes(
@@ -412,8 +456,9 @@ async def run_modes(
     async with _engines(modes, given=engines, max_model_len=max_model_len, dtype=dtype, progress=log) as by_mode:
         floor = None
         if "colocated" in by_mode:
-            log("agentkv bench: measuring the floor (prefill of fresh tokens on the colocated engine)")
-            floor = await measure_floor(by_mode["colocated"])
+            log("agentkv bench: measuring the floor on the colocated engine (before the first turn and after each)")
+            floor = FloorSampler(by_mode["colocated"], max_model_len=max_model_len)
+            await floor.sample()
         async with contextlib.AsyncExitStack() as opened:
             lanes = await _open_lanes(workload, by_mode, sessions, opened)
             records: list[StepRecord] = []
@@ -428,8 +473,10 @@ async def run_modes(
                         for index in range(sessions):
                             group.start_soon(_collect, lane, index, turn, message, records)
                     walls[lane.mode] += time.perf_counter() - started
+                if floor is not None:
+                    await floor.sample()
             progress("done", len(records), total)
-        return records, walls, floor
+        return records, walls, floor.fit() if floor is not None else None
 
 
 async def _collect(lane: _Lane, index: int, turn: int, message: str, records: list[StepRecord]) -> None:

@@ -16,9 +16,10 @@ Each patch and its measured reason is described in ``docs/vllm-patches.md``. In 
   before the engine, not after, so it never reads the "engine dead" that vLLM's own shutdown
   puts in its queue (a traceback at every exit).
 * **Pins of steps on D alone**: D's worker tracks them as it tracks a decode's pin.
-* **Elastic cores** (with ``core_policy="elastic"``): before each forward pass a worker sets its
-  thread count from the host's core table (`CoreTable`): all the cores of its binding while no
-  other busy engine owns any of them, its own otherwise.
+* **Elastic cores** (with ``core_policy="elastic"``, in `agentkv._engines._elastic_worker`): a
+  worker sets its thread count from the host's core table (`CoreTable`) before each forward pass,
+  and before each layer of a long one: all the cores of its binding while no other busy engine
+  owns any of them, its own otherwise.
 * **Read-outs** (`keep_prefill_stats`): each request's local/external prefix-cache split,
   which vLLM computes but does not return.
 * **The server's additions** (`add_server_readouts`): the read-outs for agentkv's API
@@ -30,7 +31,6 @@ move between releases, and a patch that misses its target fails loudly rather th
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -41,7 +41,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from .._errors import EngineStartError
-from ._cores import TABLE_BYTES, busy_sharers, core_mask, owned_cores
+from ._elastic_worker import follow_core_table
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -115,97 +115,7 @@ def install() -> None:
         _shorten_worker_spin(WORKER_SPIN_S)
     table = os.environ.get(CORE_TABLE_ENV)
     if table:
-        _follow_core_table(table)
-
-
-def _follow_core_table(table: str) -> None:
-    """Set the worker's thread count before each forward pass from the host's core table (``table``: "path:slot")."""
-    from vllm.v1.worker.cpu_worker import CPUWorker
-
-    if getattr(CPUWorker, _PATCHED_MARK, None) is not None:
-        return
-    execute = CPUWorker.execute_model
-    path, _, slot = table.rpartition(":")
-    follower = _CoreTableFollower(path, int(slot))
-
-    def execute_within_budget(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        follower.apply()
-        return execute(self, scheduler_output, *args, **kwargs)
-
-    CPUWorker.execute_model = execute_within_budget  # type: ignore[method-assign]
-    setattr(CPUWorker, _PATCHED_MARK, table)
-
-
-class _CoreTableFollower:
-    """The worker's side of the `CoreTable`: all the cores of its binding while no other busy engine owns any of
-    them, its own otherwise."""
-
-    def __init__(self, path: str, slot: int) -> None:
-        self._path = path
-        self._slot = slot
-        self._fd: int | None = None  # opened at the first pass: only a worker runs passes
-        self._order: list[int] = []
-        self._order_mask = 0
-        self._own = 0
-        self._threads = 0
-
-    def apply(self) -> None:
-        if self._fd is None:
-            self._start()
-        assert self._fd is not None
-        table = os.pread(self._fd, TABLE_BYTES, 0)
-        wanted = self._own if busy_sharers(table, cores=self._order_mask, me=self._slot) else len(self._order)
-        if wanted and wanted != self._threads:
-            import torch
-
-            torch._C.set_num_threads(wanted)  # vLLM replaces torch.set_num_threads with a warning
-            self._threads = wanted
-
-    def _start(self) -> None:
-        self._fd = os.open(self._path, os.O_RDONLY)
-        self._order = _bind_order()
-        self._order_mask = core_mask(self._order)
-        table = os.pread(self._fd, TABLE_BYTES, 0)
-        owned = owned_cores(table, self._slot)
-        self._own = sum(1 for core in self._order if core in owned) or len(self._order)
-        _bind_omp_threads_in_order(self._order)
-
-
-def _bind_order() -> list[int]:
-    """``VLLM_CPU_OMP_THREADS_BIND`` as a list, in its order (``"1,0"`` -> ``[1, 0]``; ranges ascend)."""
-    cores: list[int] = []
-    first_rank = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|")[0]
-    for part in first_rank.split(","):
-        first, _, last = part.strip().partition("-")
-        if first.isdigit() and (not last or last.isdigit()):
-            cores.extend(range(int(first), int(last or first) + 1))
-    return cores
-
-
-def _bind_omp_threads_in_order(order: list[int]) -> None:
-    """Thread i of the OMP team on ``order[i]`` (called from the worker's main thread, the team's thread 0).
-
-    vLLM binds thread i to the i-th *lowest* core of its list, whatever the list's order, and
-    its NIXL worker then moves the main thread to the last core. An elastic engine needs its
-    own cores first (a team of its own size stays on them), so the helper threads vLLM bound
-    are moved to the cores of the same rank in ``order``, and the main thread to ``order[0]``.
-    """
-    if not order:
-        return
-    by_rank = dict(zip(sorted(order), order, strict=True))
-    main = threading.get_native_id()
-    bound: dict[int, int] = {}
-    for name in os.listdir("/proc/self/task"):
-        tid = int(name)
-        with contextlib.suppress(OSError):
-            cores = os.sched_getaffinity(tid)
-            if tid != main and len(cores) == 1:
-                bound[tid] = next(iter(cores))
-    for tid, core in bound.items():
-        if core in by_rank and by_rank[core] != core:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, {by_rank[core]})
-    os.sched_setaffinity(0, {order[0]})
+        follow_core_table(table)
 
 
 class _BindingsWithDelay:

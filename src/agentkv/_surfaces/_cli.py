@@ -374,7 +374,9 @@ def _bench(args: argparse.Namespace) -> int:
     print(table(report.summaries))
     if report.floor is not None:
         print(
-            f"\nfloor: {report.floor.a_s:.3f} s + {report.floor.b_s_per_token * 1000:.2f} ms/token (+ the step's transfer)"
+            f"\nfloor: {report.floor.a_s:.3f} s + {report.floor.b_s_per_token * 1000:.2f} ms/token"
+            f" + {report.floor.c_s_per_attended * 1e6:.2f} us per (new token x token it attends to)"
+            " (+ the step's transfer)"
         )
     if report.answers_agree:
         agree = ", ".join(f"{mode} {'yes' if same else 'NO'}" for mode, same in report.answers_agree.items())
