@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import json
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -9,6 +13,7 @@ from typing import Any
 import pytest
 
 from agentkv import EmbeddedPair, prepare_model
+from agentkv._engines._start_log import ENGINE_LOG_VARIABLE
 from agentkv.testing import block_real_engines
 from scripted import close_leftover_event_loop
 
@@ -58,3 +63,39 @@ def pair() -> Iterator[EmbeddedPair]:
     """The real pair: P on one half of the cores, D on the other, NIXL, push-back on."""
     with EmbeddedPair(max_model_len=2048, pin_ttl_s=PIN_TTL_S, dtype=EXACT_DTYPE) as engine:
         yield engine
+
+
+# ----------------------------------------------------------------- engine starts, counted per test file
+# Every vLLM engine agentkv starts, in this process or a child, appends a line to AGENTKV_ENGINE_LOG
+# (src/agentkv/_engines/_start_log.py); the summary counts them per test file. A pair counts once
+# (its P; its D is the second engine of the same start), a colocated engine once, stock vLLM servers
+# (tests/test_stock_vllm.py logs them itself) once per pair of servers.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not os.environ.get(ENGINE_LOG_VARIABLE):
+        handle, path = tempfile.mkstemp(prefix="agentkv-engines-", suffix=".jsonl")
+        os.close(handle)
+        os.environ[ENGINE_LOG_VARIABLE] = path
+        config.stash[_OWN_ENGINE_LOG] = path
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    path = os.environ.get(ENGINE_LOG_VARIABLE, "")
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()] if path else []
+    per_file: collections.Counter[str] = collections.Counter()
+    engines: collections.Counter[str] = collections.Counter()
+    for line in lines:
+        where = (line.get("test") or "outside a test").split("::")[0]
+        engines[where] += 1
+        if line["role"] != "decode":
+            per_file[where] += 1
+    terminalreporter.section("engine starts (a pair counts once)")
+    for where, count in sorted(per_file.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{count:4d}  {where}  ({engines[where]} vLLM engines)")
+    terminalreporter.write_line(f"engine starts: {sum(per_file.values())} ({len(lines)} vLLM engines) [{path}]")
+    if own := config.stash.get(_OWN_ENGINE_LOG, None):
+        Path(own).unlink(missing_ok=True)
+
+
+_OWN_ENGINE_LOG = pytest.StashKey[str]()

@@ -28,6 +28,7 @@ import anyio
 import pytest
 
 from agentkv import RemotePair, Session, TurnResult, UserError
+from agentkv._engines._start_log import record_engine_start
 from agentkv._engines._system import alive, descendants, free_port, repin_threads, split_cores
 from agentkv._model import prepare_model
 from freed import assert_ports_freed, running_pids
@@ -91,6 +92,7 @@ def stock_servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     processes: dict[str, subprocess.Popen[bytes]] = {}
     env = {key: value for key, value in os.environ.items() if not key.startswith("AGENTKV_")}
     for (role, (port, side_channel)), role_cores in zip(ports.items(), cores, strict=True):
+        record_engine_start(kind="stock-server", role=role)  # counted in the suite's engine summary (conftest)
         with open(logs / f"{role}.log", "wb") as log:
             processes[role] = subprocess.Popen(
                 stock_server_command(model, port),

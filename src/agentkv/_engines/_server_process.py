@@ -25,6 +25,7 @@ import httpx
 
 from .._errors import EngineStartError
 from ._pair_config import EngineLaunch, Role
+from ._start_log import record_engine_start
 from ._system import descendants, kill_and_reap, repin_threads
 from ._watchdog import forget_pids, watch_pids
 
@@ -131,6 +132,7 @@ class ServerProcess:
 
     def start(self) -> None:
         """Start the process (returns at once; see `wait_ready`)."""
+        record_engine_start(kind="server", role=self.spec.role)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(

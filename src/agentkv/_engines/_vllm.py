@@ -27,6 +27,7 @@ from .._errors import EngineDeadError, EngineError, EngineStartError
 from ._base import Sampling, StepRequest, TokenDelta
 from ._cores import CoreSlot
 from ._pair_config import EngineLaunch
+from ._start_log import record_engine_start
 from ._system import cpu_list, descendants, is_helper, kill_and_reap, repin_threads
 from ._vllm_patches import check_vllm_version, keep_prefill_stats, stop_output_handler
 from ._watchdog import forget_pids, stop_watching, watch_pids
@@ -103,6 +104,7 @@ class AsyncLLMRunner:
     def start(self) -> None:
         """Start the engine (blocking, ~20 s on CPU): call it from a worker thread."""
         check_vllm_version()
+        record_engine_start(kind="in-process", role=self.name)
         with _START_LOCK:
             before = descendants(os.getpid())
             try:
