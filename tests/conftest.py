@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
-from agentkv import EmbeddedPair, prepare_model
+from agentkv import Colocated, EmbeddedPair, LaunchedPair, prepare_model
 from agentkv._engines._start_log import ENGINE_LOG_VARIABLE
+from agentkv._engines._system import alive
 from agentkv.testing import block_real_engines
+from freed import assert_ports_freed, running_pids
 from scripted import close_leftover_event_loop
 
 # D pins blocks for 30 s in tests (480 s by default), so expiry paths run in seconds.
@@ -65,11 +67,62 @@ def pair() -> Iterator[EmbeddedPair]:
         yield engine
 
 
+@pytest.fixture(scope="session")
+def colocated() -> Iterator[Colocated]:
+    """One engine with prefix caching on all the cores, as the pair is sized: every test's colocated engine."""
+    with Colocated(max_model_len=2048, dtype=EXACT_DTYPE) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def launched() -> Iterator[LaunchedPair]:
+    """Two vLLM API servers that agentkv started, as the pair is sized; closing it leaves no process and no port."""
+    running_before = running_pids()
+    with LaunchedPair(max_model_len=2048, pin_ttl_s=PIN_TTL_S, dtype=EXACT_DTYPE) as engine:
+        yield engine
+        pids, ports = engine.pids, engine.ports
+        assert pids and ports
+    assert alive(pids) == set()
+    assert_ports_freed(ports, running_before=running_before)
+
+
 # ----------------------------------------------------------------- engine starts, counted per test file
 # Every vLLM engine agentkv starts, in this process or a child, appends a line to AGENTKV_ENGINE_LOG
-# (src/agentkv/_engines/_start_log.py); the summary counts them per test file. A pair counts once
-# (its P; its D is the second engine of the same start), a colocated engine once, stock vLLM servers
-# (tests/test_stock_vllm.py logs them itself) once per pair of servers.
+# (src/agentkv/_engines/_start_log.py); tests/test_stock_vllm.py logs the stock servers it starts.
+# The summary counts, per test file, the engines opened (a pair once: its D follows its P from the
+# same process within a pair's start-up; a colocated engine once; a pair of stock servers once) and,
+# apart, the servers a launched pair restarted on its own (a lone P or D).
+
+PAIR_START_S = 180.0
+"""D's start follows P's by at most this much within one pair's start (P starts fully first in-process)."""
+
+
+def count_engine_starts(lines: list[dict[str, Any]]) -> tuple[collections.Counter[str], collections.Counter[str]]:
+    """Engines opened and servers restarted, per test file, from the engine log's lines (in the order written)."""
+    opened: collections.Counter[str] = collections.Counter()
+    restarted: collections.Counter[str] = collections.Counter()
+    waiting_for_d: dict[tuple[int, str], list[tuple[float, str]]] = collections.defaultdict(list)
+
+    def where(line: dict[str, Any]) -> str:
+        return str(line.get("test") or "outside a test").split("::")[0]
+
+    for line in lines:
+        key = (line["pid"], str(line.get("test")))
+        pending = waiting_for_d[key]
+        while pending and line["time"] - pending[0][0] > PAIR_START_S:  # a P that no D followed: a restart
+            restarted[pending.pop(0)[1]] += 1
+        if line["role"] == "prefill":
+            pending.append((line["time"], where(line)))
+        elif line["role"] == "decode" and pending:
+            opened[pending.pop(0)[1]] += 1  # the second engine of a pair's start
+        elif line["role"] == "decode":
+            restarted[where(line)] += 1
+        else:
+            opened[where(line)] += 1
+    for pending in waiting_for_d.values():
+        for _, test_file in pending:
+            restarted[test_file] += 1
+    return opened, restarted
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -82,18 +135,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     path = os.environ.get(ENGINE_LOG_VARIABLE, "")
-    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()] if path else []
-    per_file: collections.Counter[str] = collections.Counter()
-    engines: collections.Counter[str] = collections.Counter()
-    for line in lines:
-        where = (line.get("test") or "outside a test").split("::")[0]
-        engines[where] += 1
-        if line["role"] != "decode":
-            per_file[where] += 1
+    log = Path(path) if path else None
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log and log.exists() else []
+    opened, restarted = count_engine_starts(lines)
+    engines = collections.Counter(str(line.get("test") or "outside a test").split("::")[0] for line in lines)
     terminalreporter.section("engine starts (a pair counts once)")
-    for where, count in sorted(per_file.items(), key=lambda item: -item[1]):
-        terminalreporter.write_line(f"{count:4d}  {where}  ({engines[where]} vLLM engines)")
-    terminalreporter.write_line(f"engine starts: {sum(per_file.values())} ({len(lines)} vLLM engines) [{path}]")
+    for where in sorted(engines, key=lambda name: (-opened[name], name)):
+        again = f", {restarted[where]} server restarts" if restarted[where] else ""
+        terminalreporter.write_line(f"{opened[where]:4d}  {where}  ({engines[where]} vLLM engines{again})")
+    terminalreporter.write_line(
+        f"engine starts: {sum(opened.values())} engines opened, {sum(restarted.values())} servers restarted, "
+        f"{len(lines)} vLLM engines in all"
+    )
     if own := config.stash.get(_OWN_ENGINE_LOG, None):
         Path(own).unlink(missing_ok=True)
 

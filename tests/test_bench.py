@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import pytest
 
+from _agentkv_vllm._cores import CoreSlot
 from agentkv import AgentKVError, Colocated, UserError
 from agentkv._bench import (
     DEFAULT_DTYPE,
@@ -30,7 +31,6 @@ from agentkv._bench._records import FloorFit, FloorPoint, StepRecord, first_prom
 from agentkv._bench._runner import FloorSampler
 from agentkv._engines import Engine, PrefillEngine, StepRequest
 from agentkv._engines._base import StepDone, StepEvent, StepTimings, TokenDelta
-from agentkv._engines._cores import CoreSlot
 from agentkv._engines._pair_config import EngineLaunch, resolve_dtype
 from agentkv._stats._stats import StepStats
 from agentkv._surfaces._cli import _BenchProgress, main

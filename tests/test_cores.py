@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from agentkv._engines import _elastic_worker
-from agentkv._engines._cores import (
+from _agentkv_vllm import _elastic_worker
+from _agentkv_vllm._cores import (
     SLOT_BYTES,
     SLOTS,
     TABLE_BYTES,
@@ -31,7 +31,7 @@ from agentkv._engines._cores import (
     elastic_bind_order,
     owned_cores,
 )
-from agentkv._engines._elastic_worker import (
+from _agentkv_vllm._elastic_worker import (
     RECHECK_MIN_TOKENS,
     CoreTableFollower,
     bind_order,
@@ -116,7 +116,7 @@ def test_two_processes_share_one_table(table: CoreTable) -> None:
     script = textwrap.dedent(
         """
         import sys, time
-        from agentkv._engines._cores import CoreTable
+        from _agentkv_vllm._cores import CoreTable
         slot = CoreTable(sys.argv[1]).claim([1])
         slot.set_in_flight(1)
         print(slot.index, flush=True)
@@ -384,7 +384,7 @@ def test_follower_on_four_cores_counts_its_own(monkeypatch: pytest.MonkeyPatch, 
 _BIND_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, threading
-    from agentkv._engines._elastic_worker import bind_omp_threads_in_order
+    from _agentkv_vllm._elastic_worker import bind_omp_threads_in_order
 
     order = json.loads(sys.argv[1])
     os.sched_setaffinity(0, {0, 1})  # threads started now inherit both cores

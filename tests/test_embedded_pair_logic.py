@@ -18,13 +18,13 @@ from typing import Any
 import anyio
 import pytest
 
+from _agentkv_vllm._patches import stop_output_handler
 from agentkv import EmbeddedPair, EngineError, PairConfig, UserError
 from agentkv._engines import StepDone, StepRequest, TokenDelta
 from agentkv._engines._base import Sampling
 from agentkv._engines._pair import run_warmup_steps
 from agentkv._engines._pair_config import engine_launch
 from agentkv._engines._vllm import AsyncLLMRunner
-from agentkv._engines._vllm_patches import stop_output_handler
 from agentkv.testing import HonestPairEngine
 from test_handle import d_reply, p_reply
 
@@ -280,8 +280,8 @@ async def test_stop_strings_go_to_d_and_the_prefill_token_is_used_only_when_no_s
 
 
 async def test_a_step_on_d_alone_sends_d_the_prompt_marked_for_a_pin_and_releases_the_old_one() -> None:
+    from _agentkv_vllm._patches import PIN_ON_DECODE
     from agentkv._engines._handle import parse_handle
-    from agentkv._engines._vllm_patches import PIN_ON_DECODE
 
     old, _ = parse_handle(d_reply(remote_num_tokens=300, remote_blocks_expiry_time=time.perf_counter() + 300))
     assert old is not None

@@ -24,6 +24,7 @@ from agentkv._engines._system import alive
 from agentkv._session._pinning import Pin
 from agentkv.testing import HonestPairEngine
 from freed import assert_ports_freed, running_pids
+from test_leaks import footprint
 from test_lifecycle import _engine_core_pid
 from test_pair import QUESTIONS, SYSTEM, _assert_invariant
 
@@ -145,17 +146,29 @@ def _killing_generate(engine: Any) -> Callable[..., AsyncIterator[Any]]:
 
 @pytest.mark.pair
 def test_stalled_and_dying_engines_fail_the_step_clearly_and_the_session_goes_on(
-    monkeypatch: pytest.MonkeyPatch,
+    pair: EmbeddedPair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A session that owns its pair: P stalls (EngineError after step_timeout_s), P dies mid-prefill and
-    D dies mid-step (EngineDeadError, the pair's processes all stopped); the session starts a new pair."""
+    """A session that owns its pair, beside the shared one: P stalls (EngineError after step_timeout_s), P dies
+    mid-prefill and D dies mid-step (EngineDeadError, the pair's processes all stopped); the session starts a
+    new pair on new ports. At the end the two pairs it opened left no process, thread, file, shared-memory
+    segment or port behind, and the shared pair was never disturbed.
+
+    One test, because each pair it starts costs about a minute: it also covers a second pair running beside
+    the first, and pairs opened and closed leaking nothing (the nightly tier repeats that in
+    tests/test_leaks.py, three cycles).
+    """
     running_before = running_pids()
+    with Session(engine=pair, system=SYSTEM, max_tokens=4) as shared:  # the shared pair's helpers exist first
+        shared.run_sync(QUESTIONS[0])
+    before = footprint()
     options = {"max_model_len": 1024, "pin_ttl_s": 30.0, "warmup": False, "step_timeout_s": 10.0}
     with Session(system=SYSTEM, max_tokens=MAX_TOKENS, engine_options=options) as session:
         session.run_sync(QUESTIONS[0])
         first = session.engine
         assert isinstance(first, EmbeddedPair) and first._p is not None
         first_pids, ports = first.pids, set(first.ports)
+        assert not ports & set(pair.ports) and not first_pids & pair.pids  # a second pair: its own ports, processes
+        assert session.run_sync(QUESTIONS[1]).steps[0].stats.pulled_tokens > 0  # and it pushes back
 
         # P stalls: the step fails with EngineError once no progress came for step_timeout_s.
         before = session.messages
@@ -168,11 +181,11 @@ def test_stalled_and_dying_engines_fail_the_step_clearly_and_the_session_goes_on
             assert resumed.steps[0].stats.kv_bytes is not None and resumed.steps[0].stats.kv_bytes > 0
 
         # P dies with a prefill in flight.
-        pair = session.engine
-        assert isinstance(pair, EmbeddedPair) and pair._p is not None
-        first_pids |= pair.pids
-        ports |= set(pair.ports)
-        monkeypatch.setattr(pair._p, "generate", _killing_generate(pair._p))
+        dead = session.engine
+        assert isinstance(dead, EmbeddedPair) and dead._p is not None
+        first_pids |= dead.pids
+        ports |= set(dead.ports)
+        monkeypatch.setattr(dead._p, "generate", _killing_generate(dead._p))
         before = session.messages
         with pytest.raises(EngineDeadError):
             session.run_sync(QUESTIONS[2])
@@ -182,8 +195,9 @@ def test_stalled_and_dying_engines_fail_the_step_clearly_and_the_session_goes_on
         # The session replaces the pair it owns; the conversation goes on.
         again = session.run_sync(QUESTIONS[2])
         second = session.engine
-        assert again.text and second is not pair and isinstance(second, EmbeddedPair) and second._d is not None
+        assert again.text and second is not dead and isinstance(second, EmbeddedPair) and second._d is not None
         assert [m.role for m in session.messages][-2:] == ["user", "assistant"]
+        assert not set(second.ports) & ports  # the new pair took new ports
 
         # D dies mid-step, after its first token.
         d_core = _engine_core_pid(second._d.pids)
@@ -200,3 +214,6 @@ def test_stalled_and_dying_engines_fail_the_step_clearly_and_the_session_goes_on
         assert session.messages == before
         assert _wait_gone(second_pids) == set()
     assert_ports_freed(ports, running_before=running_before)
+    assert before.growth(footprint()) == []
+    with Session(engine=pair, system=SYSTEM, max_tokens=4) as shared:  # the shared pair still serves
+        assert shared.run_sync(QUESTIONS[0]).text

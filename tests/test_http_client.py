@@ -210,6 +210,26 @@ def test_a_stock_server_keeps_push_back_without_token_streaming(caplog: pytest.L
         assert "reported as local_hit_tokens" in caplog.text  # a stock P gives no split: said once, at open
 
 
+def test_agentkvs_own_servers_without_the_streamed_handle_take_each_answer_whole(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A LaunchedPair's D streams no handle only where the installed vLLM lacks agentkv's streamed handle
+    (docs/vllm-patches.md): the pair then takes D's answers whole, with one warning, and still pushes back."""
+
+    class OwnServers(RemotePair):
+        _agentkv_servers = True  # as LaunchedPair's: servers agentkv started with its own entry point
+
+    with ScriptedServer("prefill") as p, ScriptedServer("decode", agentkv=False) as d:
+        with caplog.at_level(logging.WARNING, logger="agentkv"):
+            with OwnServers(p.url, d.url, warmup=False) as pair, Session(engine=pair, max_tokens=8) as session:
+                assert not pair.decode_streaming and pair.info.push_back
+                session.run_sync("Capital of France?")
+                second = session.run_sync("And of Italy?")
+        assert second.steps[0].stats.handle_forwarded
+        assert not any(body.get("stream") for body in d.bodies)
+        assert "streamed handle is off" in caplog.text
+
+
 def test_what_the_pair_decided_at_open_never_changes(servers: tuple[ScriptedServer, ScriptedServer]) -> None:
     """A step whose D returns no handle costs the next step its push-back, not the pair's capabilities."""
     p, d = servers

@@ -1,34 +1,23 @@
 """The launched pair: two vLLM API-server processes that agentkv starts, driven over HTTP.
 
-One launched pair serves the module (a start costs about a minute on two cores); its
-fixture checks on the way out that closing it left no process and no port behind.
+The suite's launched pair (``launched`` in tests/conftest.py: a start costs about a minute on two
+cores) serves the module and the docs' snippets; its fixture checks on the way out that closing
+it left no process and no port behind.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 
 from agentkv import EmbeddedPair, EngineUnavailableError, LaunchedPair, RemotePair, Session, TextDelta, TurnResult
 from agentkv._engines._system import alive
-from freed import assert_ports_freed, running_pids
 from test_pair import MAX_TOKENS, QUESTIONS, SYSTEM, _assert_invariant, _first_difference
 
 pytestmark = pytest.mark.pair
-
-
-@pytest.fixture(scope="module")
-def launched() -> Iterator[LaunchedPair]:
-    running_before = running_pids()
-    with LaunchedPair(max_model_len=2048, pin_ttl_s=30, dtype="float32") as engine:  # as `pair`: exact
-        yield engine
-        pids, ports = engine.pids, engine.ports
-        assert pids and ports
-    assert alive(pids) == set()
-    assert_ports_freed(ports, running_before=running_before)
 
 
 def _run(session: Session, questions: Sequence[str] = QUESTIONS) -> list[TurnResult]:
@@ -107,29 +96,3 @@ def test_a_server_that_dies_mid_step_is_restarted_and_the_conversation_kept(laun
         third = session.run_sync(QUESTIONS[2])
         assert third.steps[0].stats.pulled_tokens > 0  # push-back works with the new D
     assert [m.role for m in session.messages][-6:] == ["user", "assistant"] * 3
-
-
-def test_a_launched_push_pair_and_a_remote_one_on_its_servers_push_back_and_agree(pair: EmbeddedPair) -> None:
-    """Push over HTTP: P and D get each step under one X-Request-Id, P writes, D pins, P pulls back. A RemotePair
-    on the same servers learns P's NIXL coordinates from its first step's reply, then sends both at once."""
-    with LaunchedPair(max_model_len=2048, pin_ttl_s=30, dtype="float32", transfer="push") as pushing:
-        assert pushing.info.extra["transfer"] == "push"
-        answers: dict[str, list[list[int]]] = {}
-        with Session(engine=pushing, system=SYSTEM, max_tokens=MAX_TOKENS, cache_salt="launched-push") as session:
-            results = _run(session)
-        answers["launched push"] = [result.steps[0].token_ids for result in results]
-        with (
-            RemotePair(*pushing.urls, transfer="push", warmup=False) as remote,
-            Session(engine=remote, system=SYSTEM, max_tokens=MAX_TOKENS, cache_salt="remote-push") as session,
-        ):
-            remote_results = _run(session)
-        answers["remote push"] = [result.steps[0].token_ids for result in remote_results]
-        for later in [*results[1:], *remote_results[1:]]:
-            step = later.steps[0].stats
-            _assert_invariant(step)
-            assert step.handle_forwarded and step.miss_reason is None and step.pulled_tokens > 0
-    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, cache_salt="launched-push-reference") as session:
-        answers["embedded pull"] = [result.steps[0].token_ids for result in _run(session)]
-    for name in ("remote push", "embedded pull"):
-        for turn, (a, b) in enumerate(zip(answers["launched push"], answers[name], strict=True), start=1):
-            assert a == b, f"{name}, turn {turn}: {_first_difference(a, b)}"

@@ -50,7 +50,8 @@ from agentkv._session._session import load_tokenizer
 from agentkv.testing import MALFORMATIONS, Fault, HonestPairEngine
 
 BATCHES = 10
-EPISODES_PER_BATCH = 100  # 1,000 episodes in all
+EPISODES_PER_BATCH = {"landing": 10, "nightly": 100}
+"""100 episodes on every landing (seeds 0-99), 1,000 in the nightly tier (seeds 0-999), in ten batches each."""
 WORDS = ("alpha", "beta", "gamma", "delta", "kv", "pin", "block", "tea", "red", "seven", "Paris", "ok")
 
 
@@ -535,21 +536,23 @@ def _call(r: random.Random, names: list[str]) -> dict[str, Any]:
     return {"name": name, "arguments": arguments}
 
 
-def _seeds(batch: int) -> list[int]:
+def _seeds(batch: int, tier: str) -> list[int]:
     chosen = os.environ.get("EPISODES")
     if chosen:
         return [int(seed) for seed in chosen.split(",")] if batch == 0 else []
-    return list(range(batch * EPISODES_PER_BATCH, (batch + 1) * EPISODES_PER_BATCH))
+    size = EPISODES_PER_BATCH[tier]
+    return list(range(batch * size, (batch + 1) * size))
 
 
 TEST_NAME = "test_random_sessions_keep_the_push_back_rule_and_the_history"
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("tier", ["landing", pytest.param("nightly", marks=pytest.mark.nightly)])
 @pytest.mark.parametrize("batch", range(BATCHES))
-async def test_random_sessions_keep_the_push_back_rule_and_the_history(batch: int, model_path: Path) -> None:
+async def test_random_sessions_keep_the_push_back_rule_and_the_history(batch: int, tier: str, model_path: Path) -> None:
     failures: dict[int, Episode] = {}
-    for seed in _seeds(batch):
+    for seed in _seeds(batch, tier):
         episode = Episode(seed, model_path)
         try:
             await episode.play()
@@ -562,8 +565,8 @@ async def test_random_sessions_keep_the_push_back_rule_and_the_history(batch: in
         summary = "\n".join(f"  {count} x {problem}" for problem, count in kinds.most_common())
         log = "\n".join(f"    {line}" for line in first.log)
         pytest.fail(
-            f"{len(failures)} of {len(_seeds(batch))} episodes failed; seeds {sorted(failures)}\n{summary}\n"
+            f"{len(failures)} of {len(_seeds(batch, tier))} episodes failed; seeds {sorted(failures)}\n{summary}\n"
             f"first failure, seed {first_seed}: {first.problems[0]}\n{log}\n"
-            f"rerun it: EPISODES={first_seed} pytest 'tests/test_random_sessions.py::{TEST_NAME}[0]'",
+            f"rerun it: EPISODES={first_seed} pytest 'tests/test_random_sessions.py::{TEST_NAME}[0-landing]'",
             pytrace=False,
         )

@@ -1,45 +1,80 @@
-"""agentkv's patches of vLLM and NIXL internals (``_vllm_patches.py``): the version gate, the
-environment that switches the idle-loop patches on, and that every patch still finds its target.
+"""agentkv's patches of vLLM and NIXL internals (``src/_agentkv_vllm/_patches.py``): every feature probes every
+target it replaces or relies on, a target that moved turns its feature off (one warning, nothing replaced, the rest
+applied), an untested vLLM is warned of and not refused, and the environment switches the idle-loop patches on.
 
-That the patched pair really sleeps is checked on the real pair (test_pair.py).
+No engine starts here: the fresh interpreters import vLLM and call the plugin as an engine process would. That the
+patched pair really sleeps is checked on the real pair (test_pair.py); what loading the plugin imports, in
+tests/test_plugin_imports.py; what agentkv does with a feature that is off, in tests/test_vllm_features.py.
 """
 
 from __future__ import annotations
 
+import ast
+import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agentkv import EngineStartError
-from agentkv._engines import _vllm_patches
-from agentkv._engines._vllm_patches import (
+import _agentkv_vllm
+from _agentkv_vllm import _patches
+from _agentkv_vllm._patches import (
+    AUTO_PLACEMENT,
+    CLEAN_SHUTDOWN,
+    ELASTIC_CORES,
     ENGINE_ENV,
+    FEATURES,
+    IDLE_SLEEP,
     NIXL_DELAY_ENV,
     PARKED_POLL_ENV,
-    SUPPORTED_VLLM,
+    PUSH_BACK,
+    TESTED_VLLM,
+    WARNED_ENV,
     _BindingsWithDelay,
-    check_vllm_version,
     engine_env,
+    engine_features,
+    untested_vllm,
 )
+from agentkv._engines._vllm import check_vllm_version
 
 
-def test_only_the_supported_vllm_series_passes() -> None:
-    for version in (f"{SUPPORTED_VLLM}.0", f"{SUPPORTED_VLLM}.3", f"{SUPPORTED_VLLM}.0+cpu"):
+def test_an_untested_vllm_is_warned_of_once_not_refused(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(WARNED_ENV, "")
+    caplog.set_level(logging.WARNING, logger="agentkv")
+    for version in (f"{TESTED_VLLM}.0", f"{TESTED_VLLM}.3", f"{TESTED_VLLM}.0+cpu"):
         check_vllm_version(version)
+        assert untested_vllm(version) is None
+    check_vllm_version()  # the installed one (0.32.0 here)
+    assert not caplog.records
     for version in ("0.31.2", "0.33.0", "1.0.0", "0.3.2"):
-        with pytest.raises(EngineStartError, match=f"supports vLLM {SUPPORTED_VLLM}.x only"):
-            check_vllm_version(version)
-    check_vllm_version()  # the installed one
+        message = untested_vllm(version) or ""
+        assert f"tested on vLLM {TESTED_VLLM}.x" in message and f"vLLM {version} is installed" in message
+    check_vllm_version("0.33.0")  # no EngineStartError: a warning, and each feature is probed
+    check_vllm_version("0.33.0")
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "vLLM 0.33.0 is installed" in warned[0], warned
+    assert "vllm version" in os.environ[WARNED_ENV].split("|")  # an engine started now would not say it again
 
 
 def test_the_environment_marks_agentkvs_engines_and_names_both_intervals() -> None:
     assert engine_env(None) == {ENGINE_ENV: "1"}
     assert engine_env(50) == {ENGINE_ENV: "1", NIXL_DELAY_ENV: "50000", PARKED_POLL_ENV: "50"}
+    assert engine_features(engine_env(None)) == [CLEAN_SHUTDOWN, AUTO_PLACEMENT]
+    assert engine_features({**engine_env(50), _patches.CORE_TABLE_ENV: "/t:0"}) == [
+        CLEAN_SHUTDOWN,
+        AUTO_PLACEMENT,
+        IDLE_SLEEP,
+        ELASTIC_CORES,
+    ]
+    assert engine_features({}) == []  # not an engine agentkv started: nothing
 
 
 def test_agents_get_the_delay_and_everything_else_is_nixls() -> None:
@@ -63,7 +98,7 @@ def test_agents_get_the_delay_and_everything_else_is_nixls() -> None:
 
 def test_vllm_loads_the_plugin() -> None:
     names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert "agentkv._engines._vllm_patches:install" in names
+    assert "_agentkv_vllm._patches:install" in names
 
 
 def _run(script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -72,41 +107,173 @@ def _run(script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_every_patch_finds_its_target_in_a_fresh_process() -> None:
-    """Against the installed nixl and vLLM: a version that moved a target fails here, not silently."""
+def _engine_process_env(**more: str) -> dict[str, str]:
+    """The environment of an engine agentkv starts (`engine_env`, with elastic cores), and nothing said yet."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("AGENTKV_")}
+    return {**env, **engine_env(50), _patches.CORE_TABLE_ENV: "/nonexistent-core-table:0", **more}
+
+
+def _last_json(done: subprocess.CompletedProcess[str]) -> Any:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_feature_probes_every_target_its_patch_replaces() -> None:
+    """On the installed vLLM 0.32 every probe passes; every target the table says is replaced is, and nothing the
+    table leaves out is (a walk over vLLM's and NIXL's modules for the plugin's functions): a new patch cannot
+    skip its probe. Patched targets still pass their probes (the wrappers keep vLLM's parameters)."""
     script = """
-        import inspect
-        import nixl._api
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
-        from vllm.v1.engine.output_processor import OutputProcessor
-        from agentkv._engines import _vllm_patches as patches
+        import inspect, json, sys, types
+        from _agentkv_vllm import _patches as patches
 
-        step = EngineCoreProc._process_engine_step
-        handle_shutdown = EngineCoreProc._handle_shutdown
-        assert "has_work" in inspect.getsource(handle_shutdown) and EngineShutdownState.SHUTTING_DOWN
+        def resolve(path):
+            module, _, name = path.partition(":")
+            found = __import__(module, fromlist=["_"])
+            *owners, last = name.split(".")
+            for part in owners:
+                found = getattr(found, part)
+            return inspect.getattr_static(found, last)
+
+        problems = {name: patches.probe(name) for name in patches.FEATURES}
+        replaced = sorted({t.path for f in patches.FEATURES.values() for t in f.targets if t.replaced})
+        instance_patched = "vllm.v1.engine.output_processor:OutputProcessor.process_outputs"  # one AsyncLLM's own
+        before = {path: resolve(path) for path in replaced}
         patches.install()
-        assert EngineCoreProc._handle_shutdown is not handle_shutdown
-        assert isinstance(nixl._api.nixlBind, patches._BindingsWithDelay)
-        assert nixl._api.nixlBind.nixlAgentConfig().pthrDelay == 0  # the field nixl sets exists
-        assert EngineCoreProc._process_engine_step is not step
-        assert SpinCondition.__init__.__name__ == "init_with_short_spin"
-        source = inspect.getsource(EngineCoreProc) + inspect.getsource(EngineCoreProc.__mro__[1])
-        for name in ("engines_running", "batch_queue", "scheduler", "input_queue", "_handle_client_request"):
-            assert f"self.{name}" in source, name
         patches.install()  # twice is harmless
-
-        assert "prefill_stats" in inspect.getsource(OutputProcessor.process_outputs)
-        assert "stat_loggers" in inspect.signature(AsyncLLM.from_vllm_config).parameters
-        stream = OpenAIServingCompletion.completion_stream_generator
         patches.add_server_readouts(extras_field="x", extras=dict, stat_logger=object, prefill_stats={})
-        assert OpenAIServingCompletion.completion_stream_generator is not stream
-        print("ok")
+        processor = types.SimpleNamespace(process_outputs=lambda outputs, *args: outputs)
+        kept = patches.keep_prefill_stats(types.SimpleNamespace(output_processor=processor), {})
+
+        def made_here(value):
+            try:
+                value = getattr(value, "__func__", value)
+                module = getattr(value, "__module__", None) or type(value).__module__
+                return isinstance(module, str) and module.split(".")[0] == "_agentkv_vllm"
+            except Exception:
+                return False
+
+        found = set()
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] not in ("vllm", "nixl") or not isinstance(module, types.ModuleType):
+                continue
+            for attr, value in list(vars(module).items()):
+                if made_here(value):
+                    found.add(f"{name}:{attr}")
+                if isinstance(value, type) and value.__module__ == name:
+                    found |= {f"{name}:{value.__qualname__}.{a}" for a, v in list(vars(value).items()) if made_here(v)}
+        print(json.dumps({
+            "problems": problems,
+            "unchanged": [path for path in replaced if path != instance_patched and resolve(path) is before[path]],
+            "patched_unlisted": sorted(found - set(replaced)),
+            "instance_patched": made_here(processor.process_outputs) and kept,
+            "after": {name: patches.probe(name) for name in patches.FEATURES},
+            "patched": patches.patched_features(),
+            "agentkv": [name for name in sys.modules if name.split(".")[0] == "agentkv"],
+        }))
     """
-    done = _run(script, {**os.environ, **engine_env(50)})
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    found = _last_json(_run(script, _engine_process_env()))
+    assert found["problems"] == dict.fromkeys(FEATURES), found["problems"]
+    assert found["unchanged"] == [], "the table says these are replaced; install left them as they were"
+    assert found["patched_unlisted"] == [], "patched without a Target(..., replaced=True) in FEATURES"
+    assert found["instance_patched"]
+    assert found["after"] == dict.fromkeys(FEATURES), "a patched target must still pass its probe"
+    assert found["patched"] == dict.fromkeys(found["patched"]) and len(found["patched"]) == len(FEATURES) - 1
+    assert found["agentkv"] == []  # the plugin never imports agentkv
+
+
+def test_the_push_connector_touches_only_what_its_feature_probes() -> None:
+    """Every vLLM name `AgentKVPushConnector` imports, every attribute it reads of one, and every attribute of
+    ``self`` it does not define itself (NIXL's private ``_reqs_in_batch``, ``_push_registration_deadlines``, ...)
+    is a target of the feature it serves (push with push-back)."""
+    module = Path(_agentkv_vllm.__file__).parent / "_push_connector.py"
+    tree = ast.parse(module.read_text())
+    targets = FEATURES[PUSH_BACK].targets
+    paths = {t.path for t in targets}
+    attrs = {(t.path, name) for t in targets for name in t.attrs}
+    probed_attrs = {name for _, name in attrs}
+    imported: dict[str, str] = {}  # name -> module, run-time imports only (not under TYPE_CHECKING)
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm"):
+            imported |= {alias.asname or alias.name: node.module or "" for alias in node.names}
+    own = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+    missing: set[str] = set()
+    for name, where in imported.items():
+        if not any(path.startswith(f"{where}:{name}") for path in paths):
+            missing.add(f"{where}:{name}")
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not isinstance(node.value, ast.Name):
+            continue
+        owner, attr = node.value.id, node.attr
+        if owner == "self" and attr not in own and attr not in probed_attrs:
+            missing.add(f"self.{attr}")
+        elif owner in imported:
+            path = f"{imported[owner]}:{owner}"
+            if f"{path}.{attr}" not in paths and (path, attr) not in attrs:
+                missing.add(f"{path}.{attr}")
+    assert not missing, f"add these to the targets of {PUSH_BACK!r} in FEATURES: {sorted(missing)}"
+    assert {"_reqs_in_batch", "_push_registration_deadlines"} <= probed_attrs
+
+
+@pytest.mark.parametrize(
+    ("feature", "removal", "target"),
+    [
+        (
+            CLEAN_SHUTDOWN,
+            "from vllm.v1.engine.core import EngineCoreProc\ndel EngineCoreProc._handle_shutdown",
+            "EngineCoreProc._handle_shutdown",
+        ),
+        (
+            AUTO_PLACEMENT,
+            "from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import "
+            "NixlPullConnectorScheduler as S\n"
+            "S.update_state_after_alloc = lambda self, request, blocks, num_tokens, extra=None: None\n"
+            "import vllm.version; vllm.version.__version__ = '0.32.9'",  # a patch release that moved a target
+            "NixlPullConnectorScheduler.update_state_after_alloc",
+        ),
+    ],
+    ids=["a-deleted-method", "a-renamed-parameter"],
+)
+def test_a_moved_target_turns_its_feature_off_with_one_warning(feature: str, removal: str, target: str) -> None:
+    """A fresh interpreter imports vLLM, moves one patched target, and loads the plugin as vLLM does in an engine
+    process agentkv started: no exception, one warning naming the feature and the target, the feature reported
+    off, its other targets left as they were, and every other feature applied."""
+    script = f"""
+        import json, sys
+        from importlib.metadata import entry_points
+        {removal.replace(chr(10), chr(10) + " " * 8)}
+        from vllm.v1.engine.core import EngineCoreProc
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+        from vllm.v1.worker.cpu_worker import CPUWorker
+        step = EngineCoreProc._process_engine_step
+        [plugin] = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "agentkv"]
+        plugin.load()()  # vLLM's load_general_plugins: an exception here kills the engine core
+        from _agentkv_vllm import _patches as patches
+        patches.install()  # again (vLLM loads plugins once per process; twice must not warn twice)
+        print(json.dumps({{
+            "patched": patches.patched_features(),
+            "available": sorted(patches.available_features(patches.engine_features())),
+            "others": [
+                EngineCoreProc._process_engine_step is not step,
+                SpinCondition.__init__.__name__ == "init_with_short_spin",
+                CPUWorker.execute_model.__name__ == "execute_within_budget",
+            ],
+            "shutdown": getattr(getattr(EngineCoreProc, "_handle_shutdown", None), "__name__", None),
+        }}))
+    """
+    done = _run(script, _engine_process_env())
+    found = _last_json(done)
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("agentkv: ")]
+    assert len(warnings) == 1, done.stderr[-3000:]
+    assert f"agentkv: {feature} is off" in warnings[0] and target in warnings[0], warnings
+    assert found["patched"][feature] is not None and target in found["patched"][feature]
+    others = [name for name in (CLEAN_SHUTDOWN, AUTO_PLACEMENT, IDLE_SLEEP, ELASTIC_CORES) if name != feature]
+    assert {name: why for name, why in found["patched"].items() if name != feature} == dict.fromkeys(others)
+    assert feature not in found["available"] and len(found["available"]) == 3
+    assert found["others"] == [True, True, True]  # idle sleep (core and worker) and elastic cores applied
+    if feature == AUTO_PLACEMENT:  # a patch release: no version warning, and clean shutdown is applied
+        assert found["shutdown"] == "handle_shutdown_without_parked_kv"
+    else:
+        assert found["shutdown"] is None  # nothing was put in the deleted method's place
 
 
 def test_install_without_the_environment_changes_nothing() -> None:
@@ -114,11 +281,11 @@ def test_install_without_the_environment_changes_nothing() -> None:
         import nixl._api as a
         from vllm.v1.engine.core import EngineCoreProc
         b, handle_shutdown = a.nixlBind, EngineCoreProc._handle_shutdown
-        from agentkv._engines import _vllm_patches
-        _vllm_patches.install()
+        from _agentkv_vllm import _patches
+        _patches.install()
         assert a.nixlBind is b and EngineCoreProc._handle_shutdown is handle_shutdown
     """
-    env = {k: v for k, v in os.environ.items() if k not in (ENGINE_ENV, NIXL_DELAY_ENV, PARKED_POLL_ENV)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTKV_")}
     done = _run(script, env)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -146,18 +313,18 @@ def _core(*statuses: str, running: bool = False) -> Any:
 def test_an_engine_waiting_only_for_remote_kv_steps_at_once_then_polls(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pull's short wait is picked up at once; a push D waiting for P's prefill stops busy-looping."""
     clock = [100.0]
-    monkeypatch.setattr(_vllm_patches.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_patches.time, "monotonic", lambda: clock[0])
     core = _core("WAITING_FOR_REMOTE_KVS", "FINISHED_LENGTH_CAPPED")
-    assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) is None
-    clock[0] += _vllm_patches.KV_WAIT_BUSY_S / 2
-    assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) is None
-    clock[0] += _vllm_patches.KV_WAIT_BUSY_S
-    assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) == _vllm_patches.KV_WAIT_POLL_S
+    assert _patches._idle_wait_s(core, parked_poll_s=0.05) is None
+    clock[0] += _patches.KV_WAIT_BUSY_S / 2
+    assert _patches._idle_wait_s(core, parked_poll_s=0.05) is None
+    clock[0] += _patches.KV_WAIT_BUSY_S
+    assert _patches._idle_wait_s(core, parked_poll_s=0.05) == _patches.KV_WAIT_POLL_S
     core.scheduler.finished_recving_kv_req_ids.add("0")  # its KV is in: the next step schedules it, at once
-    assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) is None
+    assert _patches._idle_wait_s(core, parked_poll_s=0.05) is None
     core.scheduler.finished_recving_kv_req_ids.clear()
-    assert _vllm_patches._idle_wait_s(core, parked_poll_s=0.05) is None  # a new wait: busy again at first
+    assert _patches._idle_wait_s(core, parked_poll_s=0.05) is None  # a new wait: busy again at first
     busy = _core("WAITING_FOR_REMOTE_KVS", "RUNNING", running=True)  # something else to run: never wait
-    assert _vllm_patches._idle_wait_s(busy, parked_poll_s=0.05) is None
-    assert _vllm_patches._idle_wait_s(_core("FINISHED_STOPPED"), parked_poll_s=0.05) == 0.05  # only parked KV
-    assert _vllm_patches._idle_wait_s(_core("WAITING"), parked_poll_s=0.05) is None  # a request to schedule
+    assert _patches._idle_wait_s(busy, parked_poll_s=0.05) is None
+    assert _patches._idle_wait_s(_core("FINISHED_STOPPED"), parked_poll_s=0.05) == 0.05  # only parked KV
+    assert _patches._idle_wait_s(_core("WAITING"), parked_poll_s=0.05) is None  # a request to schedule

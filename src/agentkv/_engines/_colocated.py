@@ -6,14 +6,18 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from _agentkv_vllm._cores import CoreTable
 
 from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
 from .._model import prepare_model_off_loop
 from ._base import Engine, EngineInfo, StepDone, StepEvent, StepRequest, StepTimings
-from ._cores import CoreTable
 from ._pair import run_warmup_steps
-from ._pair_config import engine_launch
+from ._pair_config import check_engine_args, engine_launch
+from ._platforms import current_platform
 from ._system import available_cores
 from ._vllm import AsyncLLMRunner, DecodeStream, engine_seconds, vllm_sampling
 
@@ -29,15 +33,22 @@ class Colocated(Engine):
     """One vLLM engine that prefills and decodes, reusing KV through its prefix cache.
 
     Args:
-        model: a bundled model name or a local HF folder (default: the bundled SmolLM2-135M).
-        cores: cores for the engine (default: all available).
+        model: a bundled model name, a local HF folder or a Hugging Face id ``org/name[@revision]``
+            from the HF cache (see `prepare_model`; default: the bundled SmolLM2-135M).
+        cores: cores for the engine (default: all available). CPU only.
         max_model_len: context length.
-        kv_cache_gib: KV cache size (``VLLM_CPU_KVCACHE_SPACE``).
-        dtype: weights and KV dtype: ``"auto"`` (bfloat16 where the CPU computes it natively, else
-            float32), ``"float32"``, ``"bfloat16"`` or ``"float16"``, as `PairConfig.dtype`.
+        kv_cache_gib: KV cache size (``VLLM_CPU_KVCACHE_SPACE``). CPU only: on CUDA the KV takes what
+            ``gpu_memory_utilization`` leaves.
+        dtype: weights and KV dtype: ``"auto"`` (on CPU: bfloat16 where the CPU computes it natively, else
+            float32; on CUDA: the model's), ``"float32"``, ``"bfloat16"`` or ``"float16"``, as `PairConfig.dtype`.
         warmup: run one short request at start.
         step_timeout_s: a step that makes no progress for this long fails with `EngineError`.
+        engine_args: vLLM engine arguments (``AsyncEngineArgs`` field names) over agentkv's, as
+            `PairConfig.engine_args` (the same names are refused).
         progress: called with one line per start-up stage.
+
+    On a GPU host (vLLM's CUDA platform) the engine runs on the visible GPUs, its tensor-parallel
+    size their number (``engine_args={"tensor_parallel_size": 1}`` for one), with vLLM's defaults.
     """
 
     def __init__(
@@ -50,11 +61,13 @@ class Colocated(Engine):
         dtype: str = "auto",
         warmup: bool = True,
         step_timeout_s: float = 300.0,
+        engine_args: Mapping[str, Any] | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__()
         if dtype not in _DTYPES:
             raise UserError(f"dtype is one of {', '.join(map(repr, _DTYPES))}, not {dtype!r}")
+        self._engine_args = check_engine_args(engine_args or {}, "engine_args")
         self._model = model
         self._cores = list(cores) if cores is not None else None
         self._max_model_len = max_model_len
@@ -79,6 +92,27 @@ class Colocated(Engine):
 
     async def _start(self) -> None:
         model_path = await prepare_model_off_loop(self._model, progress=self._progress)
+        platform = current_platform()
+        if not platform.pins_cores:  # a GPU host: the visible GPUs, none of the CPU machinery
+            if self._cores is not None:
+                raise UserError("cores= binds the engine's threads on vLLM's CPU platform; this host runs CUDA")
+            devices = platform.visible_devices
+            self._engine = AsyncLLMRunner(
+                engine_launch(
+                    name="colocated",
+                    model_path=model_path,
+                    cores=None,
+                    max_model_len=self._max_model_len,
+                    kv_cache_gib=self._kv_cache_gib,
+                    dtype=self._dtype,
+                    platform=platform,
+                    devices=devices,
+                    engine_args=self._engine_args,
+                )
+            )
+            await self._engine.start_async(self._progress)
+            self._know_started(model_path, {"platform": platform.kind, "devices": list(devices)})
+            return
         cores = self._cores or available_cores()
         self._engine = AsyncLLMRunner(
             engine_launch(
@@ -88,15 +122,20 @@ class Colocated(Engine):
                 max_model_len=self._max_model_len,
                 kv_cache_gib=self._kv_cache_gib,
                 dtype=self._dtype,
+                platform=platform,
+                engine_args=self._engine_args,
             ),
             core_slot=CoreTable().claim(cores),  # elastic pairs on the host see it busy and keep off its cores
         )
         await self._engine.start_async(self._progress)
+        self._know_started(model_path, {"cores": cores})
+
+    def _know_started(self, model_path: Path, extra: dict[str, Any]) -> None:
         self._info = EngineInfo(
             model_path=model_path,
             max_model_len=self._max_model_len,
             modes=frozenset({"colocated"}),
-            extra={"cores": cores},
+            extra=extra,
         )
 
     async def _warm_up(self) -> None:

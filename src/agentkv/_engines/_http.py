@@ -96,6 +96,10 @@ class HTTPPair(Engine):
     Subclasses give the servers' URLs: their `_start` calls `_open_servers`. The rest is shared.
     """
 
+    _agentkv_servers = False
+    """The pair started agentkv's own servers: a decode server that streams no handle then lacks agentkv's
+    streamed handle on this vLLM (docs/vllm-patches.md), and the pair takes D's answers whole instead."""
+
     def __init__(
         self,
         model: str | os.PathLike[str] | None,
@@ -181,7 +185,14 @@ class HTTPPair(Engine):
         models = await self._transport.connect(self._urls)
         capabilities = await probe_servers(self._transport, models, attempts=self._transport.attempts)
         if self._decode_streaming and not capabilities.handle_in_stream:
-            raise stock_decode_streaming_error(decode_url)
+            if not self._agentkv_servers:
+                raise stock_decode_streaming_error(decode_url)
+            logger.warning(
+                "agentkv: the decode server at %s streams no KV handle (agentkv's streamed handle is off on this "
+                "vLLM: see its log); each answer arrives whole, push-back still works",
+                decode_url,
+            )
+            self._decode_streaming = False
         if not capabilities.exact_split:
             logger.warning(
                 "agentkv: the prefill server at %s is a stock vLLM server: it does not report where cached "

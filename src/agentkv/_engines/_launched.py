@@ -18,6 +18,7 @@ from .._errors import UserError
 from .._model import cache_dir, prepare_model_off_loop
 from ._http import HTTPPair
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
+from ._platforms import PairDevices, Platform, current_platform, pair_devices
 from ._server_process import ServerProcess, ServerSpec
 from ._system import free_port, split_cores
 
@@ -37,8 +38,11 @@ class LaunchedPair(HTTPPair):
 
     Its pair settings are `EmbeddedPair`'s: a `PairConfig` as ``config`` and/or its fields as
     keyword arguments (``model``, ``bidirectional``, ``prefill_prefix_cache``, ``cores``,
-    ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``, ``recompute_threshold``,
-    ``connector_options``, ``idle_poll_ms``, ``warmup``, ``step_timeout_s``). And these:
+    ``prefill_devices``, ``decode_devices``, ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``,
+    ``recompute_threshold``, ``connector_options``, ``idle_poll_ms``, ``warmup``, ``step_timeout_s``,
+    ``engine_args``, ``prefill_engine_args``, ``decode_engine_args``). The engine arguments become
+    each server's ``vllm serve`` flags (``--tensor-parallel-size 2``); on a GPU host each server gets
+    its GPUs as `EmbeddedPair`'s engines do, by ``CUDA_VISIBLE_DEVICES`` in its environment. And these:
 
     Args:
         hosts: the addresses P and D listen on and give each other for NIXL.
@@ -50,6 +54,8 @@ class LaunchedPair(HTTPPair):
         attempts: tries per server call on transient errors (refused connection, 5xx).
         progress: called with one line per start-up stage (default: the ``agentkv`` logger).
     """
+
+    _agentkv_servers = True
 
     def __init__(
         self,
@@ -90,6 +96,10 @@ class LaunchedPair(HTTPPair):
         self._generation = 0
         self._tag = uuid.uuid4().hex[:8]
         self._restart_lock = anyio.Lock()
+        self._platform: Platform | None = None
+        """The host's platform, read at open."""
+        self._devices: PairDevices | None = None
+        """The GPUs of P's and D's servers (a GPU host), chosen at open and kept across restarts."""
 
     # ----------------------------------------------------------------- what it started
 
@@ -119,7 +129,24 @@ class LaunchedPair(HTTPPair):
         model_path = await prepare_model_off_loop(self._model, progress=self._progress)
         if self._log_dir is None:
             self._log_dir = cache_dir().parent / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self._tag}"
-        p_cores, d_cores = (list(c) for c in self.config.cores) if self.config.cores else split_cores()
+        self._platform = current_platform()
+        placement: dict[str, Any]
+        if self._platform.pins_cores:
+            p_cores, d_cores = (list(c) for c in self.config.cores) if self.config.cores else split_cores()
+            placement = {"prefill_cores": p_cores, "decode_cores": d_cores}
+        else:  # a GPU host: each server on its own GPUs (CUDA_VISIBLE_DEVICES in its environment), no cores
+            if self.config.cores is not None:
+                raise UserError(
+                    "cores= binds the servers' threads on vLLM's CPU platform; on this GPU host give P and D "
+                    "their GPUs with prefill_devices= and decode_devices="
+                )
+            self._devices = pair_devices(self._platform, self.config.prefill_devices, self.config.decode_devices)
+            p_cores, d_cores = [], []
+            placement = {
+                "platform": self._platform.kind,
+                "prefill_devices": list(self._devices.prefill),
+                "decode_devices": list(self._devices.decode),
+            }
         self._servers = {
             "prefill": self._server("prefill", model_path, p_cores),
             "decode": self._server("decode", model_path, d_cores),
@@ -129,7 +156,7 @@ class LaunchedPair(HTTPPair):
         await self._open_servers(
             self._servers["prefill"].url, self._servers["decode"].url, kind="launched", model_path=model_path
         )
-        self._info_extra({"prefill_cores": p_cores, "decode_cores": d_cores, "log_dir": str(self._log_dir)})
+        self._info_extra({**placement, "log_dir": str(self._log_dir)})
 
     def _server(self, role: Role, model_path: Path, cores: Sequence[int]) -> ServerProcess:
         index = 0 if role == "prefill" else 1
@@ -141,6 +168,8 @@ class LaunchedPair(HTTPPair):
             engine_id=f"agentkv-{role}-{self._tag}-{self._generation}",
             side_channel_port=free_port(),
             nixl_host=self._hosts[index],
+            platform=self._platform,
+            devices=self._devices,
         )
         spec = ServerSpec(
             role=role,

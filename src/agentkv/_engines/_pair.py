@@ -14,10 +14,14 @@ import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any, Unpack
 
 import anyio
 import anyio.to_thread
+
+from _agentkv_vllm._cores import CoreTable, elastic_bind_order
+from _agentkv_vllm._patches import AUTO_PLACEMENT, ELASTIC_CORES, PIN_ON_DECODE
 
 from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
 from .._model import prepare_model_off_loop
@@ -33,15 +37,15 @@ from ._base import (
     pair_modes,
     prompt_split,
 )
-from ._cores import CoreTable, elastic_bind_order
 from ._handle import KVHandle, PushSource, parse_handle, parse_prefill_result, prefill_params, release_params
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
 from ._pin_budget import PinBudget
 from ._placement import Placement, PlacementChoice, PlacementCosts
+from ._platforms import Platform, current_platform, pair_devices
 from ._push import PushedStep
 from ._system import free_port, split_cores
 from ._vllm import AsyncLLMRunner, DecodeStream, TransferLedger, engine_seconds, first_token_of_prefill, vllm_sampling
-from ._vllm_patches import PIN_ON_DECODE
+from ._vllm_features import feature_problem, has_feature
 
 __all__ = ["EmbeddedPair", "run_warmup_steps"]
 
@@ -56,12 +60,18 @@ class EmbeddedPair(Engine):
     replace the config's fields). ``model`` is the config's ``model``.
 
     Args:
-        model: a bundled model name or a local HF folder (default: the bundled SmolLM2-135M).
+        model: a bundled model name, a local HF folder or a Hugging Face id ``org/name[@revision]``
+            from the HF cache (see `prepare_model`; default: the bundled SmolLM2-135M).
         config: the pair's settings (default: `PairConfig`'s defaults).
         progress: called with one line per start-up stage (default: the ``agentkv`` logger).
         **settings: `PairConfig` fields (``bidirectional``, ``prefill_prefix_cache``, ``cores``,
-            ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``, ``max_pinned_blocks``, ``recompute_threshold``,
-            ``connector_options``, ``idle_poll_ms``, ``warmup``, ``step_timeout_s``).
+            ``prefill_devices``, ``decode_devices``, ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``,
+            ``max_pinned_blocks``, ``recompute_threshold``, ``connector_options``, ``idle_poll_ms``, ``warmup``,
+            ``step_timeout_s``, ``engine_args``, ``prefill_engine_args``, ``decode_engine_args``).
+
+    On a GPU host (vLLM's CUDA platform) P and D run on GPUs of their own: by default the visible
+    devices in two halves, each engine's tensor-parallel size the number of its devices (see
+    ``docs/engines.md``, "Platforms, devices and engine arguments").
     """
 
     def __init__(
@@ -85,6 +95,8 @@ class EmbeddedPair(Engine):
         self._steps_on_decode = 0
         """Steps placed on D alone and not finished: counted from the choice, so that ``auto`` never places a
         second one beside the first (a prefill on D stalls every decode in its batch)."""
+        self._placement_off: str | None = None
+        """Why steps cannot run on D alone on the installed vLLM (auto placement's targets moved), or None."""
 
     @property
     def bidirectional(self) -> bool:
@@ -122,6 +134,10 @@ class EmbeddedPair(Engine):
     async def _start(self) -> None:
         config = self.config
         model_path = await prepare_model_off_loop(config.model, progress=self._progress)
+        platform = current_platform()
+        if not platform.pins_cores:
+            await self._start_on_gpus(model_path, platform)
+            return
         p_cores, d_cores = (list(c) for c in config.cores) if config.cores else split_cores()
         own: dict[Role, list[int]] = {"prefill": p_cores, "decode": d_cores}
         table = CoreTable()
@@ -130,6 +146,7 @@ class EmbeddedPair(Engine):
             config.core_policy == "elastic"
             and not set(p_cores) & set(d_cores)
             and all(slot is not None for slot in slots.values())
+            and has_feature(ELASTIC_CORES)  # off where vLLM lacks its targets: one warning, the pair runs split
         )
         self._core_policy = "elastic" if elastic else "split"
         tag = uuid.uuid4().hex[:8]
@@ -145,21 +162,73 @@ class EmbeddedPair(Engine):
                 engine_id=f"agentkv-{role}-{tag}",
                 side_channel_port=free_port(),
                 core_table=f"{slot.path}:{slot.index}" if elastic and slot is not None else None,
+                platform=platform,
             )
             runner = AsyncLLMRunner(launch, core_slot=slot)
             runners.append(runner)
         self._p, self._d = runners
         for runner in runners:
             await runner.start_async(self._progress)
+        self._know_started(
+            model_path, {"prefill_cores": p_cores, "decode_cores": d_cores, "core_policy": self._core_policy}
+        )
+
+    async def _start_on_gpus(self, model_path: Path, platform: Platform) -> None:
+        """P and D on GPUs of their own (`pair_devices`), each told its devices by ``CUDA_VISIBLE_DEVICES`` in
+        its environment at its start (`AsyncLLMRunner.start`); none of the CPU machinery (no cores, no core
+        table, no re-pinning)."""
+        config = self.config
+        if config.cores is not None:
+            raise UserError(
+                "cores= binds the engines' threads on vLLM's CPU platform; on this GPU host give P and D "
+                "their GPUs with prefill_devices= and decode_devices="
+            )
+        devices = pair_devices(platform, config.prefill_devices, config.decode_devices)
+        tag = uuid.uuid4().hex[:8]
+        roles: tuple[Role, Role] = ("prefill", "decode")
+        self._p, self._d = (
+            AsyncLLMRunner(
+                pair_engine_launch(
+                    config,
+                    role,
+                    model_path=model_path,
+                    cores=None,
+                    engine_id=f"agentkv-{role}-{tag}",
+                    side_channel_port=free_port(),
+                    platform=platform,
+                    devices=devices,
+                )
+            )
+            for role in roles
+        )
+        for runner in (self._p, self._d):
+            await runner.start_async(self._progress)
+        self._know_started(
+            model_path,
+            {
+                "platform": platform.kind,
+                "prefill_devices": list(devices.prefill),
+                "decode_devices": list(devices.decode),
+            },
+        )
+
+    def _know_started(self, model_path: Path, placement: dict[str, Any]) -> None:
+        """The pair's `EngineInfo`, once both engines run: ``placement`` says where each computes."""
+        config = self.config
         assert self._d is not None
+        self._placement_off = feature_problem(AUTO_PLACEMENT) if config.transfer == "pull" else None
+        modes_off = {}
+        if self._placement_off is not None and config.bidirectional:
+            modes_off["auto"] = f"auto placement is off on this vLLM ({self._placement_off})"
         self._info = EngineInfo(
             model_path=model_path,
             max_model_len=config.max_model_len,
-            modes=pair_modes(push_back=config.bidirectional, placement=config.transfer == "pull"),
+            modes=pair_modes(
+                push_back=config.bidirectional, placement=config.transfer == "pull" and self._placement_off is None
+            ),
             extra={
-                "prefill_cores": p_cores,
-                "decode_cores": d_cores,
-                "core_policy": self._core_policy,
+                **placement,
+                **({"modes_off": modes_off} if modes_off else {}),
                 "transfer": config.transfer,
                 "pin_ttl_s": config.pin_ttl_s,
                 "prefill_prefix_cache": config.prefill_prefix_cache,
@@ -170,7 +239,8 @@ class EmbeddedPair(Engine):
     async def _warm_up(self) -> None:
         if self.config.warmup:
             self._progress("agentkv: warming up (kernels, NIXL handshakes)")
-            placements: tuple[Placement, ...] = ("prefill", "decode" if self.config.transfer == "pull" else "prefill")
+            on_decode = self.config.transfer == "pull" and self._placement_off is None
+            placements: tuple[Placement, ...] = ("prefill", "decode" if on_decode else "prefill")
             await run_warmup_steps(self, push_back=self.bidirectional, placements=placements)  # first prefills: cold
             self.costs = PlacementCosts()
             await run_warmup_steps(self, push_back=self.bidirectional, placements=placements)  # calibrates both
@@ -289,7 +359,7 @@ class EmbeddedPair(Engine):
         (p_out, p_stats, p_ledger), (d_out, d_stats, d_ledger) = prefill, decode
         prefill_s, _, _ = engine_seconds(p_out)
         _, _, decode_s = engine_seconds(d_out)
-        if p_stats is None:  # vLLM reported no split (not seen in 0.32): say so, rather than guess quietly
+        if p_stats is None and self._p is not None and self._p.keeps_prefill_stats:  # not seen in 0.32: say so
             logger.warning("agentkv: vLLM gave no prefill split for a step; its cached tokens are reported as local")
         split = (p_stats.num_local_cached_tokens, p_stats.num_external_cached_tokens) if p_stats is not None else None
         timings = StepTimings(
@@ -392,6 +462,10 @@ class EmbeddedPair(Engine):
             if request.placement == "decode":
                 raise UserError("a step on D alone needs a pull pair (transfer='pull'); this pair pushes")
             return PlacementChoice("prefill", "push pair: every step on P")
+        if self._placement_off is not None:  # the installed vLLM lacks what a step on D alone needs
+            if request.placement == "decode":
+                raise UserError(f"a step on D alone needs agentkv's auto placement: {self._placement_off}")
+            return PlacementChoice("prefill", "auto placement is off on this vLLM")
         if request.handle is None or request.placement == "prefill":
             return PlacementChoice("prefill", "no pin to extend on D" if request.placement != "prefill" else "asked")
         if request.placement == "decode":

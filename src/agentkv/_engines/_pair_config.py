@@ -5,12 +5,17 @@ keyword arguments); `agentkv engine` builds one from its flags. `engine_launch` 
 settings of one engine into vLLM engine arguments (``AsyncEngineArgs`` fields, or the
 same as ``vllm serve`` flags), its ``kv_transfer_config``, and the environment the
 engine's processes need: the embedded engines, the launched servers and ``agentkv
-serve`` all start from it.
+serve`` all start from it. What differs between vLLM's platforms (CPU, CUDA) is decided in
+one function of a `Platform` value, `platform_engine_settings`; the user's own vLLM engine
+arguments (``engine_args``) go over agentkv's last, except those agentkv must own
+(`OWNED_ENGINE_ARGS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -18,23 +23,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
+from _agentkv_vllm._patches import CORE_TABLE_ENV, PUSH_BACK, engine_env
+
 from .._errors import UserError
+from ._platforms import (
+    DEVICE_ENV,
+    SHARED_DEVICE_MEMORY_FRACTION,
+    PairDevices,
+    Platform,
+    current_platform,
+    pair_devices,
+)
 from ._system import bind_order, cpu_list
-from ._vllm_patches import CORE_TABLE_ENV, engine_env
+from ._vllm_features import require_feature
 
 __all__ = [
     "PUSH_CONNECTOR",
     "CorePolicy",
+    "OWNED_ENGINE_ARGS",
     "EngineLaunch",
     "PairConfig",
     "PairSettings",
     "Role",
     "Transfer",
+    "check_engine_args",
     "connector_choice",
     "kv_buffer_device",
     "engine_launch",
     "pair_engine_launch",
+    "platform_engine_settings",
     "resolve_dtype",
+    "role_engine_args",
+    "vllm_engine_arg_names",
 ]
 
 Role = Literal["prefill", "decode"]
@@ -56,29 +76,36 @@ class PairConfig:
     """
 
     model: str | os.PathLike[str] | None = None
-    """A bundled model name or a local HF folder (default: the bundled SmolLM2-135M)."""
+    """A bundled model name, a local HF folder or a Hugging Face id ``org/name[@revision]`` from the HF cache
+    (see `prepare_model`; default: the bundled SmolLM2-135M)."""
     bidirectional: bool = True
     """D pins each step's KV and P can pull it back (vLLM ``bidirectional_kv_xfer``). Off, the pair is
     standard disaggregated inference."""
     transfer: Transfer = "pull"
     """``"pull"``: D reads P's KV after P's prefill; ``"push"``: P writes it into D as soon as it is computed,
-    D submitted beside P (with push-back: agentkv's connector, `agentkv._engines._push_connector`). See
+    D submitted beside P (with push-back: agentkv's connector, `_agentkv_vllm._push_connector`). See
     ``docs/transfer.md``."""
     prefill_prefix_cache: bool = True
     """P's own prefix cache (off reproduces the source's baseline)."""
     cores: tuple[Sequence[int], Sequence[int]] | None = None
-    """The core sets of P and D (disjoint); default: the available cores split in two halves."""
+    """The core sets of P and D (disjoint); default: the available cores split in two halves. CPU only."""
     core_policy: CorePolicy = "elastic"
     """``"elastic"``: an engine computes on both core sets while no other engine owning them has anything to
     compute (host-wide), on its own set otherwise; ``"split"``: always on its own set. See
-    ``docs/performance.md``."""
+    ``docs/performance.md``. CPU only (on a GPU host it has no effect)."""
+    prefill_devices: Sequence[int | str] | None = None
+    """P's GPUs (with ``decode_devices``): an int indexes the visible devices, a str names one as
+    ``CUDA_VISIBLE_DEVICES`` does; default: the first half of the visible GPUs. CUDA only."""
+    decode_devices: Sequence[int | str] | None = None
+    """D's GPUs, as ``prefill_devices``; default: the second half of the visible GPUs. CUDA only."""
     dtype: str = "auto"
-    """Weights and KV dtype of both engines: ``"auto"`` (bfloat16 where the CPU computes it natively,
-    else float32), ``"float32"`` or ``"bfloat16"``."""
+    """Weights and KV dtype of both engines: ``"auto"`` (on CPU: bfloat16 where the CPU computes it
+    natively, else float32; on CUDA: vLLM's, the model's own), ``"float32"``, ``"bfloat16"`` or ``"float16"``."""
     max_model_len: int = 4096
     """Context length of both engines."""
     kv_cache_gib: float = 1.0
-    """KV cache per engine, whole GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
+    """KV cache per engine, whole GiB (``VLLM_CPU_KVCACHE_SPACE``). CPU only: on CUDA an engine's KV takes
+    what ``gpu_memory_utilization`` leaves of its GPUs' memory."""
     pin_ttl_s: float = 480.0
     """How long D pins a step's blocks (``decoder_kv_blocks_ttl``)."""
     max_pinned_blocks: int | None = None
@@ -97,6 +124,13 @@ class PairConfig:
     """Run two short steps at open, so first-call costs (kernels, NIXL handshakes) miss the first turn."""
     step_timeout_s: float = 300.0
     """A step that makes no progress for this long fails with `EngineError`."""
+    engine_args: Mapping[str, Any] = field(default_factory=dict[str, Any])
+    """vLLM engine arguments of both engines (``AsyncEngineArgs`` field names: ``{"tensor_parallel_size": 2}``),
+    over agentkv's own; those agentkv must own (`OWNED_ENGINE_ARGS`) are refused by name."""
+    prefill_engine_args: Mapping[str, Any] = field(default_factory=dict[str, Any])
+    """vLLM engine arguments of P alone (over ``engine_args``)."""
+    decode_engine_args: Mapping[str, Any] = field(default_factory=dict[str, Any])
+    """vLLM engine arguments of D alone (over ``engine_args``)."""
 
     def __post_init__(self) -> None:
         if self.pin_ttl_s <= 10:
@@ -123,6 +157,17 @@ class PairConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise UserError(f"dtype is 'auto', 'float32', 'bfloat16' or 'float16', not {self.dtype!r}")
         object.__setattr__(self, "connector_options", dict(self.connector_options))
+        for name in ("engine_args", "prefill_engine_args", "decode_engine_args"):
+            object.__setattr__(self, name, check_engine_args(getattr(self, name), name))
+        for name in ("prefill_devices", "decode_devices"):
+            devices = getattr(self, name)
+            if devices is None:
+                continue
+            if isinstance(devices, str | int) or not devices:
+                raise UserError(f"{name} takes a non-empty list of devices, e.g. [0, 1]; not {devices!r}")
+            object.__setattr__(self, name, tuple(devices))
+        if (self.prefill_devices is None) != (self.decode_devices is None):
+            raise UserError("prefill_devices and decode_devices go together: give both, or neither")
 
     @classmethod
     def of(
@@ -159,6 +204,8 @@ class PairSettings(TypedDict, total=False):
     prefill_prefix_cache: bool
     cores: tuple[Sequence[int], Sequence[int]] | None
     core_policy: CorePolicy
+    prefill_devices: Sequence[int | str] | None
+    decode_devices: Sequence[int | str] | None
     dtype: str
     max_model_len: int
     kv_cache_gib: float
@@ -169,6 +216,9 @@ class PairSettings(TypedDict, total=False):
     idle_poll_ms: int | None
     warmup: bool
     step_timeout_s: float
+    engine_args: Mapping[str, Any]
+    prefill_engine_args: Mapping[str, Any]
+    decode_engine_args: Mapping[str, Any]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,6 +235,72 @@ class EngineLaunch:
     engine_id: str | None = None
     side_channel_host: str | None = None
     side_channel_port: int | None = None
+    devices: list[str] | None = None
+    """The GPUs the engine sees (its ``CUDA_VISIBLE_DEVICES``); None on CPU, or where vLLM chooses."""
+
+    @property
+    def where(self) -> str:
+        """Where the engine computes, for progress lines: ``"cores 0-3"``, ``"GPUs 0,1"``."""
+        if self.cores:
+            return f"cores {cpu_list(self.cores)}"
+        if self.devices:
+            return f"GPUs {','.join(self.devices)}"
+        return "the devices vLLM chooses"
+
+
+def platform_engine_settings(
+    platform: Platform,
+    *,
+    model_path: Path,
+    max_model_len: int,
+    prefix_caching: bool,
+    dtype: str,
+    max_num_seqs: int,
+    cores: Sequence[int] | None,
+    devices: Sequence[str] | None,
+    kv_cache_gib: float,
+    idle_poll_ms: int | None,
+    memory_fraction: float | None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """One engine's own vLLM arguments and environment on ``platform``: the one place that decides what
+    differs between platforms (a pure function of its arguments: tests pass a CUDA `Platform` on a CPU host).
+
+    * **CPU**: no CUDA graphs to capture (``enforce_eager``: start-up ~20 s instead of ~75 s), the dtype the
+      CPU computes natively (`resolve_dtype`), ``max_num_seqs``, the KV cache in whole GiB
+      (``VLLM_CPU_KVCACHE_SPACE``), the engine's threads bound to ``cores`` in order
+      (``VLLM_CPU_OMP_THREADS_BIND``), and the idle plugin's polling (``idle_poll_ms``).
+    * **CUDA**: vLLM's own defaults (CUDA graphs; ``dtype="auto"``: the model's; vLLM's ``max_num_seqs``),
+      the engine's GPUs as its ``CUDA_VISIBLE_DEVICES`` with ``tensor_parallel_size`` their number, and its
+      KV sized by ``gpu_memory_utilization`` (``memory_fraction``; None: vLLM's default, for an engine
+      alone on its GPUs). None of the CPU machinery: ``cores``, ``kv_cache_gib`` and ``idle_poll_ms`` have
+      no effect (cores given are refused).
+    """
+    if platform.is_cpu:
+        engine_args: dict[str, Any] = {
+            "model": str(model_path),
+            "dtype": resolve_dtype(dtype),
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "enforce_eager": True,  # skip torch.compile: start-up ~20 s instead of ~75 s on CPU
+            "enable_prefix_caching": prefix_caching,
+        }
+        env = {"VLLM_CPU_KVCACHE_SPACE": kv_cache_space(kv_cache_gib), **engine_env(idle_poll_ms)}
+        if cores:
+            ordered = list(cores) == sorted(set(cores))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cores) if ordered else bind_order(cores)
+        return engine_args, env
+    if cores:
+        raise UserError(f"cores bind an engine's threads on vLLM's CPU platform; this host's is {platform.kind}")
+    engine_args = {"model": str(model_path), "dtype": dtype, "max_model_len": max_model_len}
+    if devices:
+        engine_args["tensor_parallel_size"] = len(devices)
+    if memory_fraction is not None:
+        engine_args["gpu_memory_utilization"] = memory_fraction
+    engine_args["enable_prefix_caching"] = prefix_caching
+    env = engine_env(None)  # agentkv's engine (the plugin's shutdown and pin fixes); no idle polling
+    if devices:
+        env[DEVICE_ENV] = ",".join(devices)
+    return engine_args, env
 
 
 def engine_launch(
@@ -200,34 +316,48 @@ def engine_launch(
     idle_poll_ms: int | None = None,
     dtype: str = "auto",
     max_num_seqs: int = 64,
+    platform: Platform | None = None,
+    devices: Sequence[str] | None = None,
+    memory_fraction: float | None = None,
+    engine_args: Mapping[str, Any] | None = None,
 ) -> EngineLaunch:
-    """The engine arguments and environment of one engine (the only place agentkv writes them)."""
-    engine_args: dict[str, Any] = {
-        "model": str(model_path),
-        "dtype": resolve_dtype(dtype),
-        "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs,
-        "enforce_eager": True,  # skip torch.compile: start-up ~20 s instead of ~75 s on CPU
-        "enable_prefix_caching": prefix_caching,
-    }
-    env = {"VLLM_CPU_KVCACHE_SPACE": kv_cache_space(kv_cache_gib), **engine_env(idle_poll_ms)}
-    if cores:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cores) if list(cores) == sorted(set(cores)) else bind_order(cores)
+    """The engine arguments and environment of one engine (the only place agentkv writes them).
+
+    ``platform``: default `current_platform` (vLLM's). ``devices``: the engine's GPUs (CUDA).
+    ``memory_fraction``: its ``gpu_memory_utilization`` (CUDA; None: vLLM's). ``engine_args``: the
+    user's vLLM engine arguments, over agentkv's (checked by `check_engine_args`).
+    """
+    platform = platform or current_platform()
+    own, env = platform_engine_settings(
+        platform,
+        model_path=model_path,
+        max_model_len=max_model_len,
+        prefix_caching=prefix_caching,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        cores=cores,
+        devices=devices,
+        kv_cache_gib=kv_cache_gib,
+        idle_poll_ms=idle_poll_ms,
+        memory_fraction=memory_fraction,
+    )
     if kv_transfer is not None:
-        engine_args["kv_transfer_config"] = kv_transfer
+        own["kv_transfer_config"] = kv_transfer
     if side_channel is not None:
         host, port = side_channel
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    own.update(check_engine_args(engine_args or {}, "engine_args"))
     return EngineLaunch(
         name=name,
         model_path=model_path,
         cores=list(cores) if cores else None,
-        engine_args=engine_args,
+        engine_args=own,
         env=env,
         engine_id=kv_transfer["engine_id"] if kv_transfer else None,
         side_channel_host=side_channel[0] if side_channel else None,
         side_channel_port=side_channel[1] if side_channel else None,
+        devices=list(devices) if devices else None,
     )
 
 
@@ -241,11 +371,29 @@ def pair_engine_launch(
     side_channel_port: int,
     nixl_host: str = "127.0.0.1",
     core_table: str | None = None,
+    platform: Platform | None = None,
+    devices: PairDevices | None = None,
 ) -> EngineLaunch:
     """P's or D's engine: NIXL (P ``kv_producer``, D ``kv_consumer``), the pair's connector settings.
 
-    ``core_table``: ``"<path>:<slot>"``, the engine's slot in the host's `CoreTable` (elastic cores), or None.
+    ``core_table``: ``"<path>:<slot>"``, the engine's slot in the host's `CoreTable` (elastic cores, CPU), or
+    None. ``platform``: default `current_platform`. ``devices``: the GPUs of both engines (default:
+    `pair_devices` of the config's); where P and D share one, each takes ``SHARED_DEVICE_MEMORY_FRACTION``
+    of its memory unless its engine arguments say otherwise (the two may not ask for more than all of it).
+    The config's ``engine_args``, then the role's own, go over agentkv's settings.
     """
+    platform = platform or current_platform()
+    if devices is None:
+        devices = pair_devices(platform, config.prefill_devices, config.decode_devices)
+    memory_fraction = None
+    if devices.shared:
+        memory_fraction = SHARED_DEVICE_MEMORY_FRACTION
+        asked = {r: role_engine_args(config, r).get("gpu_memory_utilization", memory_fraction) for r in _ROLES}
+        if sum(asked.values()) > 1:
+            raise UserError(
+                f"P and D share GPU(s) {','.join(devices.shared)}: their gpu_memory_utilization "
+                f"({asked['prefill']} and {asked['decode']}) add up to more than all of its memory"
+            )
     launch = engine_launch(
         name=role,
         model_path=model_path,
@@ -256,41 +404,114 @@ def pair_engine_launch(
         kv_transfer={
             **connector_choice(config),
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_buffer_device": kv_buffer_device(),
+            "kv_buffer_device": platform.kv_buffer_device,
             "engine_id": engine_id,
             "kv_connector_extra_config": config.connector_config(),
         },
         side_channel=(nixl_host, side_channel_port),
         idle_poll_ms=config.idle_poll_ms,
         dtype=config.dtype,
+        platform=platform,
+        devices=devices.of(role),
+        memory_fraction=memory_fraction,
+        engine_args=role_engine_args(config, role),
     )
-    if core_table is not None:
+    if core_table is not None and platform.pins_cores:
         launch.env[CORE_TABLE_ENV] = core_table
     return launch
 
 
+_ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+
+def role_engine_args(config: PairConfig, role: Role) -> dict[str, Any]:
+    """The user's vLLM engine arguments of ``role``'s engine: the pair's ``engine_args``, then the role's own."""
+    own = config.prefill_engine_args if role == "prefill" else config.decode_engine_args
+    return {**config.engine_args, **own}
+
+
+OWNED_ENGINE_ARGS: dict[str, str] = {
+    "model": "use model=",
+    "kv_transfer_config": "agentkv sets the NIXL connector and each engine's role (transfer=, bidirectional=, "
+    "connector_options=)",
+    "max_model_len": "use max_model_len=",
+    "dtype": "use dtype=",
+    "enable_prefix_caching": "use prefill_prefix_cache= (D's prefix cache is always on)",
+    "disable_log_stats": "agentkv reads every request's timings from vLLM's stats",
+    "served_model_name": "agentkv's server names the model it serves",
+    "device_ids": "agentkv gives each engine its GPUs (prefill_devices=, decode_devices=)",
+}
+"""vLLM engine arguments agentkv sets itself, refused in ``engine_args`` with what to use instead. Any other
+name that mentions the connector (``connector``, ``kv_transfer``) is refused too."""
+_CONNECTOR_REASON = "agentkv sets the KV connector"
+
+
+def check_engine_args(args: Mapping[str, Any], setting: str) -> dict[str, Any]:
+    """``args`` as a dict, once every name is a vLLM engine argument agentkv does not own (`UserError` naming
+    the others). Names are checked against ``AsyncEngineArgs``'s fields where vLLM is installed."""
+    if not isinstance(args, Mapping):
+        raise UserError(f"{setting} takes a mapping of vLLM engine argument names to values, not {args!r}")
+    names = list(args)
+    if not all(isinstance(name, str) for name in names):
+        raise UserError(f"{setting}: argument names are strings (AsyncEngineArgs fields), not {names!r}")
+    if not names:
+        return {}  # (vLLM is imported only to check names)
+    owned = [name for name in names if _owned(name.replace("-", "_"))]
+    if owned:
+        reasons = "; ".join(
+            f"{name}: {OWNED_ENGINE_ARGS.get(name.replace('-', '_'), _CONNECTOR_REASON)}" for name in owned
+        )
+        raise UserError(f"{setting} may not set what agentkv owns ({reasons})")
+    known = vllm_engine_arg_names()
+    unknown = [name for name in names if name not in known] if known is not None else []
+    if known is not None and unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name.replace("-", "_"), known, n=1)
+            hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        raise UserError(f"{setting}: not vLLM engine arguments (AsyncEngineArgs fields): {', '.join(hints)}")
+    return dict(args)
+
+
+def _owned(name: str) -> bool:
+    return name in OWNED_ENGINE_ARGS or "connector" in name or "kv_transfer" in name
+
+
+@functools.cache
+def vllm_engine_arg_names() -> frozenset[str] | None:
+    """The names of vLLM's ``AsyncEngineArgs`` fields, or None where vLLM is not installed (names then pass)."""
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+    except ImportError:
+        return None
+    return frozenset(field.name for field in dataclasses.fields(AsyncEngineArgs))
+
+
 PUSH_CONNECTOR = {
     "kv_connector": "AgentKVPushConnector",
-    "kv_connector_module_path": "agentkv._engines._push_connector",
+    "kv_connector_module_path": "_agentkv_vllm._push_connector",
 }
 """agentkv's connector: vLLM 0.32's push connector refuses ``bidirectional_kv_xfer``."""
 
 
 def connector_choice(config: PairConfig) -> dict[str, str]:
-    """The ``KVTransferConfig`` fields that name the connector of ``config``'s transfer."""
+    """The ``KVTransferConfig`` fields that name the connector of ``config``'s transfer.
+
+    Push with push-back is agentkv's connector, a subclass of vLLM's: refused (`UserError`, naming the feature
+    and what vLLM lacks) where the installed vLLM lacks what it builds on. vLLM's own connectors are not probed.
+    """
     if config.transfer == "pull":
         return {"kv_connector": "NixlConnector"}
-    return dict(PUSH_CONNECTOR) if config.bidirectional else {"kv_connector": "NixlPushConnector"}
+    if not config.bidirectional:
+        return {"kv_connector": "NixlPushConnector"}
+    require_feature(PUSH_BACK, 'transfer="push" with push-back (bidirectional=True)')
+    return dict(PUSH_CONNECTOR)
 
 
 def kv_buffer_device() -> str:
     """Where NIXL registers the KV: the platform's own memory (``"cpu"`` here; ``"cuda"`` on a GPU host, where
     NIXL moves VRAM to VRAM over RDMA/EFA). vLLM's platform says which; without vLLM, ``"cpu"``."""
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return "cpu"
-    return str(current_platform.device_type) or "cpu"
+    return current_platform().kv_buffer_device
 
 
 def resolve_dtype(dtype: str) -> str:

@@ -32,7 +32,8 @@ class RemotePair(HTTPPair):
         prefill_url: P's base URL (``http://host:port``).
         decode_url: D's base URL.
         model: the model the servers serve, for its tokenizer and chat template (a bundled
-            name or a local HF folder; default: the bundled SmolLM2-135M).
+            name, a local HF folder or a Hugging Face id ``org/name[@revision]``; default: the bundled
+            SmolLM2-135M).
         push_back: forward D's handle to P (needs ``bidirectional_kv_xfer`` on the servers).
         transfer: what the servers' connector does: ``"pull"`` (vLLM's ``NixlConnector``) or ``"push"``
             (``agentkv engine --transfer push``); each step then speaks that protocol. A push pair's first step

@@ -1,7 +1,7 @@
 """agentkv's vLLM server: vLLM's own OpenAI API server, plus what a stateful client needs.
 
 Run as ``python -m agentkv._engines._server <vllm serve arguments>`` (``LaunchedPair`` and
-``agentkv engine`` build that command). It is vLLM's server unchanged, with one addition (made in ``_vllm_patches.py``):
+``agentkv engine`` build that command). It is vLLM's server unchanged, with one addition (made in ``src/_agentkv_vllm/_patches.py``):
 every ``/v1/completions`` response carries an ``agentkv`` object, and a streamed response
 ends with one more chunk (no choices) that carries it and the ``kv_transfer_params``.
 
@@ -89,9 +89,11 @@ def _extras(output: Any) -> dict[str, Any]:
 
 def main() -> None:
     """Run vLLM's OpenAI API server (arguments from ``sys.argv``) with agentkv's additions."""
-    from ._vllm import transfer_stat_logger
-    from ._vllm_patches import add_server_readouts
+    from _agentkv_vllm._patches import add_server_readouts
 
+    from ._vllm import check_vllm_version, transfer_stat_logger
+
+    check_vllm_version()
     add_server_readouts(
         extras_field=SERVER_EXTRAS_FIELD,
         extras=_extras,

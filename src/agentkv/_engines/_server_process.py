@@ -6,7 +6,9 @@ the foreground, for a pair spread over hosts).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import enum
 import json
 import logging
 import os
@@ -17,19 +19,20 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import anyio.to_thread
 import httpx
 
-from .._errors import EngineStartError
+from .._errors import EngineStartError, UserError
 from ._pair_config import EngineLaunch, Role
 from ._start_log import record_engine_start
 from ._system import descendants, kill_and_reap, repin_threads
+from ._vllm_features import warn_engine_features
 from ._watchdog import forget_pids, watch_pids
 
-__all__ = ["Role", "ServerProcess", "ServerSpec", "server_command", "server_env", "vllm_flags"]
+__all__ = ["Role", "ServerProcess", "ServerSpec", "parse_vllm_flags", "server_command", "server_env", "vllm_flags"]
 
 logger = logging.getLogger("agentkv")
 
@@ -89,17 +92,89 @@ def server_command(spec: ServerSpec) -> list[str]:
 
 
 def vllm_flags(engine_args: Mapping[str, Any]) -> list[str]:
-    """``AsyncEngineArgs`` keyword arguments as ``vllm serve`` flags (``--no-x`` for a false boolean)."""
+    """``AsyncEngineArgs`` keyword arguments as ``vllm serve`` flags (``--no-x`` for a false boolean, JSON for a
+    mapping, one word per item for a list: ``--cudagraph-capture-sizes 1 2 4``)."""
     flags: list[str] = []
     for key, value in engine_args.items():
         name = key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(f"--{name}" if value else f"--no-{name}")
-        elif isinstance(value, dict):
-            flags += [f"--{name}", json.dumps(value)]
+        elif isinstance(value, Mapping):
+            flags += [f"--{name}", json.dumps(dict(value))]
+        elif isinstance(value, list | tuple):
+            flags += [f"--{name}", *(json.dumps(item) if isinstance(item, Mapping) else str(item) for item in value)]
         else:
             flags += [f"--{name}", str(value)]
     return flags
+
+
+def parse_vllm_flags(words: Sequence[str]) -> dict[str, Any]:
+    """``vllm serve`` engine flags (``["--tensor-parallel-size", "2", "--no-enforce-eager"]``) as ``AsyncEngineArgs``
+    keyword arguments (``{"tensor_parallel_size": 2, "enforce_eager": False}``): `vllm_flags` read back.
+
+    vLLM's own parser reads them (its types, its ``--no-x`` booleans, its JSON and ``--x.key value`` forms), and
+    only the flags given are kept. A word it does not know is a `UserError`; so is a missing vLLM.
+    """
+    if not words:
+        return {}
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as exc:
+        raise UserError("vLLM's own parser reads the engine arguments after --; vLLM is not installed") from exc
+
+    class Parser(FlexibleArgumentParser):  # type: ignore[misc]  # vLLM is not type-checked here
+        def error(self, message: str) -> NoReturn:
+            raise UserError(f"the vLLM engine arguments after --: {message}")
+
+    parser = AsyncEngineArgs.add_cli_args(Parser(prog="vllm", add_help=False))
+    given: dict[str, str] = {}
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS  # the namespace holds only what was given
+        if callable(action.type):
+            action.type = _noting(action.type, action.dest, given)
+    parsed = vars(parser.parse_args(list(words)))
+    return {name: _plain(value, given.get(name)) for name, value in parsed.items()}
+
+
+def _noting(convert: Callable[[str], Any], dest: str, given: dict[str, str]) -> Callable[[str], Any]:
+    """``convert`` (an argument's type), noting the text it was given."""
+
+    def parse(text: str) -> Any:
+        given[dest] = text
+        return convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")  # argparse names it in its errors
+    return parse
+
+
+def _plain(value: Any, text: str | None) -> Any:
+    """A parsed value as plain Python that JSON writes (a launched server gets it as a flag again): enums as their
+    values; a config object vLLM built from JSON (``--compilation-config '{"mode": 3}'``) as that JSON, which
+    vLLM's engine arguments take as well."""
+    value = _without_enums(value)
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        if text is None:
+            raise UserError(
+                f"a vLLM engine argument after -- parsed to {type(value).__name__}, not plain data"
+            ) from None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+    return value
+
+
+def _without_enums(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return _without_enums(value.value)
+    if isinstance(value, Mapping):
+        return {key: _without_enums(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_without_enums(item) for item in value]
+    return value
 
 
 def server_env(spec: ServerSpec) -> dict[str, str]:
@@ -132,6 +207,7 @@ class ServerProcess:
 
     def start(self) -> None:
         """Start the process (returns at once; see `wait_ready`)."""
+        warn_engine_features(server_env(self.spec))  # here, not only in the server's log; the server inherits it
         record_engine_start(kind="server", role=self.spec.role)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:

@@ -23,20 +23,22 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
+from _agentkv_vllm._cores import CoreSlot
+from _agentkv_vllm._patches import keep_prefill_stats, stop_output_handler
+
 from .._errors import EngineDeadError, EngineError, EngineStartError
 from ._base import Sampling, StepRequest, TokenDelta
-from ._cores import CoreSlot
 from ._pair_config import EngineLaunch
 from ._start_log import record_engine_start
-from ._system import cpu_list, descendants, is_helper, kill_and_reap, repin_threads
-from ._vllm_patches import check_vllm_version, keep_prefill_stats, stop_output_handler
+from ._system import descendants, is_helper, kill_and_reap, repin_threads
+from ._vllm_features import check_vllm_version, warn_engine_features
 from ._watchdog import forget_pids, stop_watching, watch_pids
 
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["AsyncLLMRunner", "TransferLedger", "could_stop", "first_token_of_prefill"]
+__all__ = ["AsyncLLMRunner", "TransferLedger", "check_vllm_version", "could_stop", "first_token_of_prefill"]
 
 logger = logging.getLogger("agentkv")
 
@@ -98,12 +100,28 @@ class AsyncLLMRunner:
         released when the engine stops."""
         self.in_flight = 0
         """Requests sent to the engine that have not ended."""
+        self.keeps_prefill_stats = True
+        """Whether each request's prefill split is read out (False where vLLM lacks the targets: docs/vllm-patches.md)."""
 
     # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        """Start the engine (blocking, ~20 s on CPU): call it from a worker thread."""
-        check_vllm_version()
+        """Start the engine (blocking, ~20 s on CPU): call it from a worker thread.
+
+        The engine's environment (``launch.env``: its cores or its GPUs, its NIXL side-channel port, the
+        plugin's settings) is set in this process only while ``AsyncLLM`` is built, one engine at a time.
+        That is where it takes effect: building it starts vLLM's engine-core process (forked or spawned,
+        it inherits this process's environment as it is at that moment) and waits for it to be ready; the
+        engine core starts the workers (one per GPU with tensor parallelism), which inherit its environment
+        in turn. So an engine given ``CUDA_VISIBLE_DEVICES=2,3`` computes on devices 2 and 3 only (its
+        workers see them as ``cuda:0`` and ``cuda:1``), and the next engine, built after the variable is
+        restored, sees its own. The checks vLLM makes in this process while building (e.g. the
+        tensor-parallel size against the device count) see the engine's devices too: vLLM counts them
+        through NVML, cached per value of the variable, without initialising CUDA here. Were CUDA already
+        initialised in this process (by the caller), vLLM spawns its processes instead of forking them;
+        they inherit the environment all the same.
+        """
+        warn_engine_features(self.launch.env)  # an untested vLLM, a feature whose targets moved: one warning each
         record_engine_start(kind="in-process", role=self.name)
         with _START_LOCK:
             before = descendants(os.getpid())
@@ -116,9 +134,9 @@ class AsyncLLMRunner:
                 self.pids = {pid for pid in descendants(os.getpid()) - before if not is_helper(pid)}
         _RUNNING.add(self)
         watch_pids(self.pids)
-        keep_prefill_stats(self.llm, self._readouts.prefill_stats)
+        self.keeps_prefill_stats = keep_prefill_stats(self.llm, self._readouts.prefill_stats)
         self.repin()
-        logger.info("agentkv: %s engine up on cores %s (pids %s)", self.name, cpu_list(self.cores), sorted(self.pids))
+        logger.info("agentkv: %s engine up on %s (pids %s)", self.name, self.launch.where, sorted(self.pids))
 
     def _build(self) -> AsyncLLM:
         from vllm.config import KVTransferConfig
@@ -134,7 +152,7 @@ class AsyncLLMRunner:
 
     async def start_async(self, progress: Callable[[str], None]) -> None:
         """`start` in a worker thread, with a progress line before and after."""
-        progress(f"agentkv: starting the {self.name} engine on cores {cpu_list(self.cores)}")
+        progress(f"agentkv: starting the {self.name} engine on {self.launch.where}")
         started = time.perf_counter()
         await anyio.to_thread.run_sync(self.start)
         progress(f"agentkv: {self.name} engine up in {time.perf_counter() - started:.0f} s")
@@ -146,7 +164,10 @@ class AsyncLLMRunner:
             logger.warning("agentkv: %s engine processes %s had to be killed", self.name, sorted(killed))
 
     def repin(self) -> None:
-        """Keep every thread of this engine's processes on its own cores (see `repin_threads`)."""
+        """Keep every thread of this engine's processes on its own cores (see `repin_threads`); an engine
+        without cores of its own (on a GPU host) is left as vLLM placed it."""
+        if not self.cores:
+            return
         found = {child for pid in self.pids for child in descendants(pid)} - self.pids
         if found:
             self.pids |= found

@@ -56,7 +56,8 @@ class Session(EngineUser):
             opened it closes it); an unopened one (``Session(engine=LaunchedPair())``) is opened
             by the session and becomes its own: it closes with the session.
             Default: the session starts its own engine for ``mode`` and closes it on exit.
-        model: the model of the session's own engine: a bundled name or an HF folder.
+        model: the model of the session's own engine: a bundled name, a local HF folder or a Hugging Face
+            id ``org/name[@revision]`` from the HF cache (see `prepare_model`).
         mode: ``"bidirectional"`` (default: D's KV pushed back every step), ``"disaggregated"``
             (standard P/D, no push-back) or ``"colocated"`` (one engine, prefix caching).
             With ``engine=`` the default is what that engine supports.
@@ -176,7 +177,11 @@ class Session(EngineUser):
         if wanted in ("bidirectional", "auto") and not info.push_back:
             raise UserError(f"mode={wanted!r} needs an engine with push-back; this one is {info.natural_mode}")
         if wanted not in info.modes:
-            raise UserError(f"mode={wanted!r} does not fit this engine (it serves {', '.join(sorted(info.modes))})")
+            why = info.extra.get("modes_off", {}).get(wanted)  # a feature the installed vLLM cannot serve
+            raise UserError(
+                f"mode={wanted!r} does not fit this engine (it serves {', '.join(sorted(info.modes))})"
+                + (f": {why}" if why else "")
+            )
         return wanted
 
     # ----------------------------------------------------------------- reading

@@ -1,4 +1,5 @@
-"""The ``agentkv`` command: ``demo``, ``chat``, ``bench``, ``serve`` (the front door), ``engine`` (one server of a pair) and ``models``."""
+"""The ``agentkv`` command: ``demo``, ``chat``, ``bench``, ``serve`` (the front door), ``engine`` (one server of a pair),
+``smoke`` (a pair's check on this host: `agentkv._surfaces._smoke`) and ``models``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .._bench._runner import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
 from .._bench._workloads import WORKLOADS
 from .._engines import EmbeddedPair, Engine, EngineGroup, LaunchedPair, RemotePair
 from .._engines._pair_config import Transfer
+from .._engines._platforms import current_platform, split_devices_among_pairs
 from .._engines._system import split_cores_among_pairs
 from .._errors import AgentKVError, UserError
 from .._model import list_models, prepare_model
@@ -52,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="a multi-turn agent conversation on the real pair, with a stats table")
     demo.set_defaults(run=_demo)
     demo.add_argument("--mode", choices=get_args(Mode), default=None)
-    demo.add_argument("--model", default=None, help="bundled model name or HF folder (default: bundled SmolLM2)")
+    demo.add_argument("--model", default=None, help="bundled name, HF folder or org/name[@rev] (default: SmolLM2)")
     _engine_arguments(demo)
     demo.add_argument(
         "--turns", type=int, choices=range(1, len(_DEMO_TURNS) + 1), default=len(_DEMO_TURNS), help="number of turns"
@@ -99,14 +101,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--plot", default="agentkv-bench.png", help="draw the plot here ('' for none)")
 
     serve = commands.add_parser(
-        "serve", help="the front door: OpenAI's chat-completions and Responses APIs on pinned sessions (docs/serve.md)"
+        "serve",
+        help="the front door: OpenAI's chat-completions and Responses APIs on pinned sessions (docs/serve.md)",
+        usage="%(prog)s [options] [-- VLLM_ENGINE_ARGS ...]",
+        epilog=f"{_AFTER_DASHES} (for serve: of every engine it starts)",
     )
     serve.set_defaults(run=_serve)
     serve.add_argument("--mode", choices=get_args(Mode), default=None)
-    serve.add_argument("--model", default=None, help="bundled model name or HF folder (default: bundled SmolLM2)")
+    serve.add_argument("--model", default=None, help="bundled name, HF folder or org/name[@rev] (default: SmolLM2)")
     _engine_arguments(serve)
     serve.add_argument(
-        "--pairs", type=_positive_int, default=1, help="pairs behind the door, the cores split among them (default 1)"
+        "--pairs",
+        type=_positive_int,
+        default=1,
+        help="pairs behind the door, the cores (on a GPU host: the GPUs) split among them (default 1)",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this host only)")
     serve.add_argument("--port", type=int, default=8000)
@@ -129,17 +137,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     engine = commands.add_parser(
-        "engine", help="run one server of a P/D pair in the foreground (for a pair across hosts: RemotePair)"
+        "engine",
+        help="run one server of a P/D pair in the foreground (for a pair across hosts: RemotePair)",
+        usage="%(prog)s --role {prefill,decode} --nixl-host NIXL_HOST [options] [-- VLLM_ENGINE_ARGS ...]",
+        epilog=f"{_AFTER_DASHES}. On a GPU host the server runs on the GPUs CUDA_VISIBLE_DEVICES leaves it, "
+        "its tensor-parallel size their number",
     )
     engine.set_defaults(run=_engine_server)
     engine.add_argument("--role", choices=("prefill", "decode"), required=True)
-    engine.add_argument("--model", default=None, help="bundled model name or HF folder (default: bundled SmolLM2)")
+    engine.add_argument("--model", default=None, help="bundled name, HF folder or org/name[@rev] (default: SmolLM2)")
     engine.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
     engine.add_argument("--port", type=int, default=8100)
     engine.add_argument("--nixl-host", required=True, help="this host's address as the peer server reaches it")
     engine.add_argument("--nixl-port", type=int, default=5600, help="NIXL side-channel port")
     engine.add_argument(
-        "--cores", type=_cores, default=None, help="cores for the engine, e.g. 0-3,6 (default: all available)"
+        "--cores", type=_cores, default=None, help="cores for the engine, e.g. 0-3,6 (default: all available; CPU)"
     )
     engine.add_argument("--max-model-len", type=int, default=4096)
     engine.add_argument("--kv-cache-gib", type=float, default=4.0)
@@ -150,17 +162,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     engine.add_argument("--no-prefix-cache", action="store_true", help="a prefill server without its own prefix cache")
 
+    smoke = commands.add_parser(
+        "smoke",
+        help="open a pair on this host (CPU or GPUs) and check 3 turns with a tool: turns 2+ pull KV back from D",
+        usage="%(prog)s [options] [-- VLLM_ENGINE_ARGS ...]",
+        epilog=f"{_AFTER_DASHES} (for smoke: of both engines of the pair). Exit status 0 when every check "
+        "passed, 1 when one failed (the report says which). docs/gpu.md",
+    )
+    smoke.set_defaults(run=_smoke)
+    smoke.add_argument("--model", default=None, help="bundled name, HF folder or org/name[@rev] (default: SmolLM2)")
+    smoke.add_argument(
+        "--engine", choices=("embedded", "launched"), default="embedded", help="the pair in-process or as two servers"
+    )
+    smoke.add_argument("--max-model-len", type=int, default=4096)
+    smoke.add_argument("--turns", type=_smoke_turns, default=3, help="turns of the conversation, 2 or more (default 3)")
+    smoke.add_argument(
+        "--prefill-devices",
+        type=_devices,
+        default=None,
+        metavar="GPUS",
+        help="P's GPUs, e.g. 0,1 (with --decode-devices; default: the visible GPUs in two halves; "
+        "one GPU: --prefill-devices 0 --decode-devices 0)",
+    )
+    smoke.add_argument("--decode-devices", type=_devices, default=None, metavar="GPUS", help="D's GPUs, e.g. 2,3")
+
     models = commands.add_parser("models", help="list the bundled models, or prepare one")
     models.set_defaults(run=_models)
     models.add_argument("action", nargs="?", choices=("list", "prepare"), default="list")
     models.add_argument("name", nargs="?", default=None)
 
+    argv, vllm_words = _split_at_dashes(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if not args.verbose:  # vLLM's own start-up logging is long; read before vLLM is imported
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("agentkv").setLevel(logging.INFO)  # start-up progress is shown
     try:
+        args.engine_args = _engine_args_after_dashes(args.command, vllm_words)
         code: int = args.run(args)
         return code
     except UserError as exc:  # a mistake in the command line: say which, like argparse does
@@ -182,6 +220,22 @@ def _modes(text: str) -> list[str]:
             f"unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODES)}"
         )
     return modes
+
+
+def _devices(text: str) -> list[int | str]:
+    """``--prefill-devices``: ``"0,1"`` -> ``[0, 1]`` (indices of the visible GPUs); other words are device names
+    as ``CUDA_VISIBLE_DEVICES`` takes them (``GPU-<uuid>``)."""
+    words = [word.strip() for word in text.split(",") if word.strip()]
+    if not words:
+        raise argparse.ArgumentTypeError(f"{text!r} names no device")
+    return [int(word) if word.isdigit() else word for word in words]
+
+
+def _smoke_turns(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (pull-back starts at turn 2), not {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -225,23 +279,67 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_AFTER_DASHES = (
+    "Arguments after -- are vLLM engine arguments, as vllm serve takes them (e.g. -- --tensor-parallel-size 2 "
+    "--max-num-seqs 128), over agentkv's settings; those agentkv owns (the model, --kv-transfer-config, "
+    "--max-model-len, --dtype, ...) are refused"
+)
+
+
+def _split_at_dashes(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """The command line before ``--``, and the words after it (None: no ``--``)."""
+    words = list(argv)
+    if "--" not in words:
+        return words, None
+    cut = words.index("--")
+    return words[:cut], words[cut + 1 :]
+
+
+def _engine_args_after_dashes(command: str, words: list[str] | None) -> dict[str, Any]:
+    """The vLLM engine arguments given after ``--`` (``engine``, ``serve`` and ``smoke`` only), checked as
+    `PairConfig` checks its ``engine_args``."""
+    if words is None:
+        return {}
+    if command not in ("engine", "serve", "smoke"):
+        raise UserError("only agentkv engine, agentkv serve and agentkv smoke take vLLM engine arguments after --")
+    from .._engines._pair_config import check_engine_args
+    from .._engines._server_process import parse_vllm_flags
+
+    return check_engine_args(parse_vllm_flags(words), "the vLLM engine arguments after --")
+
+
 def _engine(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments of a session or pool the command line asks for (the engine opens and closes with it)."""
     pairs: int = getattr(args, "pairs", 1)
+    engine_args: dict[str, Any] = getattr(args, "engine_args", None) or {}
+    options: dict[str, Any] = {"engine_args": engine_args} if engine_args else {}
     if args.remote:
+        if engine_args:
+            raise UserError("servers given with --remote take their vLLM arguments where they start (agentkv engine)")
         remotes = [RemotePair(*urls, model=args.model, transfer=args.transfer) for urls in args.remote]
         return {"engine": remotes[0] if len(remotes) == 1 else EngineGroup(remotes)}
     kind = LaunchedPair if args.engine == "launched" else EmbeddedPair
     if pairs == 1:
-        if args.engine == "embedded" and args.transfer == "pull":
-            return {"model": args.model}  # the session's own default pair
-        return {"engine": kind(args.model, transfer=args.transfer)}
+        if args.engine == "embedded" and args.transfer == "pull":  # the session's own default pair
+            return {"model": args.model, "engine_options": options} if options else {"model": args.model}
+        return {"engine": kind(args.model, transfer=args.transfer, **options)}
     bidirectional = args.mode in (None, "bidirectional", "auto")
     engines = [
-        kind(args.model, cores=cores, bidirectional=bidirectional, transfer=args.transfer)
-        for cores in split_cores_among_pairs(pairs)
+        kind(args.model, bidirectional=bidirectional, transfer=args.transfer, **placement, **options)
+        for placement in _pair_placements(pairs)
     ]
     return {"engine": EngineGroup(engines, replace=_replacement)}
+
+
+def _pair_placements(pairs: int) -> list[dict[str, Any]]:
+    """Each of ``pairs`` pairs' share of this host: its cores, or on a GPU host its GPUs."""
+    platform = current_platform()
+    if platform.pins_cores:
+        return [{"cores": cores} for cores in split_cores_among_pairs(pairs)]
+    return [
+        {"prefill_devices": list(devices.prefill), "decode_devices": list(devices.decode)}
+        for devices in split_devices_among_pairs(pairs, platform)
+    ]
 
 
 def _replacement(dead: Engine) -> Engine:
@@ -299,6 +397,20 @@ def _serve(args: argparse.Namespace) -> int:
         )
         door.run()
     return 0
+
+
+def _smoke(args: argparse.Namespace) -> int:
+    from ._smoke import smoke_command
+
+    return smoke_command(
+        model=args.model,
+        engine=args.engine,
+        max_model_len=args.max_model_len,
+        turns=args.turns,
+        prefill_devices=args.prefill_devices,
+        decode_devices=args.decode_devices,
+        engine_args=args.engine_args,
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -421,6 +533,7 @@ def _engine_server(args: argparse.Namespace) -> int:
     import uuid
 
     from .._engines._pair_config import PairConfig, pair_engine_launch
+    from .._engines._platforms import PairDevices
     from .._engines._server_process import ServerSpec, server_command, server_env
 
     config = PairConfig(
@@ -430,7 +543,18 @@ def _engine_server(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
         pin_ttl_s=args.pin_ttl_s,
+        engine_args=args.engine_args,
     )
+    platform = current_platform()
+    devices: PairDevices | None = None
+    if not platform.pins_cores:  # a GPU host: the server's GPUs are those its environment leaves it
+        if args.cores is not None:
+            raise UserError(
+                "--cores binds the engine's threads on vLLM's CPU platform; on a GPU host choose "
+                "the server's GPUs with CUDA_VISIBLE_DEVICES"
+            )
+        mine = platform.visible_devices
+        devices = PairDevices(prefill=mine) if args.role == "prefill" else PairDevices(decode=mine)
     launch = pair_engine_launch(
         config,
         args.role,
@@ -439,6 +563,8 @@ def _engine_server(args: argparse.Namespace) -> int:
         engine_id=f"agentkv-{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}",
         side_channel_port=args.nixl_port,
         nixl_host=args.nixl_host,
+        platform=platform,
+        devices=devices,
     )
     spec = ServerSpec(role=args.role, launch=launch, host=args.host, port=args.port)
     command = server_command(spec)

@@ -36,6 +36,7 @@ from .._errors import (
     SessionClosedError,
     UserError,
 )
+from .._model import model_name as served_name
 from .._session._pool import SessionPool
 from .._session._results import StepReply
 from ._metrics import ServeMetrics
@@ -352,7 +353,8 @@ class FrontDoor:
 
     Args:
         pool: the open pool every request goes to (the door never closes it).
-        model_name: the model id clients name and ``GET /v1/models`` lists (default: the model folder's name).
+        model_name: the model id clients name and ``GET /v1/models`` lists (default: the model folder's name,
+            or the Hugging Face id, ``org/name``, of a model from the HF cache).
         api_key: when set, ``/v1`` and ``/metrics`` need ``Authorization: Bearer <key>``.
         max_request_bytes: the largest request body (413 above it).
         timeout_s: the most one request may take (504 after it; the step is cancelled and nothing is kept).
@@ -377,7 +379,7 @@ class FrontDoor:
         if not pool.is_open:
             raise UserError("open the pool first: FrontDoor(pool) serves an open SessionPool")
         settings = ServeSettings(
-            model_name=model_name or pool.engine.info.model_path.name,
+            model_name=model_name or served_name(pool.engine.info.model_path),
             api_key=api_key,
             max_request_bytes=max_request_bytes,
             timeout_s=timeout_s,

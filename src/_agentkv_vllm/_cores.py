@@ -4,9 +4,9 @@ P and D each own half the cores. In one conversation only one of them computes a
 (P prefills while D waits; D decodes while P idles), so with ``core_policy="split"`` every
 step runs on half the machine. With ``"elastic"`` each engine's thread team is bound to its
 own cores first and its partner's after them, and before each forward pass its worker (a
-patch, `agentkv._engines._vllm_patches`) uses all of them when **no other busy engine on the
+patch, `_agentkv_vllm._elastic_worker`) uses all of them when **no other busy engine on the
 host owns any of them**, its own otherwise. Two thread teams that share cores for good
-thrash (D decoded 30x slower, DESIGN.md section 4); this way they share a core for at most
+thrash (D decoded 30x slower, docs/engines.md); this way they share a core for at most
 one forward pass, the one running when the other engine got work.
 
 "Busy" is known host-wide: every engine agentkv starts in this user's processes holds a slot
@@ -14,6 +14,10 @@ in one small shared file (`CoreTable`), with its pid, its own cores and how many
 has in flight. So several pairs on the same cores (``agentkv serve --pairs 2`` on two cores,
 a notebook with two pairs, a colocated engine beside a pair) never borrow into each other's
 busy cores; a slot whose process died is ignored and reused.
+
+The table is a part of agentkv's vLLM plugin (`_agentkv_vllm`) because the workers read it: agentkv's
+engines write it (``src/agentkv/_engines/_pair.py``, ``_colocated.py``, ``_vllm.py``), and this module imports
+only the standard library.
 """
 
 from __future__ import annotations

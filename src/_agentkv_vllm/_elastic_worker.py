@@ -1,6 +1,7 @@
 """Elastic cores inside a vLLM CPU worker: its thread count follows the host's core table (`CoreTable`).
 
-Installed by `agentkv._engines._vllm_patches.install` in engines started with ``core_policy="elastic"``
+Installed by `_agentkv_vllm._patches.install` in engines started with ``core_policy="elastic"``, once the
+targets of the feature (``ELASTIC_CORES`` in `_agentkv_vllm._patches.FEATURES`) pass their probes
 (docs/vllm-patches.md section 5, docs/performance.md section 1). Before each forward pass the worker
 uses all the cores of its binding while no other busy engine owns any of them, its own otherwise. In a
 long pass (a prefill of `RECHECK_MIN_TOKENS` or more) it reads the table again before every decoder
@@ -49,6 +50,7 @@ def follow_core_table(table: str) -> None:
         )
         return execute(self, scheduler_output, *args, **kwargs)
 
+    execute_within_budget.__wrapped__ = execute  # type: ignore[attr-defined]  # a later probe sees vLLM's parameters
     CPUWorker.execute_model = execute_within_budget  # type: ignore[method-assign]
     setattr(CPUWorker, _PATCHED_MARK, table)
 
@@ -180,6 +182,8 @@ def _make_cpu_attention_replannable() -> None:
             setattr(metadata, _PLAN, (plan, dict(recorded)))
         return metadata
 
+    recording_plan.__wrapped__ = plan  # type: ignore[attr-defined]  # a later probe sees vLLM's
+    replannable_build.__wrapped__ = build  # type: ignore[attr-defined]
     _custom_ops.cpu_attn_get_scheduler_metadata = recording_plan
     cpu_attn.CPUAttentionMetadataBuilder.build = replannable_build  # type: ignore[method-assign]
 

@@ -12,7 +12,10 @@ waiting for its KV. Here D's request is tracked for sending only once it is pinn
 push or pull code, picked per request.
 
 vLLM loads this module in its engine processes (``kv_connector="AgentKVPushConnector"``,
-``kv_connector_module_path="agentkv._engines._push_connector"``); it imports nothing from agentkv.
+``kv_connector_module_path="_agentkv_vllm._push_connector"``); like the rest of `_agentkv_vllm`, it imports
+nothing from agentkv. Every vLLM name, method and attribute it builds on is a target of the feature it serves
+(``PUSH_BACK`` in `_agentkv_vllm._patches.FEATURES`): agentkv probes them before it chooses this connector and
+refuses push with push-back by name where one is missing (tests/test_vllm_patches.py checks the list is whole).
 """
 
 from __future__ import annotations

@@ -1,0 +1,86 @@
+"""The suite's own tools: the engine-start count (tests/conftest.py) and lending shared engines (tests/lending.py)."""
+
+from __future__ import annotations
+
+import json
+import unittest.mock
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import agentkv
+from agentkv import Colocated, EmbeddedPair, EngineInfo, LaunchedPair, Session, SessionPool
+from agentkv._engines._start_log import ENGINE_LOG_VARIABLE, record_engine_start
+from conftest import count_engine_starts
+from lending import lending
+
+
+def _line(role: str, *, at: float, pid: int = 1, test: str = "tests/test_a.py::t (call)") -> dict[str, Any]:
+    return {"time": at, "pid": pid, "role": role, "test": test, "kind": "in-process"}
+
+
+def test_a_pair_counts_once_a_colocated_engine_once_a_lone_server_as_a_restart() -> None:
+    lines = [
+        _line("prefill", at=0.0),
+        _line("decode", at=25.0),  # the same pair's D
+        _line("colocated", at=60.0),
+        _line("decode", at=400.0),  # a D server restarted on its own
+        _line("prefill", at=500.0, test="tests/test_b.py::u (setup)"),
+        _line("prefill", at=500.5, pid=2, test="tests/test_b.py::u (call)"),  # another process: another pair
+        _line("decode", at=501.0, test="tests/test_b.py::u (setup)"),
+        _line("decode", at=501.2, pid=2, test="tests/test_b.py::u (call)"),
+    ]
+    opened, restarted = count_engine_starts(lines)
+    assert opened == {"tests/test_a.py": 2, "tests/test_b.py": 2}
+    assert restarted == {"tests/test_a.py": 1}
+    lone_p = [_line("prefill", at=0.0), _line("prefill", at=1000.0), _line("decode", at=1001.0)]
+    assert count_engine_starts(lone_p) == ({"tests/test_a.py": 1}, {"tests/test_a.py": 1})
+
+
+def test_engine_starts_are_logged_only_where_asked(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "engines.jsonl"
+    monkeypatch.setenv(ENGINE_LOG_VARIABLE, str(log))
+    record_engine_start(kind="server", role="prefill")
+    record_engine_start(kind="server", role="decode")
+    assert [json.loads(line)["role"] for line in log.read_text().splitlines()] == ["prefill", "decode"]
+    monkeypatch.delenv(ENGINE_LOG_VARIABLE)
+    record_engine_start(kind="server", role="prefill")
+    assert len(log.read_text().splitlines()) == 2
+
+
+@pytest.fixture
+def shared() -> Iterator[dict[str, Any]]:
+    """Unopened engines standing in for the suite's running ones (lending never opens or starts them)."""
+    info = EngineInfo(model_path=Path("/nowhere"), max_model_len=2048, modes=frozenset({"bidirectional"}))
+    engines = {"pair": EmbeddedPair(), "colocated": Colocated(), "launched": LaunchedPair()}
+    with (
+        unittest.mock.patch.object(EmbeddedPair, "info", info),
+        unittest.mock.patch.object(Colocated, "info", info),
+        unittest.mock.patch.object(LaunchedPair, "info", info),
+    ):
+        yield engines
+
+
+def test_code_run_while_lending_gets_the_shared_engine_where_its_arguments_allow(shared: dict[str, Any]) -> None:
+    pair, colocated, launched = shared["pair"], shared["colocated"], shared["launched"]
+    with lending(**shared) as lender:
+        assert agentkv.EmbeddedPair() is pair and agentkv.EmbeddedPair(max_model_len=1024, warmup=False) is pair
+        assert agentkv.Colocated(max_model_len=2048) is colocated
+        assert agentkv.LaunchedPair(max_model_len=2048) is launched
+        for asks_more in ({"max_model_len": 4096}, {"transfer": "push"}, {"prefill_prefix_cache": False}):
+            real = agentkv.EmbeddedPair(**asks_more)
+            assert real is not pair and type(real) is EmbeddedPair  # a real pair of its own (unopened here)
+        assert agentkv.Session()._given_engine is pair
+        assert agentkv.Session(mode="colocated")._given_engine is colocated
+        assert agentkv.Session(engine_options={"max_model_len": 512})._given_engine is pair
+        assert agentkv.Session(engine_options={"kv_cache_gib": 4})._given_engine is None  # starts its own
+        assert agentkv.SessionPool()._given_engine is pair
+        with pair as entered, agentkv.EmbeddedPair() as borrowed:  # lifecycle calls are the owner's: no-ops
+            assert entered is pair and borrowed is pair and pair.start() is pair
+        pair.close()
+        assert pair.state.value == "unopened"
+    assert lender.lent.count("EmbeddedPair") == 6 and lender.refused[0] == "EmbeddedPair(max_model_len=4096)"
+    assert agentkv.EmbeddedPair is EmbeddedPair and agentkv.Session is Session and agentkv.SessionPool is SessionPool
+    assert type(pair) is EmbeddedPair and type(colocated) is Colocated
