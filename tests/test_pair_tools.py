@@ -30,7 +30,11 @@ def _assert_pulled_from_step_two(steps: list) -> None:  # type: ignore[type-arg]
 
 
 def test_every_step_of_a_tool_turn_pulls_back_the_step_before(pair: EmbeddedPair) -> None:
-    with Session(engine=pair, tools=[add], tool_choice="required", max_steps=3, max_tokens=48) as session:
+    # A salt of its own: the docs' snippets run the same conversation on the shared pair (README.md), and P's
+    # cache would then hold most of each step, leaving less than the recompute threshold to pull.
+    with Session(
+        engine=pair, tools=[add], tool_choice="required", max_steps=3, max_tokens=48, cache_salt="pair-tools-pull"
+    ) as session:
         result = session.run_sync("What is 1234 + 4321?")
         after = session.run_sync("Thanks. And 1 + 1?")  # the next turn continues the pinned tokens
     first = result.steps[0]

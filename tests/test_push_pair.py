@@ -19,6 +19,7 @@ from agentkv import EmbeddedPair, EngineError, Session
 from agentkv._engines import KVHandle, Sampling, StepDone, StepRequest
 from agentkv._engines._base import Mode
 from conftest import EXACT_DTYPE, PIN_TTL_S
+from test_leaks import footprint
 
 pytestmark = pytest.mark.pair
 
@@ -30,9 +31,14 @@ BLOCK = 128
 
 
 @pytest.fixture(scope="module")
-def push_pair() -> Iterator[EmbeddedPair]:
+def push_pair(pair: EmbeddedPair) -> Iterator[EmbeddedPair]:
+    """The module's push pair. Opened and closed here, it is also the landing's check that a pair opened and
+    closed leaks nothing (the nightly tier cycles three in tests/test_leaks.py): ``pair`` first, so that the
+    process-wide helpers a first pair starts (the multiprocessing resource tracker) exist before the count."""
+    before = footprint()
     with EmbeddedPair(max_model_len=2048, pin_ttl_s=PIN_TTL_S, dtype=EXACT_DTYPE, transfer="push") as engine:
         yield engine
+    assert before.growth(footprint()) == []
 
 
 def _conversation(engine: EmbeddedPair, mode: Mode, salt: str) -> list[Any]:

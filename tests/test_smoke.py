@@ -47,7 +47,7 @@ def test_the_smoke_run_on_the_real_pair_passes_and_pulls_back_from_turn_two(pair
     assert report.platform in ("cpu", "cuda") and {"prefill", "decode"} <= set(report.placement)
     unit = "cores " if report.platform == "cpu" else "GPUs "
     assert report.placement["prefill"].startswith(unit) and report.placement["decode"].startswith(unit)
-    for label in ("prefill (P): ", "decode (D): ", "ttft_s", "pulled", "computed", "agentkv smoke: passed"):
+    for label in ("prefill (P)", "decode (D)", "ttft_s", "pulled", "computed", "agentkv smoke: passed"):
         assert label in text
     assert pair.is_open and not pair.is_dead  # a shared engine stays open
 

@@ -222,4 +222,8 @@ class PairTransport:
         except TimeoutError as exc:
             raise EngineError(f"the {role} server sent nothing for {self.step_timeout_s} s") from exc
         finally:
-            await stream.close()
+            # the chunk iterator too, not only the response: a consumer that stops early (or a timeout) leaves it
+            # suspended, and the garbage collector would finalize it later, on a loop that may be gone
+            with anyio.CancelScope(shield=True):
+                await chunks.aclose()
+                await stream.close()
