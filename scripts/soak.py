@@ -43,7 +43,7 @@ kv_usage: dict[str, float] = {}
 
 def record_kv_usage() -> None:
     """Make every engine started from now on report its KV-cache usage into `kv_usage`."""
-    original = _vllm.VLLMEngine._stat_logger_factory
+    original = _vllm.AsyncLLMRunner._stat_logger_factory
 
     def factory(engine: Any) -> Any:
         base = original(engine)
@@ -56,7 +56,7 @@ def record_kv_usage() -> None:
 
         return UsageLogger
 
-    _vllm.VLLMEngine._stat_logger_factory = factory
+    _vllm.AsyncLLMRunner._stat_logger_factory = factory
 
 
 def resident_bytes() -> int:

@@ -84,3 +84,21 @@ def test_code_run_while_lending_gets_the_shared_engine_where_its_arguments_allow
     assert lender.lent.count("EmbeddedPair") == 6 and lender.refused[0] == "EmbeddedPair(max_model_len=4096)"
     assert agentkv.EmbeddedPair is EmbeddedPair and agentkv.Session is Session and agentkv.SessionPool is SessionPool
     assert type(pair) is EmbeddedPair and type(colocated) is Colocated
+
+
+def test_the_soak_script_hooks_what_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/soak.py runs only nightly: on a landing, at least what it patches in agentkv must still exist."""
+    import importlib.util
+
+    from agentkv._engines import _vllm
+
+    path = Path(__file__).parent.parent / "scripts" / "soak.py"
+    spec = importlib.util.spec_from_file_location("soak", path)
+    assert spec is not None and spec.loader is not None
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    monkeypatch.setattr(_vllm.AsyncLLMRunner, "_stat_logger_factory", _vllm.AsyncLLMRunner._stat_logger_factory)
+    original = _vllm.AsyncLLMRunner._stat_logger_factory
+    soak.record_kv_usage()  # wraps the runner's stat-logger factory (monkeypatch restores it)
+    wrapped = _vllm.AsyncLLMRunner._stat_logger_factory
+    assert wrapped is not original and "record_kv_usage" in wrapped.__qualname__

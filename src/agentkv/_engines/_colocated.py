@@ -93,42 +93,32 @@ class Colocated(Engine):
     async def _start(self) -> None:
         model_path = await prepare_model_off_loop(self._model, progress=self._progress)
         platform = current_platform()
-        if not platform.pins_cores:  # a GPU host: the visible GPUs, none of the CPU machinery
+        cores: list[int] | None = None
+        devices: tuple[str, ...] = ()
+        if platform.pins_cores:  # CPU: cores of its own, claimed in the host's core table below
+            cores = list(self._cores or available_cores())
+            where: dict[str, Any] = {"cores": cores}
+        else:  # a GPU host: the visible GPUs, none of the CPU machinery
             if self._cores is not None:
                 raise UserError("cores= binds the engine's threads on vLLM's CPU platform; this host runs CUDA")
             devices = platform.visible_devices
-            self._engine = AsyncLLMRunner(
-                engine_launch(
-                    name="colocated",
-                    model_path=model_path,
-                    cores=None,
-                    max_model_len=self._max_model_len,
-                    kv_cache_gib=self._kv_cache_gib,
-                    dtype=self._dtype,
-                    platform=platform,
-                    devices=devices,
-                    engine_args=self._engine_args,
-                )
-            )
-            await self._engine.start_async(self._progress)
-            self._know_started(model_path, {"platform": platform.kind, "devices": list(devices)})
-            return
-        cores = self._cores or available_cores()
-        self._engine = AsyncLLMRunner(
-            engine_launch(
-                name="colocated",
-                model_path=model_path,
-                cores=cores,
-                max_model_len=self._max_model_len,
-                kv_cache_gib=self._kv_cache_gib,
-                dtype=self._dtype,
-                platform=platform,
-                engine_args=self._engine_args,
-            ),
-            core_slot=CoreTable().claim(cores),  # elastic pairs on the host see it busy and keep off its cores
+            where = {"platform": platform.kind, "devices": list(devices)}
+        launch = engine_launch(
+            name="colocated",
+            model_path=model_path,
+            cores=cores,
+            max_model_len=self._max_model_len,
+            kv_cache_gib=self._kv_cache_gib,
+            dtype=self._dtype,
+            platform=platform,
+            devices=devices or None,
+            engine_args=self._engine_args,
         )
+        # elastic pairs on the host see a claimed slot busy and keep off its cores
+        core_slot = CoreTable().claim(cores) if cores is not None else None
+        self._engine = AsyncLLMRunner(launch, core_slot=core_slot)
         await self._engine.start_async(self._progress)
-        self._know_started(model_path, {"cores": cores})
+        self._know_started(model_path, where)
 
     def _know_started(self, model_path: Path, extra: dict[str, Any]) -> None:
         self._info = EngineInfo(
