@@ -22,8 +22,8 @@ from _agentkv_vllm._patches import stop_output_handler
 from agentkv import EmbeddedPair, EngineError, PairConfig, UserError
 from agentkv._engines import StepDone, StepRequest, TokenDelta
 from agentkv._engines._base import Sampling
-from agentkv._engines._pair import run_warmup_steps
 from agentkv._engines._pair_config import engine_launch
+from agentkv._engines._pair_layer import run_warmup_steps
 from agentkv._engines._vllm import AsyncLLMRunner
 from agentkv.testing import HonestPairEngine
 from test_handle import d_reply, p_reply
@@ -87,6 +87,7 @@ class FakePair(EmbeddedPair):
     async def _start(self) -> None:
         self._p, self._d = self.p, self.d
         self._info = SimpleNamespace(push_back=True)  # type: ignore[assignment]
+        self._placement_off = None  # as `_know_started` finds it on a vLLM with auto placement's targets
 
     async def _stop(self) -> None:
         pass

@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 from agentkv import EmbeddedPair, EngineDeadError, EngineError, EngineState, Session, TextDelta
-from agentkv._engines._pair import run_warmup_steps
+from agentkv._engines._pair_layer import run_warmup_steps
 from agentkv._engines._system import alive
 from agentkv._session._pinning import Pin
 from agentkv.testing import HonestPairEngine

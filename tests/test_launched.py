@@ -15,7 +15,15 @@ import pytest
 
 from agentkv import EmbeddedPair, EngineUnavailableError, LaunchedPair, RemotePair, Session, TextDelta, TurnResult
 from agentkv._engines._system import alive
-from test_pair import MAX_TOKENS, QUESTIONS, SYSTEM, _assert_invariant, _first_difference
+from test_pair import (
+    MAX_TOKENS,
+    QUESTIONS,
+    SYSTEM,
+    _assert_invariant,
+    _first_difference,
+    check_pin_budget_evicts_the_oldest,
+)
+from test_pair_placement import steps_on_d_and_p
 
 pytestmark = pytest.mark.pair
 
@@ -67,12 +75,30 @@ def test_a_remote_pair_drives_servers_it_did_not_start(launched: LaunchedPair) -
         Session(engine=remote, system=SYSTEM, max_tokens=MAX_TOKENS) as session,
     ):
         assert remote.server_kind == "agentkv" and remote.handle_in_stream is True  # probed at open
+        assert remote._capacity() == launched._capacity()  # D's size, from its /metrics
+        assert "auto" in remote.info.modes  # D's server says it can pin a step it prefills alone
         results = _run(session)
         assert remote.info.push_back
     for later in results[1:]:
         step = later.steps[0].stats
         assert step.pulled_tokens > 0 and step.miss_reason is None
         assert step.kv_bytes is None  # not exclusive: the servers' NIXL totals may include other clients'
+
+
+def test_the_launched_pair_knows_d_s_size_and_bounds_its_pins(launched: LaunchedPair) -> None:
+    """D's size comes from its server's /metrics (vLLM's cache_config_info); past the budget the oldest pin is
+    released and its conversation recomputes, as on the embedded pair (the pair layer is the same)."""
+    blocks, block_size = launched._capacity()
+    assert blocks is not None and blocks > 0 and block_size == 128  # vLLM's CPU block
+    assert launched.info.extra["decode_kv_blocks"] == blocks
+    check_pin_budget_evicts_the_oldest(launched)
+
+
+def test_a_step_on_d_alone_over_http(launched: LaunchedPair) -> None:
+    """Placed on D's server, a step reuses D's whole blocks of the pin and answers as P would; auto mode serves."""
+    assert "auto" in launched.info.modes
+    assert launched.home is not None
+    launched.home.call(steps_on_d_and_p, launched)
 
 
 def test_a_server_that_dies_mid_step_is_restarted_and_the_conversation_kept(launched: LaunchedPair) -> None:

@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from agentkv import Colocated, ContextLengthError, EmbeddedPair, InvalidMessageError, Session, StepStats, TurnResult
+from agentkv._engines._pair_layer import PairLayer
 from agentkv._engines._system import alive
 
 pytestmark = pytest.mark.pair
@@ -227,11 +228,18 @@ def test_greedy_answers_agree_across_modes(pair: EmbeddedPair, colocated: Coloca
 
 
 def test_pins_past_d_s_budget_are_released_and_their_conversations_recompute(pair: EmbeddedPair) -> None:
+    check_pin_budget_evicts_the_oldest(pair)
+
+
+def check_pin_budget_evicts_the_oldest(pair: PairLayer) -> None:
     """D's pins never fill its cache: past the budget the least recently pinned conversation is released;
-    its next step recomputes (``evicted``) and answers as a session that never pushed back."""
+    its next step recomputes (``evicted``) and answers as a session that never pushed back. The same for
+    every pair kind (the pair layer): tests/test_launched.py runs it on the launched servers."""
     budget = pair._pin_budget()
-    first, second = (Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS) for _ in range(2))
-    with first, second, Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, mode="disaggregated") as plain:
+    salt = f"budget-{time.monotonic_ns()}"
+    first, second = (Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, cache_salt=salt) for _ in range(2))
+    plain = Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, mode="disaggregated", cache_salt=salt)
+    with first, second, plain:
         answers = [first.run_sync(QUESTIONS[0])]
         budget.max_pinned_blocks = 1  # below one conversation: the next step's pin evicts every other
         try:

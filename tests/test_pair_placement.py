@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from agentkv import EmbeddedPair, Session
-from agentkv._engines import KVHandle, Placement, Sampling, StepDone, StepRequest, TokenDelta
+from agentkv._engines import Engine, KVHandle, Placement, Sampling, StepDone, StepRequest, TokenDelta
 
 pytestmark = pytest.mark.pair
 
@@ -24,7 +24,7 @@ BLOCK = 128  # vLLM's CPU block size
 
 
 async def _step(
-    pair: EmbeddedPair, prompt: Sequence[int], handle: KVHandle | None, placement: Placement, salt: str
+    pair: Engine, prompt: Sequence[int], handle: KVHandle | None, placement: Placement, salt: str
 ) -> tuple[StepDone, list[int]]:
     request = StepRequest(
         request_id=f"test-{uuid.uuid4().hex}",
@@ -67,10 +67,12 @@ def test_a_step_on_d_alone_matches_p_and_pins_the_longer_conversation(pair: Embe
     """Placed on D, a step reuses D's whole blocks of the pin, computes the rest, answers as P would, and
     returns a handle that the next step (on P) pulls from."""
     assert pair.home is not None
-    pair.home.call(_steps_on_d_and_p, pair)
+    pair.home.call(steps_on_d_and_p, pair)
 
 
-async def _steps_on_d_and_p(pair: EmbeddedPair) -> None:
+async def steps_on_d_and_p(pair: Engine) -> None:
+    """A step on D alone, the same prompt on P for reference, and a step on P that pulls what D pinned; every pin
+    released at the end. For any pair kind (tests/test_launched.py runs it on the launched servers)."""
     base_prompt = [1] + [(i * 7919) % 20000 + 100 for i in range(300)]
     first, _ = await _step(pair, base_prompt, None, "prefill", "on-d")
     assert first.handle is not None
@@ -93,7 +95,8 @@ async def _steps_on_d_and_p(pair: EmbeddedPair) -> None:
     assert after.handle is not None and reference.handle is not None
     await pair.release(after.handle)
     await pair.release(reference.handle)
-    assert await _d_holds_no_block(pair)  # every pin freed: the steps on D included
+    if isinstance(pair, EmbeddedPair):
+        assert await _d_holds_no_block(pair)  # every pin freed: the steps on D included
 
 
 async def _d_holds_no_block(pair: EmbeddedPair) -> bool:

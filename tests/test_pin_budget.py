@@ -97,3 +97,24 @@ def test_max_pinned_blocks_caps_the_pins_with_the_step_to_come() -> None:
 def test_nothing_to_evict_is_not_an_error() -> None:
     budget = PinBudget(2, 128)
     assert budget.reserve("s", tokens=10 * 128, reused=None) == []  # bigger than D: vLLM itself refuses it
+
+
+def test_a_pin_expires_at_its_deadline_in_this_process_s_clock() -> None:
+    """An HTTP pair's D may be another host: its handle's expiry is in D's clock, the step's deadline in ours."""
+    budget = PinBudget(10, 128)
+    far_in_d_s_clock = handle("a", [1, 2], ttl_s=600)
+    budget.pinned(far_in_d_s_clock, deadline=time.perf_counter() - 1)  # already past here
+    assert budget.pinned_blocks == 0 and budget.deadline(far_in_d_s_clock) is None
+    kept = handle("b", [3])
+    budget.pinned(kept)
+    assert budget.deadline(kept) == kept.remote_blocks_expiry_time  # D shares this host's clock
+
+
+def test_a_d_of_unknown_size_is_bounded_by_the_cap_alone() -> None:
+    """A decode server that publishes no cache size: no reservation can overflow it, the cap still holds."""
+    budget = PinBudget(None, 16)
+    budget.pinned(handle("a", [1, 2, 3]))
+    assert budget.reserve("s", tokens=10_000 * 16, reused=None) == []
+    budget.finished("s")
+    budget.max_pinned_blocks = 4
+    assert names(budget.reserve("t", tokens=2 * 16, reused=None)) == ["a"]  # 3 pinned + 2 new > 4

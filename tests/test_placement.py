@@ -17,7 +17,6 @@ import pydantic
 import pytest
 
 from agentkv import (
-    EmbeddedPair,
     KVHandle,
     Mode,
     Sampling,
@@ -30,6 +29,7 @@ from agentkv import (
 )
 from agentkv._engines import Placement
 from agentkv._engines._base import pair_modes
+from agentkv._engines._pair_layer import PairLayer
 from agentkv._engines._placement import PlacementChoice, PlacementCosts
 from agentkv._engines._vllm import first_token_of_prefill
 from agentkv._session._pinning import miss_after_step
@@ -145,14 +145,43 @@ def _handle(tokens: int) -> KVHandle:
     )
 
 
+class _PlacingPair(PairLayer):
+    """The pair layer (every pair kind's placement) over stand-in engines: what it reads of them is the requests
+    in flight on P and D and D's block size. Scripted: it runs no step."""
+
+    def __init__(self) -> None:
+        super().__init__(max_pinned_blocks=None)
+        self._placement_off = None
+        self.in_flight = SimpleNamespace(p=0, d=0)
+
+    def _capacity(self) -> tuple[int | None, int]:
+        return 1000, BLOCK
+
+    def _requests_in_flight(self) -> tuple[int, int]:
+        return self.in_flight.p, self.in_flight.d
+
+    @property
+    def info(self) -> Any:
+        raise NotImplementedError
+
+    def step(self, request: StepRequest) -> Any:
+        raise NotImplementedError
+
+    _step_via_prefill = _step_on_decode = step  # type: ignore[assignment]
+
+    async def _send_release(self, handle: KVHandle) -> None:
+        raise NotImplementedError
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+    async def _stop(self) -> None:
+        raise NotImplementedError
+
+
 @pytest.fixture
 def unstarted_pair() -> Any:
-    return EmbeddedPair(warmup=False)
-
-
-def _runners() -> tuple[Any, Any]:
-    """Stand-ins for P's and D's runners: what placement reads of them (requests in flight, D's block size)."""
-    return SimpleNamespace(in_flight=0), SimpleNamespace(in_flight=0, block_size=BLOCK)
+    return _PlacingPair()
 
 
 def _request(placement: Placement, *, handle: KVHandle | None, prompt: int = 300) -> StepRequest:
@@ -162,34 +191,32 @@ def _request(placement: Placement, *, handle: KVHandle | None, prompt: int = 300
 
 
 def test_the_pair_places_as_asked_and_auto_only_with_a_pin(unstarted_pair: Any) -> None:
-    p, d = _runners()
-    assert unstarted_pair._place(_request("prefill", handle=_handle(256)), p, d).engine == "prefill"
-    assert unstarted_pair._place(_request("decode", handle=_handle(256)), p, d) == PlacementChoice("decode", "asked")
+    assert unstarted_pair._place(_request("prefill", handle=_handle(256))).engine == "prefill"
+    assert unstarted_pair._place(_request("decode", handle=_handle(256))) == PlacementChoice("decode", "asked")
     placements: tuple[Placement, ...] = ("auto", "decode")
     for placement in placements:  # nothing pinned on D to extend: P, whatever was asked
-        choice = unstarted_pair._place(_request(placement, handle=None), p, d)
+        choice = unstarted_pair._place(_request(placement, handle=None))
         assert choice == PlacementChoice("prefill", "no pin to extend on D")
 
 
 def test_the_pair_passes_what_is_in_flight_to_its_choice(unstarted_pair: Any) -> None:
-    p, d = _runners()
+    in_flight = unstarted_pair.in_flight
     request = _request("auto", handle=_handle(256), prompt=300)
     unstarted_pair.costs = PlacementCosts(fixed_s={"prefill": 0.0, "decode": 5.0})
-    assert unstarted_pair._place(request, p, d).engine == "prefill"  # estimated
-    p.in_flight = 1
-    choice = unstarted_pair._place(request, p, d)
+    assert unstarted_pair._place(request).engine == "prefill"  # estimated
+    in_flight.p = 1
+    choice = unstarted_pair._place(request)
     assert choice.engine == "decode" and "P busy (1 in flight)" in choice.reason
-    d.in_flight = 1
-    assert unstarted_pair._place(request, p, d).engine == "prefill"  # D busy wins over P busy
+    in_flight.d = 1
+    assert unstarted_pair._place(request).engine == "prefill"  # D busy wins over P busy
 
 
 def test_auto_never_places_a_second_step_on_d_beside_one_not_finished(unstarted_pair: Any) -> None:
-    p, d = _runners()
     request = _request("auto", handle=_handle(256), prompt=300)
     unstarted_pair.costs = PlacementCosts(fixed_s={"prefill": 5.0, "decode": 0.0})
-    assert unstarted_pair._place(request, p, d).engine == "decode"
+    assert unstarted_pair._place(request).engine == "decode"
     unstarted_pair._steps_on_decode = 1  # chosen, its request not yet on D
-    choice = unstarted_pair._place(request, p, d)
+    choice = unstarted_pair._place(request)
     assert choice.engine == "prefill" and "D busy (1 in flight)" in choice.reason
 
 

@@ -76,8 +76,7 @@ def test_a_pair_config_refuses_settings_that_cannot_work() -> None:
     with pytest.raises(UserError, match="unknown pair setting"):
         PairConfig.of(pin_ttl=60)
     assert PairConfig.of(PairConfig(pin_ttl_s=60), warmup=False) == PairConfig(pin_ttl_s=60, warmup=False)
-    with pytest.raises(UserError, match="max_pinned_blocks bounds an EmbeddedPair"):
-        LaunchedPair(max_pinned_blocks=100)  # its D is a server: its pins end at their expiry
+    assert LaunchedPair(max_pinned_blocks=100)._max_pinned_blocks == 100  # every pair kind bounds D's pins
 
 
 def test_one_function_writes_each_engines_vllm_settings(tmp_path: Path) -> None:

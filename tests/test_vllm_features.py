@@ -90,8 +90,8 @@ def test_without_auto_placement_a_pair_serves_no_auto_mode_and_says_why(missing:
         return StepRequest(request_id="r", prompt_token_ids=[1, 2], sampling=Sampling(), placement=placement)
 
     with pytest.raises(UserError, match="auto placement"):
-        pair._place(step("decode"), None, None)  # type: ignore[arg-type]
-    assert pair._place(step("auto"), None, None).engine == "prefill"  # type: ignore[arg-type]
+        pair._place(step("decode"))
+    assert pair._place(step("auto")).engine == "prefill"
 
 
 @pytest.mark.anyio

@@ -15,8 +15,8 @@ from _agentkv_vllm._cores import CoreTable
 from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
 from .._model import prepare_model_off_loop
 from ._base import Engine, EngineInfo, StepDone, StepEvent, StepRequest, StepTimings
-from ._pair import run_warmup_steps
 from ._pair_config import check_engine_args, engine_launch
+from ._pair_layer import run_warmup_steps
 from ._platforms import current_platform
 from ._system import available_cores
 from ._vllm import AsyncLLMRunner, DecodeStream, engine_seconds, vllm_sampling

@@ -21,7 +21,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,6 @@ from typing import Any
 from .._errors import EngineError, EngineUnavailableError, SessionClosedError, UserError
 from .._model import prepare_model_off_loop
 from ._base import (
-    Engine,
     EngineInfo,
     Sampling,
     StepDone,
@@ -41,7 +40,7 @@ from ._base import (
     prompt_split,
 )
 from ._handle import KVHandle, PushSource, parse_handle, parse_prefill_result, prefill_params, release_params
-from ._http_capabilities import ServerCapabilities, ServerKind, probe_servers
+from ._http_capabilities import DecodeCapacity, ServerCapabilities, ServerKind, decode_capacity, probe_servers
 from ._http_transport import (
     PairTransport,
     Role,
@@ -52,14 +51,14 @@ from ._http_transport import (
     translated,
 )
 from ._pair_config import Transfer
+from ._pair_layer import ON_DECODE_PARAMS, PairLayer
+from ._placement import PlacementChoice
 from ._push import PushedStep
 
 __all__ = ["HTTPPair", "stock_decode_streaming_error"]
 
 logger = logging.getLogger("agentkv")
 
-_RELEASE_MARGIN_S = 10.0
-"""A pin closer than this to its expiry is left to expire (P declines reads within 5 s of it)."""
 _RELEASE_MAX_TOKENS = 64
 """Far more than P runs before the client's disconnect aborts the request (a finished one keeps its block leased)."""
 
@@ -90,10 +89,12 @@ def stock_decode_streaming_error(decode_url: str) -> UserError:
     )
 
 
-class HTTPPair(Engine):
+class HTTPPair(PairLayer):
     """A P/D pair of vLLM OpenAI API servers, driven with the ``openai`` client.
 
-    Subclasses give the servers' URLs: their `_start` calls `_open_servers`. The rest is shared.
+    Subclasses give the servers' URLs: their `_start` calls `_open_servers`. The rest is shared, and the
+    pin budget, placement and pin release are every pair's (`PairLayer`): D's size comes from its
+    ``/metrics``, and a step goes to D alone only when D's server says it can pin one (agentkv's server).
     """
 
     _agentkv_servers = False
@@ -112,8 +113,9 @@ class HTTPPair(Engine):
         decode_streaming: bool = True,
         exclusive: bool = False,
         transfer: Transfer = "pull",
+        max_pinned_blocks: int | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(max_pinned_blocks=max_pinned_blocks)
         if attempts < 1:
             raise UserError("attempts must be at least 1")
         self._model = model
@@ -135,6 +137,11 @@ class HTTPPair(Engine):
         """P's NIXL engine id, host and side-channel port, which D needs to register for a push."""
         self._retired_engines: set[str] = set()
         """Engine ids of servers that are gone: their handles are dropped, never sent to P."""
+        self._decode_capacity = DecodeCapacity(None, 16)
+        self._busy: dict[Role, int] = {"prefill": 0, "decode": 0}
+        """This pair's requests in flight on each server (what placement compares)."""
+        self._alone_from: dict[str, int | None] = {}
+        """Per step in flight: the step count when it started alone (see `step`), for NIXL differences."""
 
     # ----------------------------------------------------------------- what it is
 
@@ -201,16 +208,21 @@ class HTTPPair(Engine):
                 prefill_url,
             )
         self._capabilities = capabilities
+        self._decode_capacity = await decode_capacity(decode_url)
+        self._placement_off = capabilities.placement_off if self._transfer == "pull" else "a push pair"
+        if not self._wants_push_back:
+            self._placement_off = "the pair runs without push-back"
         self._info = EngineInfo(
             model_path=model_path,
             max_model_len=capabilities.max_model_len,
-            modes=pair_modes(push_back=self._wants_push_back),
+            modes=pair_modes(push_back=self._wants_push_back, placement=self._placement_off is None),
             extra={
                 "transport": kind,
                 "prefill_url": prefill_url,
                 "decode_url": decode_url,
                 "server_kind": capabilities.server_kind,
                 "transfer": self._transfer,
+                "decode_kv_blocks": self._decode_capacity.blocks,
             },
         )
 
@@ -225,26 +237,35 @@ class HTTPPair(Engine):
     async def _warm_up(self) -> None:
         if self._warmup:
             self._progress("agentkv: warming up the servers (kernels, NIXL handshakes)")
-            from ._pair import run_warmup_steps
-
-            await run_warmup_steps(self, push_back=self.info.push_back)
+            await self._calibrate()
 
     async def _stop(self) -> None:
         await self._transport.close()
 
     # ----------------------------------------------------------------- pins
 
-    async def release(self, handle: KVHandle) -> None:
-        """Have D free the blocks ``handle`` pins now (see `EmbeddedPair.release`): P reads none of them.
+    def _capacity(self) -> tuple[int | None, int]:
+        return self._decode_capacity.blocks, self._decode_capacity.block_size
 
-        P gets a one-token prompt with the handle and ``remote_num_tokens=0``, streamed; the
-        stream is closed after its first chunk, which aborts the request on P so that P keeps
-        no block leased for a D that never comes. Best effort: a failure is logged, the pin expires.
-        """
-        if not self.is_open or not self.info.push_back or handle.remote_engine_id in self._retired_engines:
+    def _requests_in_flight(self) -> tuple[int, int]:
+        return self._busy["prefill"], self._busy["decode"]
+
+    def _transfer_is_push(self) -> bool:
+        return self._transfer == "push"
+
+    @contextlib.contextmanager
+    def _on(self, role: Role) -> Iterator[None]:
+        self._busy[role] += 1
+        try:
+            yield
+        finally:
+            self._busy[role] -= 1
+
+    async def _send_release(self, handle: KVHandle) -> None:
+        """P's one-token request with ``handle`` (see `PairLayer.release`), streamed and closed after its first
+        chunk, which aborts the request on P so that P keeps no block leased for a D that never comes."""
+        if handle.remote_engine_id in self._retired_engines:
             return
-        if time.perf_counter() + _RELEASE_MARGIN_S >= handle.remote_blocks_expiry_time:
-            return  # a same-host clock is the only one this can check; another host's pin may just expire
         assert self._capabilities is not None
         body = completion_body(
             model=self._capabilities.served_model,
@@ -254,12 +275,9 @@ class HTTPPair(Engine):
             kv_transfer_params=release_params(handle),
         )
         body["extra_body"]["ignore_eos"] = True
-        try:
-            async with contextlib.aclosing(self._transport.stream("prefill", body)) as chunks:
-                async for _ in chunks:
-                    break  # P has notified D before its first token
-        except Exception as exc:  # best effort: a pin that is not released expires on D
-            logger.debug("agentkv: releasing a pin failed: %s", exc)
+        async with contextlib.aclosing(self._transport.stream("prefill", body)) as chunks:
+            async for _ in chunks:
+                break  # P has notified D before its first token
 
     # ----------------------------------------------------------------- one step
 
@@ -277,10 +295,11 @@ class HTTPPair(Engine):
         await self._before_step()
         self._in_flight += 1
         self._started_steps += 1
-        alone_from = self._started_steps if self._in_flight == 1 else None
+        self._alone_from[request.request_id] = self._started_steps if self._in_flight == 1 else None
         try:
-            async for event in self._step(request, alone_from):
-                yield event
+            async with contextlib.aclosing(self._pinned_step(request)) as events:
+                async for event in events:
+                    yield event
         except EngineUnavailableError as exc:
             gone = await self._server_gone()
             if gone is None:
@@ -288,9 +307,11 @@ class HTTPPair(Engine):
             raise EngineUnavailableError(f"{gone}; the conversation is kept, and the next step restarts it") from exc
         finally:
             self._in_flight -= 1
+            self._alone_from.pop(request.request_id, None)
 
-    async def _step(self, request: StepRequest, alone_from: int | None) -> AsyncIterator[StepEvent]:
-        started = time.perf_counter()
+    async def _step_via_prefill(
+        self, request: StepRequest, started: float, choice: PlacementChoice
+    ) -> AsyncGenerator[StepEvent, None]:
         pushed: PushedStep[tuple[Any, ServerReply | None], tuple[ServerReply, bool]] | None = None
         if self._transfer == "push":
             pushed = await self._pushed_halves(request)
@@ -302,50 +323,63 @@ class HTTPPair(Engine):
                 request, max_tokens=request.sampling.max_tokens, kv_transfer_params=handoff.as_decode_params()
             )
             outputs = self._decode(body)
-        token_ids: list[int] = []
-        texts: list[str] = []
-        first_token_at: float | None = None
-        finish_reason: str | None = None
-        d_reply = ServerReply()
-        async for choice, reply in outputs:
-            if reply is not None:
-                d_reply = reply
-                continue
-            ids = list(getattr(choice, "token_ids", None) or [])
-            if choice.text and not ids:  # the history is token ids: text alone would break the exact-prefix rule
-                raise EngineError("the decode server returned text without token ids (it needs `return_token_ids`)")
-            if ids and first_token_at is None:
-                first_token_at = time.perf_counter()
-            token_ids.extend(ids)
-            texts.append(choice.text)
-            finish_reason = choice.finish_reason or finish_reason
-            if ids or choice.text:
-                yield TokenDelta(token_ids=ids, text=choice.text)
+        answer = _Answer()
+        async for delta in answer.collect(outputs):
+            yield delta
         if pushed is not None:
             p_reply, declined = pushed.prefill_result
-        if finish_reason not in ("stop", "length"):
-            raise EngineError(f"the decode server ended the step with {finish_reason!r}")
+        yield self._done(request, answer, started, choice, prefill=p_reply, declined=declined)
+
+    async def _step_on_decode(
+        self, request: StepRequest, started: float, choice: PlacementChoice
+    ) -> AsyncGenerator[StepEvent, None]:
+        """The whole step on D's server: its cache holds the pin's whole blocks; it computes the rest and pins."""
+        body = self._body(request, max_tokens=request.sampling.max_tokens, kv_transfer_params=ON_DECODE_PARAMS)
+        answer = _Answer()
+        async for delta in answer.collect(self._decode(body)):
+            yield delta
+        yield self._done(request, answer, started, choice, prefill=None, declined=False)
+
+    def _done(
+        self,
+        request: StepRequest,
+        answer: _Answer,
+        started: float,
+        choice: PlacementChoice,
+        *,
+        prefill: ServerReply | None,
+        declined: bool,
+    ) -> StepDone:
+        """The step's end from D's reply and P's (``prefill`` None: the step ran on D alone)."""
+        if answer.finish_reason not in ("stop", "length"):
+            raise EngineError(f"the decode server ended the step with {answer.finish_reason!r}")
+        d_reply = answer.reply
         handle, handle_error = parse_handle(d_reply.kv_transfer_params) if self.info.push_back else (None, None)
-        p_moved, d_moved = self._baseline.advance("prefill", p_reply), self._baseline.advance("decode", d_reply)
+        computed_on = prefill or d_reply  # the reply of the server that prefilled the prompt
+        p_moved = self._baseline.advance("prefill", prefill) if prefill is not None else dict(_NOTHING_MOVED)
+        d_moved = self._baseline.advance("decode", d_reply)
+        alone_from = self._alone_from.get(request.request_id)
         alone = alone_from is not None and alone_from == self._started_steps and self._exclusive
-        yield StepDone(
-            token_ids=token_ids,
-            text="".join(texts),
-            finish_reason=finish_reason,
+        return StepDone(
+            token_ids=answer.token_ids,
+            text="".join(answer.texts),
+            finish_reason=answer.finish_reason,
             handle=handle,
             handle_deadline=_local_deadline(handle, d_reply),
             handle_error=handle_error,
             timings=StepTimings(
-                ttft_s=(first_token_at or time.perf_counter()) - started,
-                prefill_s=p_reply.seconds("prefill"),
-                kv_wait_s=(p_reply.seconds("wait") or 0.0) + (d_reply.seconds("wait") or 0.0),
+                ttft_s=(answer.first_token_at or time.perf_counter()) - started,
+                prefill_s=computed_on.seconds("prefill"),
+                kv_wait_s=sum(reply.seconds("wait") or 0.0 for reply in (prefill, d_reply) if reply is not None),
                 decode_s=d_reply.seconds("decode"),
-                handoff_tokens=(d_reply.split() or (0, 0))[1],
+                handoff_tokens=(d_reply.split() or (0, 0))[1] if prefill is not None else 0,
                 pullback_declined=declined or bool(alone and p_moved and p_moved["expired"] > 0),
+                prefill_engine="prefill" if prefill is not None else "decode",
+                placement_reason=choice.reason,
                 **_moved(p_moved, d_moved, alone=alone),
                 # a stock server reports one cached count: local and pulled cannot be told apart (warned at open)
                 **prompt_split(
-                    len(request.prompt_token_ids), split=p_reply.split(), cached_tokens=p_reply.cached_tokens
+                    len(request.prompt_token_ids), split=computed_on.split(), cached_tokens=computed_on.cached_tokens
                 ),
             ),
         )
@@ -394,31 +428,41 @@ class HTTPPair(Engine):
             async for attempt in retrying(attempts=self._transport.attempts, role="prefill"):
                 with attempt:
                     try:
-                        _, reply = await self._transport.complete(
-                            "prefill",
-                            self._body(
-                                request,
-                                max_tokens=1,
-                                kv_transfer_params=prefill_params(handle),
-                                request_id=request_id,
-                            ),
-                        )
+                        with self._on("prefill"):
+                            _, reply = await self._transport.complete(
+                                "prefill",
+                                self._body(
+                                    request,
+                                    max_tokens=1,
+                                    kv_transfer_params=prefill_params(handle),
+                                    request_id=request_id,
+                                ),
+                            )
                     except Exception as exc:
                         if handle is not None and not never_arrived(exc):
                             handle, dropped = None, True  # it may have been read: never send it twice
                         raise
             if reply.kv_transfer_params is None and handle is not None:  # P could not read D's blocks
                 dropped = True
-                _, reply = await self._transport.complete(
-                    "prefill",
-                    self._body(request, max_tokens=1, kv_transfer_params=prefill_params(None), request_id=request_id),
-                )
+                with self._on("prefill"):
+                    _, reply = await self._transport.complete(
+                        "prefill",
+                        self._body(
+                            request, max_tokens=1, kv_transfer_params=prefill_params(None), request_id=request_id
+                        ),
+                    )
         if reply.kv_transfer_params is None:
             raise EngineError("the prefill server returned no kv_transfer_params (is it a kv_producer with NIXL?)")
         return reply, dropped
 
     async def _decode(self, body: dict[str, Any]) -> AsyncGenerator[tuple[Any, ServerReply | None], None]:
         """D's output: ``(choice, None)`` per chunk, then ``(None, reply)`` with the handle when sent."""
+        with self._on("decode"):
+            async with contextlib.aclosing(self._decode_replies(body)) as replies:
+                async for item in replies:
+                    yield item
+
+    async def _decode_replies(self, body: dict[str, Any]) -> AsyncGenerator[tuple[Any, ServerReply | None], None]:
         if self._decode_streaming:
             async with contextlib.aclosing(self._transport.stream("decode", body)) as chunks:
                 async for item in chunks:
@@ -449,6 +493,36 @@ class HTTPPair(Engine):
         if request_id is not None:
             body["extra_headers"] = {"X-Request-Id": request_id}
         return body
+
+
+@dataclass
+class _Answer:
+    """D's answer as it streams: tokens, texts, the finish reason, and D's last reply (its handle)."""
+
+    token_ids: list[int] = field(default_factory=list[int])
+    texts: list[str] = field(default_factory=list[str])
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    reply: ServerReply = field(default_factory=ServerReply)
+
+    async def collect(self, outputs: AsyncIterator[tuple[Any, ServerReply | None]]) -> AsyncIterator[TokenDelta]:
+        async for choice, reply in outputs:
+            if reply is not None:
+                self.reply = reply
+                continue
+            ids = list(getattr(choice, "token_ids", None) or [])
+            if choice.text and not ids:  # the history is token ids: text alone would break the exact-prefix rule
+                raise EngineError("the decode server returned text without token ids (it needs `return_token_ids`)")
+            if ids and self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self.token_ids.extend(ids)
+            self.texts.append(choice.text)
+            self.finish_reason = choice.finish_reason or self.finish_reason
+            if ids or choice.text:
+                yield TokenDelta(token_ids=ids, text=choice.text)
+
+
+_NOTHING_MOVED = {"bytes": 0.0, "seconds": 0.0, "expired": 0.0}
 
 
 async def _ready(value: Any) -> Any:

@@ -5,19 +5,30 @@ any KV): a non-streamed one to P and a streamed one to D. agentkv's server (``ag
 serve``, `LaunchedPair`'s) adds an ``agentkv`` object to every completion and ends every
 stream with a chunk that holds it and D's handle; a stock vLLM 0.32 server does neither.
 The answers decide, before the first user step and for the pair's whole life, what the
-pair does: the engine never changes them mid-session.
+pair does: the engine never changes them mid-session. D's size (its KV blocks, for the pin
+budget) comes from its ``/metrics``: vLLM publishes its cache configuration there as
+``vllm:cache_config_info`` (stock and agentkv servers alike, unless started with
+``--disable-log-stats``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from _agentkv_vllm._patches import AUTO_PLACEMENT
 
 from .._errors import EngineError
 from ._base import Sampling
 from ._http_transport import PairTransport, Role, completion_body, retrying, translated
 
-__all__ = ["ServerCapabilities", "ServerKind", "probe_servers"]
+__all__ = ["DecodeCapacity", "ServerCapabilities", "ServerKind", "decode_capacity", "parse_capacity", "probe_servers"]
+
+logger = logging.getLogger("agentkv")
 
 ServerKind = Literal["agentkv", "vllm"]
 
@@ -35,6 +46,8 @@ class ServerCapabilities:
     """D's streamed responses end with its KV handle (agentkv's server: yes; stock vLLM 0.32: no)."""
     served_model: str
     max_model_len: int
+    placement_off: str | None = "not probed"
+    """Why D cannot take a step alone (see ``_server.py``'s ``features_off``); None: it can."""
 
     @property
     def server_kind(self) -> ServerKind:
@@ -62,6 +75,7 @@ async def probe_servers(transport: PairTransport, models: list[Any], *, attempts
     d_kind: ServerKind = "vllm"
     handle_in_stream = False
     token_ids = False
+    d_extras: Any = None
     with translated("decode"):
         async for attempt in retrying(attempts=attempts, role="decode"):
             with attempt:
@@ -71,11 +85,17 @@ async def probe_servers(transport: PairTransport, models: list[Any], *, attempts
                     elif reply is not None:
                         handle_in_stream = True
                         d_kind = "agentkv" if reply.extras is not None else d_kind
+                        d_extras = reply.extras
     if not token_ids:
         raise EngineError("the decode server streams no token ids: it needs vLLM 0.32's `return_token_ids`")
+    placement_off = "the decode server is a stock vLLM server"
+    if d_kind == "agentkv":
+        off = d_extras.get("features_off") if isinstance(d_extras, dict) else None
+        placement_off = "the decode server does not say" if off is None else off.get(AUTO_PLACEMENT)
     return ServerCapabilities(
         prefill_kind="agentkv" if p_reply.extras is not None else "vllm",
         decode_kind=d_kind,
+        placement_off=placement_off,
         handle_in_stream=handle_in_stream,
         served_model=served_model,
         max_model_len=min(lengths) if lengths else 4096,
@@ -88,3 +108,51 @@ async def _with_retries(transport: PairTransport, role: Role, body: dict[str, An
             with attempt:
                 return await transport.complete(role, body)
     raise AssertionError("unreachable: tenacity re-raises the last error")
+
+
+@dataclass(frozen=True)
+class DecodeCapacity:
+    """D's KV cache: its blocks (None: not published) and tokens per block."""
+
+    blocks: int | None
+    block_size: int
+
+
+UNKNOWN_BLOCK_SIZE = 16
+"""vLLM's default block size on GPUs, assumed when D publishes no cache configuration."""
+
+
+def parse_capacity(metrics_text: str) -> DecodeCapacity | None:
+    """D's capacity from a vLLM server's Prometheus text: the smallest engine's ``num_gpu_blocks`` (a request
+    runs on one engine) and its ``block_size``; None when the text has no ``vllm:cache_config_info``."""
+    found: list[DecodeCapacity] = []
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != "vllm:cache_config_info":
+            continue
+        for sample in family.samples:
+            blocks, size = sample.labels.get("num_gpu_blocks", ""), sample.labels.get("block_size", "")
+            if blocks.isdigit() and size.isdigit():
+                found.append(DecodeCapacity(int(blocks), int(size)))
+    return min(found, key=lambda capacity: capacity.blocks or 0) if found else None
+
+
+async def decode_capacity(decode_url: str, *, timeout_s: float = 10.0) -> DecodeCapacity:
+    """Ask D's server for its size (``GET /metrics``); unknown, with one warning, when it does not say."""
+    root = decode_url.rstrip("/").removesuffix("/v1")
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            response = await client.get(f"{root}/metrics")
+            response.raise_for_status()
+        capacity = parse_capacity(response.text)
+    except (httpx.HTTPError, ValueError) as exc:
+        logger.debug("agentkv: reading %s/metrics failed: %s", root, exc)
+        capacity = None
+    if capacity is None:
+        logger.warning(
+            "agentkv: the decode server at %s publishes no vllm:cache_config_info on /metrics (started with "
+            "--disable-log-stats?): its pins are bounded only by max_pinned_blocks, counted in blocks of %d tokens",
+            decode_url,
+            UNKNOWN_BLOCK_SIZE,
+        )
+        return DecodeCapacity(None, UNKNOWN_BLOCK_SIZE)
+    return capacity

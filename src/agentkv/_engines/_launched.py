@@ -39,7 +39,7 @@ class LaunchedPair(HTTPPair):
     Its pair settings are `EmbeddedPair`'s: a `PairConfig` as ``config`` and/or its fields as
     keyword arguments (``model``, ``bidirectional``, ``prefill_prefix_cache``, ``cores``,
     ``prefill_devices``, ``decode_devices``, ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``,
-    ``recompute_threshold``, ``connector_options``, ``idle_poll_ms``, ``warmup``, ``step_timeout_s``,
+    ``max_pinned_blocks``, ``recompute_threshold``, ``connector_options``, ``idle_poll_ms``, ``warmup``, ``step_timeout_s``,
     ``engine_args``, ``prefill_engine_args``, ``decode_engine_args``). The engine arguments become
     each server's ``vllm serve`` flags (``--tensor-parallel-size 2``); on a GPU host each server gets
     its GPUs as `EmbeddedPair`'s engines do, by ``CUDA_VISIBLE_DEVICES`` in its environment. And these:
@@ -81,11 +81,10 @@ class LaunchedPair(HTTPPair):
             push_back=self.config.bidirectional,
             exclusive=True,  # agentkv started the servers: nobody else talks to them
             transfer=self.config.transfer,
+            max_pinned_blocks=self.config.max_pinned_blocks,
         )
         if len(hosts) != 2 or len(launch_prefixes) != 2:
             raise UserError("hosts and launch_prefixes take two entries: prefill's, then decode's")
-        if self.config.max_pinned_blocks is not None:
-            raise UserError("max_pinned_blocks bounds an EmbeddedPair's D; a launched D's pins end at pin_ttl_s")
         self.bidirectional = self.config.bidirectional
         self._hosts = hosts
         self._prefixes = launch_prefixes
@@ -244,6 +243,8 @@ class LaunchedPair(HTTPPair):
                 if old.spec.engine_id is not None:
                     self._retired_engines.add(old.spec.engine_id)
                 self._baseline.totals.pop(role, None)  # a new server counts NIXL bytes from zero
+                if role == "decode":
+                    self._forget_pins()  # the new D holds none of the old one's pins
                 self._servers[role] = self._server(role, old.spec.launch.model_path, old.spec.cores or [])
             await self._launch([self._servers[role] for role in dead])
             self._know_prefill()

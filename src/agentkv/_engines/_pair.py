@@ -21,14 +21,12 @@ import anyio
 import anyio.to_thread
 
 from _agentkv_vllm._cores import CoreTable, elastic_bind_order
-from _agentkv_vllm._patches import AUTO_PLACEMENT, ELASTIC_CORES, PIN_ON_DECODE
+from _agentkv_vllm._patches import AUTO_PLACEMENT, ELASTIC_CORES
 
 from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
 from .._model import prepare_model_off_loop
 from ._base import (
-    Engine,
     EngineInfo,
-    Sampling,
     StepDone,
     StepEvent,
     StepRequest,
@@ -39,20 +37,20 @@ from ._base import (
 )
 from ._handle import KVHandle, PushSource, parse_handle, parse_prefill_result, prefill_params, release_params
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
-from ._pin_budget import PinBudget
-from ._placement import Placement, PlacementChoice, PlacementCosts
+from ._pair_layer import ON_DECODE_PARAMS, PairLayer
+from ._placement import PlacementChoice
 from ._platforms import Platform, current_platform, pair_devices
 from ._push import PushedStep
 from ._system import free_port, split_cores
 from ._vllm import AsyncLLMRunner, DecodeStream, TransferLedger, engine_seconds, first_token_of_prefill, vllm_sampling
 from ._vllm_features import feature_problem, has_feature
 
-__all__ = ["EmbeddedPair", "run_warmup_steps"]
+__all__ = ["EmbeddedPair"]
 
 logger = logging.getLogger("agentkv")
 
 
-class EmbeddedPair(Engine):
+class EmbeddedPair(PairLayer):
     """Two vLLM engines (P, D) in the calling process, NIXL between them, push-back on by default.
 
     Its settings are a `PairConfig`: pass one as ``config``, or its fields as keyword
@@ -82,21 +80,14 @@ class EmbeddedPair(Engine):
         progress: Callable[[str], None] | None = None,
         **settings: Unpack[PairSettings],
     ) -> None:
-        super().__init__()
-        self.config = PairConfig.of(config, model, **settings)
+        config = PairConfig.of(config, model, **settings)
+        super().__init__(max_pinned_blocks=config.max_pinned_blocks)
+        self.config = config
         self._progress = progress or (lambda line: logger.info("%s", line))
         self._p: AsyncLLMRunner | None = None
         self._d: AsyncLLMRunner | None = None
         self._info: EngineInfo | None = None
         self._core_policy = self.config.core_policy
-        self._pins: PinBudget | None = None
-        self.costs = PlacementCosts()
-        """What the pair has measured of its steps on P and on D (mode ``"auto"`` compares them)."""
-        self._steps_on_decode = 0
-        """Steps placed on D alone and not finished: counted from the choice, so that ``auto`` never places a
-        second one beside the first (a prefill on D stalls every decode in its batch)."""
-        self._placement_off: str | None = None
-        """Why steps cannot run on D alone on the installed vLLM (auto placement's targets moved), or None."""
 
     @property
     def bidirectional(self) -> bool:
@@ -216,16 +207,15 @@ class EmbeddedPair(Engine):
         """The pair's `EngineInfo`, once both engines run: ``placement`` says where each computes."""
         config = self.config
         assert self._d is not None
-        self._placement_off = feature_problem(AUTO_PLACEMENT) if config.transfer == "pull" else None
+        problem = feature_problem(AUTO_PLACEMENT) if config.transfer == "pull" else None
+        self._placement_off = problem if config.transfer == "pull" else "a push pair prefills every step on P"
         modes_off = {}
-        if self._placement_off is not None and config.bidirectional:
-            modes_off["auto"] = f"auto placement is off on this vLLM ({self._placement_off})"
+        if problem is not None and config.bidirectional:
+            modes_off["auto"] = f"auto placement is off on this vLLM ({problem})"
         self._info = EngineInfo(
             model_path=model_path,
             max_model_len=config.max_model_len,
-            modes=pair_modes(
-                push_back=config.bidirectional, placement=config.transfer == "pull" and self._placement_off is None
-            ),
+            modes=pair_modes(push_back=config.bidirectional, placement=self._placement_off is None),
             extra={
                 **placement,
                 **({"modes_off": modes_off} if modes_off else {}),
@@ -239,17 +229,9 @@ class EmbeddedPair(Engine):
     async def _warm_up(self) -> None:
         if self.config.warmup:
             self._progress("agentkv: warming up (kernels, NIXL handshakes)")
-            on_decode = self.config.transfer == "pull" and self._placement_off is None
-            placements: tuple[Placement, ...] = ("prefill", "decode" if on_decode else "prefill")
-            await run_warmup_steps(self, push_back=self.bidirectional, placements=placements)  # first prefills: cold
-            self.costs = PlacementCosts()
-            await run_warmup_steps(self, push_back=self.bidirectional, placements=placements)  # calibrates both
+            await self._calibrate()
         for engine in self._engines():
             engine.repin()  # threads that NIXL started during the handshakes
-
-    def _spawn_release(self, handle: KVHandle) -> None:
-        if self.home is not None:
-            self.home.spawn(self.release, handle)
 
     async def _stop(self) -> None:
         engines = [e for e in (self._d, self._p) if e is not None]
@@ -263,50 +245,19 @@ class EmbeddedPair(Engine):
         if request.handle is not None and not self.bidirectional:
             raise UserError("this pair runs without bidirectional transfer: it takes no handle")
         try:
-            async with contextlib.aclosing(self._step(request)) as events:  # a caller leaving early closes it now
+            async with contextlib.aclosing(
+                self._pinned_step(request)
+            ) as events:  # a caller leaving early closes it now
                 async for event in events:
                     yield event
         except EngineDeadError as exc:
             await self._mark_dead(exc)
             raise
 
-    async def _step(self, request: StepRequest) -> AsyncGenerator[StepEvent, None]:
-        """The step within D's budget of pins: room is made first, and a handle whose pin was released to
-        make room for others is not forwarded (its blocks may hold another conversation now)."""
-        pins = self._pin_budget()
-        evicted = request.handle is not None and pins.was_evicted(request.handle)
-        if evicted:
-            request = dataclasses.replace(request, handle=None)
-        # What the step needs to start on D: vLLM grows a running answer by preempting other running requests,
-        # but it never preempts a pin, so only the prompt and the answer's first block must fit beside the pins.
-        tokens = len(request.prompt_token_ids) + min(request.sampling.max_tokens, pins.block_size)
-        for released in pins.reserve(request.request_id, tokens=tokens, reused=request.handle):
-            logger.debug("agentkv: D's cache is full; releasing the least recently pinned conversation")
-            self._spawn_release(released)
-        try:
-            async with contextlib.aclosing(self._placed_step(request)) as events:
-                async for event in events:
-                    if isinstance(event, StepDone):
-                        if event.handle is not None:
-                            pins.pinned(event.handle)
-                        event.timings.pin_evicted = evicted
-                    yield event
-        finally:
-            pins.finished(request.request_id)
-
-    async def _placed_step(self, request: StepRequest) -> AsyncGenerator[StepEvent, None]:
+    async def _step_via_prefill(
+        self, request: StepRequest, started: float, choice: PlacementChoice
+    ) -> AsyncGenerator[StepEvent, None]:
         p, d = self._engines()
-        started = time.perf_counter()
-        choice = self._place(request, p, d)
-        if choice.engine == "decode":
-            self._steps_on_decode += 1
-            try:
-                async with contextlib.aclosing(self._step_on_decode(d, request, started, choice)) as events:
-                    async for event in events:
-                        yield event
-            finally:
-                self._steps_on_decode -= 1
-            return
         if self.config.transfer == "push":
             async with contextlib.aclosing(self._pushed_step(p, d, request, started, choice)) as events:
                 async for event in events:
@@ -354,15 +305,14 @@ class EmbeddedPair(Engine):
         prefill: tuple[Any, Any, TransferLedger],
         decode: tuple[Any, Any, TransferLedger],
     ) -> StepTimings:
-        """A step through P and D: where its prompt's KV came from, what moved, and the times (recorded as a
-        cost of a step on P for placement)."""
+        """A step through P and D: where its prompt's KV came from, what moved, and the times."""
         (p_out, p_stats, p_ledger), (d_out, d_stats, d_ledger) = prefill, decode
         prefill_s, _, _ = engine_seconds(p_out)
         _, _, decode_s = engine_seconds(d_out)
         if p_stats is None and self._p is not None and self._p.keeps_prefill_stats:  # not seen in 0.32: say so
             logger.warning("agentkv: vLLM gave no prefill split for a step; its cached tokens are reported as local")
         split = (p_stats.num_local_cached_tokens, p_stats.num_external_cached_tokens) if p_stats is not None else None
-        timings = StepTimings(
+        return StepTimings(
             ttft_s=ttft_s,
             prefill_s=prefill_s,
             kv_wait_s=kv_wait_s,
@@ -374,8 +324,6 @@ class EmbeddedPair(Engine):
             **_transfer(p_ledger, d_ledger),
             **prompt_split(len(request.prompt_token_ids), split=split, cached_tokens=p_out.num_cached_tokens),
         )
-        self.costs.observe("prefill", computed_tokens=timings.computed_tokens, ttft_s=ttft_s, prefill_s=prefill_s)
-        return timings
 
     def _done(
         self, first: TokenDelta | None, stream: DecodeStream, completion: Any, d_out: Any, timings: StepTimings
@@ -456,34 +404,13 @@ class EmbeddedPair(Engine):
             raise EngineError("the prefill engine failed the request")
         return result, declined
 
-    def _place(self, request: StepRequest, p: AsyncLLMRunner, d: AsyncLLMRunner) -> PlacementChoice:
-        """Where to prefill ``request``: P unless asked for D, or ``auto`` finds D faster."""
-        if self.config.transfer == "push":  # a step on D alone would need vLLM's pull connector on D
-            if request.placement == "decode":
-                raise UserError("a step on D alone needs a pull pair (transfer='pull'); this pair pushes")
-            return PlacementChoice("prefill", "push pair: every step on P")
-        if self._placement_off is not None:  # the installed vLLM lacks what a step on D alone needs
-            if request.placement == "decode":
-                raise UserError(f"a step on D alone needs agentkv's auto placement: {self._placement_off}")
-            return PlacementChoice("prefill", "auto placement is off on this vLLM")
-        if request.handle is None or request.placement == "prefill":
-            return PlacementChoice("prefill", "no pin to extend on D" if request.placement != "prefill" else "asked")
-        if request.placement == "decode":
-            return PlacementChoice("decode", "asked")
-        return self.costs.choose(
-            prompt_tokens=len(request.prompt_token_ids),
-            held_tokens=request.handle.remote_num_tokens,
-            block_size=d.block_size,
-            decode_in_flight=d.in_flight + self._steps_on_decode,
-            prefill_in_flight=p.in_flight,
-        )
-
     async def _step_on_decode(
-        self, d: AsyncLLMRunner, request: StepRequest, started: float, choice: PlacementChoice
+        self, request: StepRequest, started: float, choice: PlacementChoice
     ) -> AsyncGenerator[StepEvent, None]:
         """The whole step on D: its prefix cache holds the pinned conversation (whole blocks); it computes the
-        rest, decodes, and pins the new conversation. The old pin is released (no P read will free it)."""
-        params = vllm_sampling(request.sampling, kv_transfer_params=_ON_DECODE_PARAMS, stream=True)
+        rest, decodes, and pins the new conversation."""
+        _, d = self._engines()
+        params = vllm_sampling(request.sampling, kv_transfer_params=ON_DECODE_PARAMS, stream=True)
         stream = self._decode_stream(d, request.prompt_token_ids, params, request, "dl")
         async with contextlib.aclosing(aiter(stream)) as deltas:
             async for delta in deltas:
@@ -501,11 +428,6 @@ class EmbeddedPair(Engine):
             **_transfer(d_ledger),
             **prompt_split(len(request.prompt_token_ids), split=split, cached_tokens=d_out.num_cached_tokens),
         )
-        self.costs.observe(
-            "decode", computed_tokens=timings.computed_tokens, ttft_s=timings.ttft_s, prefill_s=prefill_s
-        )
-        if request.handle is not None:  # no P read will free the old pin: release it, off the step's path
-            self._spawn_release(request.handle)
         handle, handle_error = parse_handle(d_out.kv_transfer_params)
         yield StepDone(
             token_ids=stream.token_ids,
@@ -561,22 +483,10 @@ class EmbeddedPair(Engine):
 
     # ----------------------------------------------------------------- pins
 
-    async def release(self, handle: KVHandle) -> None:
-        """Have D free the blocks ``handle`` pins, now rather than at their expiry.
-
-        vLLM 0.32 has no call that frees a pin. What frees one is P's notification after a
-        read, and P also sends it when it finds nothing to read (a full local hit). So P gets
-        a one-token request carrying the handle with ``remote_num_tokens=0``: P reads
-        nothing, notifies D, and D frees the blocks. The request is aborted after its first
-        token, so that P does not keep its own block leased for a D that never comes. A pin
-        within 10 s of its expiry is left to expire (D counts a notification that comes after
-        expiry as an error).
-        """
-        if self._pins is not None:
-            self._pins.gone(handle)
-        if not self.is_open or self.is_dead or not self.bidirectional or self._p is None:
-            return
-        if time.perf_counter() + _RELEASE_MARGIN_S >= handle.remote_blocks_expiry_time:
+    async def _send_release(self, handle: KVHandle) -> None:
+        """P's one-token request with ``handle`` and nothing to read (see `PairLayer.release`). It is aborted after
+        its first token, so that P does not keep its own block leased for a D that never comes."""
+        if self._p is None:
             return
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -592,19 +502,21 @@ class EmbeddedPair(Engine):
         try:
             with anyio.fail_after(self.config.step_timeout_s):
                 await anext(outputs)  # P has notified D before its first token
-        except Exception as exc:  # best effort: a pin that is not released expires on D
-            logger.debug("agentkv: releasing a pin failed: %s", exc)
         finally:
             await outputs.aclose()  # aborts the rest
 
     # ----------------------------------------------------------------- engines
 
-    def _pin_budget(self) -> PinBudget:
-        """D's pins and reservations (made at the first step, once D reports its cache size)."""
-        if self._pins is None:
-            _, d = self._engines()
-            self._pins = PinBudget(d.num_blocks, d.block_size, max_pinned_blocks=self.config.max_pinned_blocks)
-        return self._pins
+    def _capacity(self) -> tuple[int | None, int]:
+        _, d = self._engines()
+        return d.num_blocks, d.block_size
+
+    def _requests_in_flight(self) -> tuple[int, int]:
+        p, d = self._engines()
+        return p.in_flight, d.in_flight
+
+    def _transfer_is_push(self) -> bool:
+        return self.config.transfer == "push"
 
     def _engines(self) -> tuple[AsyncLLMRunner, AsyncLLMRunner]:
         if self._p is None or self._d is None:
@@ -630,12 +542,6 @@ def _finished(stream: DecodeStream) -> tuple[Any, Any, TransferLedger, Any]:
     return d_out, d_stats, d_ledger, completion
 
 
-_ON_DECODE_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False, PIN_ON_DECODE: True}
-"""A step on D alone: nothing to pull; D pins its blocks after it (a patch makes D's worker track that pin)."""
-
-
-_RELEASE_MARGIN_S = 10.0
-"""A pin closer than this to its expiry is left to expire (P declines reads within 5 s of it)."""
 _RELEASE_TOKEN = 0
 _RELEASE_MAX_TOKENS = 64
 """Far more than P runs before the abort arrives (a finished request would keep its block leased)."""
@@ -648,38 +554,3 @@ def _transfer(*ledgers: TransferLedger) -> dict[str, Any]:
         "kv_bytes": sum(ledger.bytes for ledger in ledgers),
         "kv_transfer_s": sum(ledger.seconds for ledger in ledgers),
     }
-
-
-async def run_warmup_steps(
-    pair: Engine, *, push_back: bool, placements: tuple[Placement, ...] = ("prefill", "prefill")
-) -> None:
-    """Short steps (each after the first pushing the last one's handle back): kernels and NIXL handshakes
-    run now. ``placements``: where each step is prefilled (without push-back, one step only).
-
-    The second prompt extends exactly what D holds (the first prompt and its output), and the
-    handle goes through `choose_handle`, the rule every session step obeys. The last pin is
-    released: nothing of the warm-up stays parked on D.
-    """
-    from .._session._pinning import Pin, choose_handle
-
-    prompt = [1] + [28] * 300  # two CPU blocks of one repeated token: shapes and handshakes only
-    pin: Pin | None = None
-    for placement in placements if push_back else placements[:1]:
-        handle, _reason = choose_handle(pin, prompt, push_back=push_back, expiry_margin_s=_RELEASE_MARGIN_S)
-        request = StepRequest(
-            request_id=f"agentkv-warmup-{uuid.uuid4().hex}",
-            prompt_token_ids=prompt,
-            sampling=Sampling(max_tokens=4),
-            handle=handle,
-            placement=placement,
-        )
-        done: StepDone | None = None
-        async for event in pair.step(request):
-            if isinstance(event, StepDone):
-                done = event
-        assert done is not None
-        held = prompt + list(done.token_ids)
-        pin = Pin(done.handle, held, done.handle_deadline) if done.handle is not None else None
-        prompt = held + [28] * 40
-    if pin is not None:
-        await pair.release(pin.handle)

@@ -31,15 +31,19 @@ _EVICTED_REMEMBERED = 4096
 class _Pin:
     handle: KVHandle
     blocks: frozenset[int]
+    deadline: float
+    """When D frees the blocks, in this process's ``time.perf_counter()`` clock."""
 
 
 class PinBudget:
     """D's pins and the blocks reserved by steps in flight, against D's ``capacity_blocks``.
 
     ``max_pinned_blocks`` caps the pins alone (None: whatever leaves room for the steps in flight).
+    ``capacity_blocks`` None: D's size is not known (a server that publishes no metrics), and only
+    ``max_pinned_blocks`` bounds the pins.
     """
 
-    def __init__(self, capacity_blocks: int, block_size: int, *, max_pinned_blocks: int | None = None) -> None:
+    def __init__(self, capacity_blocks: int | None, block_size: int, *, max_pinned_blocks: int | None = None) -> None:
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
         self.max_pinned_blocks = max_pinned_blocks
@@ -69,9 +73,18 @@ class PinBudget:
 
     # ----------------------------------------------------------------- changes
 
-    def pinned(self, handle: KVHandle) -> None:
-        """D returned ``handle``: its blocks stay held until read, released or expired."""
-        self._pins[handle.remote_request_id] = _Pin(handle, frozenset(handle.remote_block_ids[0]))
+    def deadline(self, handle: KVHandle) -> float | None:
+        """When ``handle``'s pin expires in this process's clock (None: not a live pin of this budget)."""
+        pin = self._pins.get(handle.remote_request_id)
+        return pin.deadline if pin is not None else None
+
+    def pinned(self, handle: KVHandle, *, deadline: float | None = None) -> None:
+        """D returned ``handle``: its blocks stay held until read, released or expired.
+
+        ``deadline``: its expiry in this process's clock when D's clock is another host's (`StepDone.handle_deadline`).
+        """
+        expires = deadline if deadline is not None else handle.remote_blocks_expiry_time
+        self._pins[handle.remote_request_id] = _Pin(handle, frozenset(handle.remote_block_ids[0]), expires)
 
     def gone(self, handle: KVHandle) -> None:
         """``handle``'s pin was released (or a step that extended it ended, see `finished`)."""
@@ -115,9 +128,9 @@ class PinBudget:
         pinned = self.pinned_blocks
         if self.max_pinned_blocks is not None and pinned + next_pin > self.max_pinned_blocks:
             return True
-        return pinned + self.reserved_blocks > self.capacity_blocks
+        return self.capacity_blocks is not None and pinned + self.reserved_blocks > self.capacity_blocks
 
     def _drop_expired(self) -> None:
         now = time.perf_counter()
-        for key in [key for key, pin in self._pins.items() if pin.handle.remote_blocks_expiry_time <= now]:
+        for key in [key for key, pin in self._pins.items() if pin.deadline <= now]:
             del self._pins[key]

@@ -41,6 +41,10 @@ class RemotePair(HTTPPair):
         decode_streaming: stream D's tokens (see above).
         exclusive: this pair is the servers' only client, so differences of their NIXL
             totals between two replies are this session's (``kv_bytes``); otherwise None.
+        max_pinned_blocks: at most this many of D's KV blocks pinned by this pair's sessions (None: as many
+            as leave room for the steps in flight). D's size is read from its ``/metrics`` when the pair opens;
+            pins past the budget are released, least recently pinned first (see `PairLayer`). The budget
+            counts this pair's pins only: other clients of the same D are not seen.
         attempts: tries per server call on transient errors (refused connection, 5xx).
         warmup: run two short steps at open (kernels, NIXL handshakes).
         step_timeout_s: a server that sends nothing for this long fails the step.
@@ -57,6 +61,7 @@ class RemotePair(HTTPPair):
         decode_streaming: bool = True,
         exclusive: bool = False,
         transfer: Transfer = "pull",
+        max_pinned_blocks: int | None = None,
         attempts: int = 4,
         warmup: bool = True,
         step_timeout_s: float = 300.0,
@@ -72,6 +77,7 @@ class RemotePair(HTTPPair):
             decode_streaming=decode_streaming,
             exclusive=exclusive,
             transfer=transfer,
+            max_pinned_blocks=max_pinned_blocks,
         )
         self._urls = (prefill_url, decode_url)
 

@@ -12,17 +12,21 @@ last chunk). The ``agentkv`` object holds what the embedded engines read in-proc
     {"prefill": {"local": 2816, "external": 12, "computed": 40} | null,   # PrefillStats
      "seconds": {"prefill": 0.14, "wait": 0.01, "decode": 0.8},           # RequestStateStats
      "nixl": {"bytes": 123, "seconds": 0.01, "expired": 0},               # totals since start
-     "clock": 22914.9}                                                    # the server's perf_counter()
+     "clock": 22914.9,                                                    # the server's perf_counter()
+     "features_off": {"auto placement": "..."}}                           # what this server cannot do
 
 ``nixl`` holds the server's running NIXL totals (what the reading side recorded, as vLLM's
 ``kv_connector_stats``); a client that knows it was the server's only user between two
 responses takes the difference. ``clock`` lets a client on another host turn D's
 ``remote_blocks_expiry_time`` (the server's ``time.perf_counter()``) into its own clock.
+``features_off`` names the agentkv features a client may ask of this server that it cannot serve
+(today one: ``auto placement``, a step on D alone that D pins), with why.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -65,6 +69,17 @@ _TOTALS = _Totals()
 _PREFILL_STATS = _Recent()
 
 
+@functools.cache
+def _features_off() -> dict[str, str]:
+    """What a client may ask of this server and it cannot serve (probed once, on first reply)."""
+    from _agentkv_vllm._patches import AUTO_PLACEMENT, engine_features, probe
+
+    if AUTO_PLACEMENT not in engine_features():
+        return {AUTO_PLACEMENT: "the server was not started as an agentkv engine (no AGENTKV_ENGINE)"}
+    problem = probe(AUTO_PLACEMENT)
+    return {} if problem is None else {AUTO_PLACEMENT: problem}
+
+
 def _extras(output: Any) -> dict[str, Any]:
     """The ``agentkv`` object for one finished request (a vLLM ``RequestOutput``)."""
     from ._vllm import engine_seconds
@@ -84,6 +99,7 @@ def _extras(output: Any) -> dict[str, Any]:
         "seconds": {"prefill": prefill_s, "wait": wait_s, "decode": decode_s},
         "nixl": nixl,
         "clock": time.perf_counter(),
+        "features_off": _features_off(),
     }
 
 

@@ -1,0 +1,247 @@
+"""The pair layer: what every P/D pair does around its two engines, written once.
+
+A pair is two engines joined by NIXL, in this process (`EmbeddedPair`) or behind two HTTP
+servers (`LaunchedPair`, `RemotePair`). Whatever the engines are, the pair must
+
+* keep D's pins within D's cache (`PinBudget`): before a step, room for it is made by
+  releasing the least recently pinned conversations; a handle whose pin was released is
+  not forwarded (its blocks may hold another conversation now: ``miss_reason="evicted"``);
+* place each step (`PlacementCosts`): on P with push-back (the protocol), or on D alone
+  from D's own cache of the pinned conversation, where the costs the pair measured say so;
+* release pins it no longer needs (a session's last, one a step on D alone replaced, a
+  warm-up's), by a one-token request on P that carries the handle.
+
+`PairLayer._pinned_step` does this for every pair kind. Under it each kind implements the
+primitives: `_capacity` (D's blocks), `_requests_in_flight`, `_step_via_prefill`
+(P then D), `_step_on_decode` (D alone) and `_send_release`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from abc import abstractmethod
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from _agentkv_vllm._patches import PIN_ON_DECODE
+
+from .._errors import UserError
+from ._base import Engine, Sampling, StepDone, StepEvent, StepRequest
+from ._handle import KVHandle
+from ._pin_budget import PinBudget
+from ._placement import Placement, PlacementChoice, PlacementCosts
+
+__all__ = ["ON_DECODE_PARAMS", "RELEASE_MARGIN_S", "PairLayer", "run_warmup_steps"]
+
+logger = logging.getLogger("agentkv")
+
+ON_DECODE_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False, PIN_ON_DECODE: True}
+"""A step on D alone: nothing to pull; D pins its blocks after it (a patch makes D's worker track that pin)."""
+
+RELEASE_MARGIN_S = 10.0
+"""A pin closer than this to its expiry is left to expire (P declines reads within 5 s of it)."""
+
+
+class PairLayer(Engine):
+    """A P/D pair: D's pin budget, per-step placement and pin release over two engines' primitives.
+
+    Subclasses set `_placement_off` once both engines run (None: steps may run on D alone) and
+    ``_max_pinned_blocks``, and implement the primitives below.
+    """
+
+    def __init__(self, *, max_pinned_blocks: int | None) -> None:
+        super().__init__()
+        self.costs = PlacementCosts()
+        """What the pair has measured of its steps on P and on D (mode ``"auto"`` compares them)."""
+        self._max_pinned_blocks = max_pinned_blocks
+        self._pins: PinBudget | None = None
+        self._steps_on_decode = 0
+        """Steps placed on D alone and not finished: counted from the choice, so that ``auto`` never places a
+        second one beside the first (a prefill on D stalls every decode in its batch)."""
+        self._placement_off: str | None = "the pair is not open"
+        """Why steps cannot run on D alone (a push pair, a stock decode server, a vLLM without the patch), or None."""
+
+    # ----------------------------------------------------------------- primitives
+
+    @abstractmethod
+    def _capacity(self) -> tuple[int | None, int]:
+        """D's KV cache in blocks (None: unknown, only ``max_pinned_blocks`` bounds the pins) and its block size."""
+
+    @abstractmethod
+    def _requests_in_flight(self) -> tuple[int, int]:
+        """This pair's requests in flight on P and on D."""
+
+    @abstractmethod
+    def _step_via_prefill(
+        self, request: StepRequest, started: float, choice: PlacementChoice
+    ) -> AsyncGenerator[StepEvent, None]:
+        """The protocol's step: P prefills (pulling the handle's KV back), D pulls P's and decodes."""
+
+    @abstractmethod
+    def _step_on_decode(
+        self, request: StepRequest, started: float, choice: PlacementChoice
+    ) -> AsyncGenerator[StepEvent, None]:
+        """The whole step on D with `ON_DECODE_PARAMS`: D's cache holds the pin's whole blocks, D computes the rest."""
+
+    @abstractmethod
+    async def _send_release(self, handle: KVHandle) -> None:
+        """P's one-token request that carries ``handle`` with nothing to read: P notifies D, D frees the blocks."""
+
+    def _transfer_is_push(self) -> bool:
+        """Whether P pushes into D (a step on D alone needs vLLM's pull connector on D)."""
+        return False
+
+    # ----------------------------------------------------------------- the layer
+
+    def _pin_budget(self) -> PinBudget:
+        """D's pins and the blocks reserved by steps in flight (made at the first step, once D's size is known)."""
+        if self._pins is None:
+            capacity, block_size = self._capacity()
+            self._pins = PinBudget(capacity, block_size, max_pinned_blocks=self._max_pinned_blocks)
+        return self._pins
+
+    def _forget_pins(self) -> None:
+        """D was replaced (a restarted server): none of its pins exist any more."""
+        self._pins = None
+
+    async def _pinned_step(self, request: StepRequest) -> AsyncGenerator[StepEvent, None]:
+        """One step within D's budget of pins, placed on P or D, teaching the placement its costs."""
+        pins = self._pin_budget()
+        evicted = request.handle is not None and pins.was_evicted(request.handle)
+        if evicted:
+            request = dataclasses.replace(request, handle=None)
+        # What the step needs to start on D: vLLM grows a running answer by preempting other running requests,
+        # but it never preempts a pin, so only the prompt and the answer's first block must fit beside the pins.
+        tokens = len(request.prompt_token_ids) + min(request.sampling.max_tokens, pins.block_size)
+        for released in pins.reserve(request.request_id, tokens=tokens, reused=request.handle):
+            logger.debug("agentkv: D's cache is full; releasing the least recently pinned conversation")
+            self._spawn_release(released)
+        try:
+            started = time.perf_counter()
+            choice = self._place(request)
+            on_decode = choice.engine == "decode"
+            self._steps_on_decode += on_decode
+            try:
+                placed = self._step_on_decode if on_decode else self._step_via_prefill
+                async with contextlib.aclosing(placed(request, started, choice)) as events:
+                    async for event in events:
+                        if isinstance(event, StepDone):
+                            self._learn(event, pins, evicted=evicted)
+                            if on_decode and request.handle is not None:  # no P read frees the old pin
+                                self._spawn_release(request.handle)
+                        yield event
+            finally:
+                self._steps_on_decode -= on_decode
+        finally:
+            pins.finished(request.request_id)
+
+    def _learn(self, done: StepDone, pins: PinBudget, *, evicted: bool) -> None:
+        timings = done.timings
+        timings.pin_evicted = evicted
+        if done.handle is not None:
+            pins.pinned(done.handle, deadline=done.handle_deadline)
+        self.costs.observe(
+            timings.prefill_engine or "prefill",
+            computed_tokens=timings.computed_tokens,
+            ttft_s=timings.ttft_s,
+            prefill_s=timings.prefill_s,
+        )
+
+    def _place(self, request: StepRequest) -> PlacementChoice:
+        """Where to prefill ``request``: P unless asked for D, or ``auto`` finds D faster."""
+        if self._transfer_is_push():
+            if request.placement == "decode":
+                raise UserError("a step on D alone needs a pull pair (transfer='pull'); this pair pushes")
+            return PlacementChoice("prefill", "push pair: every step on P")
+        if self._placement_off is not None:
+            if request.placement == "decode":
+                raise UserError(f"a step on D alone needs agentkv's auto placement: {self._placement_off}")
+            return PlacementChoice("prefill", f"auto placement is off ({self._placement_off})")
+        if request.handle is None or request.placement == "prefill":
+            return PlacementChoice("prefill", "no pin to extend on D" if request.placement != "prefill" else "asked")
+        if request.placement == "decode":
+            return PlacementChoice("decode", "asked")
+        on_prefill, on_decode = self._requests_in_flight()
+        return self.costs.choose(
+            prompt_tokens=len(request.prompt_token_ids),
+            held_tokens=request.handle.remote_num_tokens,
+            block_size=self._pin_budget().block_size,
+            decode_in_flight=on_decode + self._steps_on_decode,
+            prefill_in_flight=on_prefill,
+        )
+
+    async def release(self, handle: KVHandle) -> None:
+        """Have D free the blocks ``handle`` pins, now rather than at their expiry.
+
+        vLLM 0.32 has no call that frees a pin. What frees one is P's notification after a
+        read, and P also sends it when it finds nothing to read (a full local hit). So P gets
+        a one-token request carrying the handle with ``remote_num_tokens=0`` (`_send_release`):
+        P reads nothing, notifies D, and D frees the blocks. A pin within `RELEASE_MARGIN_S`
+        of its expiry is left to expire (D counts a notification after expiry as an error).
+        Best effort: a release that fails is logged, and the pin expires.
+        """
+        deadline = handle.remote_blocks_expiry_time
+        if self._pins is not None:
+            deadline = self._pins.deadline(handle) or deadline
+            self._pins.gone(handle)
+        if not self.is_open or self.is_dead or not self.info.push_back:
+            return
+        if time.perf_counter() + RELEASE_MARGIN_S >= deadline:
+            return
+        try:
+            await self._send_release(handle)
+        except Exception as exc:  # best effort: a pin that is not released expires on D
+            logger.debug("agentkv: releasing a pin failed: %s", exc)
+
+    def _spawn_release(self, handle: KVHandle) -> None:
+        """`release` off the step's path, on the pair's event loop."""
+        if self.home is not None:
+            self.home.spawn(self.release, handle)
+
+    async def _calibrate(self) -> None:
+        """The warm-up: short steps run the kernels and NIXL handshakes once, then again from fresh costs, so
+        that placement compares the warm costs of a step on P and on D (when steps can run on D)."""
+        placements: tuple[Placement, ...] = ("prefill", "decode" if self._placement_off is None else "prefill")
+        await run_warmup_steps(self, push_back=self.info.push_back, placements=placements)  # first steps: cold
+        if self._placement_off is None and self.info.push_back:
+            self.costs = PlacementCosts()
+            await run_warmup_steps(self, push_back=True, placements=placements)
+
+
+async def run_warmup_steps(
+    engine: Engine, *, push_back: bool, placements: tuple[Placement, ...] = ("prefill", "prefill")
+) -> None:
+    """Short steps (each after the first pushing the last one's handle back): kernels and NIXL handshakes
+    run now. ``placements``: where each step is prefilled (without push-back, one step only).
+
+    The second prompt extends exactly what D holds (the first prompt and its output), and the
+    handle goes through `choose_handle`, the rule every session step obeys. The last pin is
+    released: nothing of the warm-up stays parked on D.
+    """
+    from .._session._pinning import Pin, choose_handle
+
+    prompt = [1] + [28] * 300  # two CPU blocks of one repeated token: shapes and handshakes only
+    pin: Pin | None = None
+    for placement in placements if push_back else placements[:1]:
+        handle, _reason = choose_handle(pin, prompt, push_back=push_back, expiry_margin_s=RELEASE_MARGIN_S)
+        request = StepRequest(
+            request_id=f"agentkv-warmup-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt,
+            sampling=Sampling(max_tokens=4),
+            handle=handle,
+            placement=placement,
+        )
+        done: StepDone | None = None
+        async for event in engine.step(request):
+            if isinstance(event, StepDone):
+                done = event
+        assert done is not None
+        held = prompt + list(done.token_ids)
+        pin = Pin(done.handle, held, done.handle_deadline) if done.handle is not None else None
+        prompt = held + [28] * 40
+    if pin is not None:
+        await engine.release(pin.handle)
