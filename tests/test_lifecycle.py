@@ -129,6 +129,32 @@ def test_launched_servers_do_not_outlive_a_killed_parent() -> None:
     assert_ports_freed(ports, running_before=running_before)
 
 
+def test_the_watchdog_stops_what_it_watches_when_its_owner_dies_though_a_forked_child_holds_its_pipe() -> None:
+    """vLLM forks engine processes, and a fork holds every descriptor of its parent: the watchdog's pipe stayed
+    open after its owner's SIGKILL, so the watchdog never stopped them. It now also sees its parent change."""
+    script = textwrap.dedent("""
+        import multiprocessing, os, signal, time
+        from agentkv._engines._watchdog import watch_pids
+
+        if __name__ == "__main__":
+            watch_pids([])  # the watchdog starts first, as after an engine started
+            engine = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+            engine.start()  # holds the watchdog's pipe, as a second engine's processes do
+            watch_pids([engine.pid])
+            print(engine.pid, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    done = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert done.stdout is not None
+    engine = int(done.stdout.readline())
+    done.stdout.close()
+    assert done.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while alive({engine}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive({engine}) == set()
+
+
 # ----------------------------------------------------------------- one lifecycle (unit tests, scripted engine)
 
 

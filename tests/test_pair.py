@@ -311,14 +311,17 @@ if __name__ == "__main__":
         print("answer", session.run_sync("Say hi.").text, flush=True)
     print("released", pair.home.call(d_holds_no_block, pair), flush=True)  # the session released its pin at close
     print("pinned", pair.home.call(leave_a_pin, pair), flush=True)
-    # the script ends here: the exit handler stops the pair that is still open, with D holding a pin
+    # the script ends on an exception (an agent framework's MaxTurnsExceeded, say): the exit handler stops
+    # the pair that is still open, with D holding a pin
+    raise RuntimeError("the agent gave up")
 """
 
 
 def test_a_script_releases_its_pins_and_exits_cleanly_with_its_pair_still_open(tmp_path: Path) -> None:
-    """Pins released when a session closes (``Engine.release``); a script that ends with its pair open and a
-    pin on D exits cleanly (the exit handler stops the pair): defect 11 of issue 12, no force-killed engine
-    core, no traceback, no leaked shared memory, no process left.
+    """Pins released when a session closes (``Engine.release``); a script that ends on an exception with its pair
+    open and a pin on D exits cleanly (the exit handler stops the pair): defect 11 of issue 12 and issue 31's
+    exception at exit; no force-killed engine core, no traceback but the script's own, no leaked shared memory,
+    no process left.
 
     D's pins used to keep its engine core busy after SIGTERM until vLLM killed it (5 s), before
     it could unlink its shared memory and semaphores; the script leaves one pin on D at exit.
@@ -328,10 +331,12 @@ def test_a_script_releases_its_pins_and_exits_cleanly_with_its_pair_still_open(t
     script = tmp_path / "uses_a_pair.py"
     script.write_text(_EXIT_SCRIPT)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 1, done.stderr[-4000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert lines.get("released") == "True" and lines.get("pinned") == "True", done.stdout
-    for noise in ("Traceback", "leaked", "force killing", "EngineDeadError"):
+    assert done.stderr.count("Traceback") == 1, done.stderr[-4000:]  # the script's own, and nothing after it
+    assert done.stderr.rstrip().endswith("RuntimeError: the agent gave up"), done.stderr[-4000:]
+    for noise in ("leaked", "force killing", "EngineDeadError"):
         assert noise not in done.stderr, f"{noise!r} at exit:\n{done.stderr[-4000:]}"
     pids = {int(pid) for pid in lines["pids"].split()}
     deadline = time.monotonic() + 20

@@ -2,14 +2,17 @@
 
 Each episode (one seed) drives a `Session` on `HonestPairEngine` through a random sequence of turns
 (with and without tools, forced tool choices), streams, rewinds, edits, forks, cancellations,
-raising callbacks, bad inputs, engine errors and deaths, malformed and expiring handles. A shadow
-session on a fault-free engine replays every accepted operation from the start of the episode.
+raising callbacks, restores (of its own snapshot and of the empty one), tools whose output holds a lone
+surrogate, bad inputs (to `run`, `step`, edits and `restore`), engine errors and deaths, malformed and
+expiring handles. A shadow session on a fault-free engine replays every accepted operation from the start
+of the episode.
 After every operation:
 
 * the honest engine saw no violation of the push-back rule (every forwarded handle was issued,
   unspent, unexpired, and holds a strict prefix of the new prompt);
 * the stats add up (local + pulled + computed == prompt) and match what the engine did;
-* only agentkv errors (or our own callback's exception, or cancellation) escaped, each where expected;
+* only agentkv errors (or our own callback's exception, or cancellation) escaped, each where expected (a bad
+  input: the error of its own kind);
 * a failed, cancelled or abandoned operation changed nothing;
 * token history, messages and turn count equal the shadow's (a replay of the accepted operations).
 
@@ -39,11 +42,14 @@ from agentkv import (
     EngineDeadError,
     EngineError,
     Event,
+    InvalidMessageError,
     Session,
     SessionClosedError,
+    SessionSnapshot,
     StepRequest,
     TurnEnd,
     TurnResult,
+    UserError,
     tool,
 )
 from agentkv._session._session import load_tokenizer
@@ -53,6 +59,8 @@ BATCHES = 10
 EPISODES_PER_BATCH = {"landing": 10, "nightly": 100}
 """100 episodes on every landing (seeds 0-99), 1,000 in the nightly tier (seeds 0-999), in ten batches each."""
 WORDS = ("alpha", "beta", "gamma", "delta", "kv", "pin", "block", "tea", "red", "seven", "Paris", "ok")
+GARBLED = ("seven", "tea", "red", "ok")
+"""The words `echo` returns with a lone surrogate after them."""
 
 
 class CallbackBoom(Exception):
@@ -69,7 +77,7 @@ def add(a: int, b: int) -> int:
 async def echo(text: str) -> str:
     """Repeat a text."""
     await anyio.lowlevel.checkpoint()
-    return text
+    return text + " \ud800" if text in GARBLED else text  # a tool's output no tokenizer takes: escaped, not refused
 
 
 @tool
@@ -171,6 +179,8 @@ class Episode:
             live = Session(engine=self.engine, **self.options)
             shadow = Session(engine=self.shadow_engine, **self.options)
             async with live, shadow:
+                self.empty = (live.snapshot(), shadow.snapshot())
+                """Before any turn: what an empty session's restore starts from."""
                 self.twins.append(Twin(live, shadow, "s0"))
                 self.log.append(f"options {self.options | {'tools': [t.name for t in self.tools]}}")
                 for _ in range(self.rng.randint(6, 16)):
@@ -190,16 +200,18 @@ class Episode:
 
     async def _operation(self, twin: Twin) -> None:
         roll = self.rng.random()
-        if roll < 0.55 or (roll < 0.85 and not twin.live.stats.turns):
+        if roll < 0.52 or (roll < 0.81 and not twin.live.stats.turns):
             await self._turn(twin)
-        elif roll < 0.66:
+        elif roll < 0.62:
             self._rewind(twin)
-        elif roll < 0.77:
+        elif roll < 0.72:
             self._replace(twin)
-        elif roll < 0.84 and len(self.twins) < 4:
+        elif roll < 0.78 and len(self.twins) < 4:
             self._fork(twin)
-        elif roll < 0.87 and twin is not self.twins[0]:
+        elif roll < 0.81 and twin is not self.twins[0]:
             await self._close(twin)
+        elif roll < 0.87:
+            self._restore(twin)
         else:
             await self._bad_input(twin)
 
@@ -392,6 +404,21 @@ class Episode:
         twin.shadow.replace_message(index, content)
         twin.pin = "any"
 
+    def _restore(self, twin: Twin) -> None:
+        """restore() of the session's own snapshot (through JSON: nothing changes) or of the empty one (emptied)."""
+        source = self.rng.choice(["own", "own", "empty"])
+        self.log.append(f"{twin.name}: restore({source} snapshot) of {_user_turns(twin.live)} turn(s)")
+        live, shadow = (twin.live.snapshot(), twin.shadow.snapshot()) if source == "own" else self.empty
+        emptied = ([], [live.system] if live.system is not None else [], 0)
+        expected = _snapshot(twin.live) if source == "own" else emptied
+        try:
+            twin.live.restore(SessionSnapshot.model_validate_json(live.model_dump_json()))
+        except Exception as exc:
+            self._fail(f"restoring the {source} snapshot raised {type(exc).__name__}: {exc}")
+        self._expect(_snapshot(twin.live) == expected, f"restoring the {source} snapshot gave another session")
+        twin.shadow.restore(shadow)
+        twin.pin = "none"  # a restored session has no pin: its next step computes the prompt ("resumed")
+
     def _fork(self, twin: Twin) -> None:
         name = f"s{len(self.twins)}"
         self.log.append(f"{twin.name}: fork -> {name}")
@@ -413,27 +440,48 @@ class Episode:
         await self._expect_refused(twin.live, SessionClosedError, "a closed session")
 
     async def _bad_input(self, twin: Twin) -> None:
-        """Wrong types and values: each raises an agentkv error and changes nothing (defect 9)."""
+        """Wrong types and values: each raises its agentkv error and changes nothing (defect 9)."""
         session = twin.live
-        cases: dict[str, Any] = {
-            "run('\\ud800 hi')": lambda: session.run("\ud800 hi"),
-            "rewind('1')": lambda: session.rewind("1"),  # type: ignore[arg-type]
-            "replace_message('0', 'x')": lambda: session.replace_message("0", "x"),  # type: ignore[arg-type]
-            "replace_message(0, '\\udfff')": lambda: session.replace_message(0, "\udfff"),
-            "Session(max_tokens='10')": lambda: Session(engine=self.engine, max_tokens="10"),  # type: ignore[arg-type]
-            "Session(expiry_margin_s=-1)": lambda: Session(engine=self.engine, expiry_margin_s=-1.0),
-            "Session(temperature=-0.5)": lambda: Session(engine=self.engine, temperature=-0.5),
+        call = {"id": "c1", "type": "function", "function": {"name": "echo", "arguments": '{"text": "hi"}'}}
+        called = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]
+        cases: dict[str, tuple[type[AgentKVError], Any]] = {
+            "run('\\ud800 hi')": (InvalidMessageError, lambda: session.run("\ud800 hi")),
+            "step(user '\\udc00 hi')": (
+                InvalidMessageError,
+                lambda: session.step([{"role": "user", "content": "\udc00 hi"}]),
+            ),
+            "step(tool result '\\ud800')": (
+                InvalidMessageError,
+                lambda: session.step([*called, {"role": "tool", "tool_call_id": "c1", "content": "\ud800"}]),
+            ),
+            "rewind('1')": (UserError, lambda: session.rewind("1")),  # type: ignore[arg-type]
+            "replace_message('0', 'x')": (UserError, lambda: session.replace_message("0", "x")),  # type: ignore[arg-type]
+            "replace_message(0, '\\udfff')": (InvalidMessageError, lambda: session.replace_message(0, "\udfff")),
+            "restore(another model's snapshot)": (
+                UserError,
+                lambda: session.restore(self.empty[0].model_copy(update={"model": "elsewhere"})),
+            ),
+            "restore(tokens without segments)": (
+                UserError,
+                lambda: session.restore(self.empty[0].model_copy(update={"tokens": [1, 2, 3]})),
+            ),
+            "Session(max_tokens='10')": (UserError, lambda: Session(engine=self.engine, max_tokens="10")),  # type: ignore[arg-type]
+            "Session(expiry_margin_s=-1)": (UserError, lambda: Session(engine=self.engine, expiry_margin_s=-1.0)),
+            "Session(temperature=-0.5)": (UserError, lambda: Session(engine=self.engine, temperature=-0.5)),
         }
         name = self.rng.choice(sorted(cases))
+        expected, case = cases[name]
         self.log.append(f"{twin.name}: bad input {name}")
         before = _snapshot(session)
         refused = False
         try:
-            outcome = cases[name]()
+            outcome = case()
             if hasattr(outcome, "__await__"):
                 await outcome
-        except AgentKVError:
+        except expected:
             refused = True
+        except AgentKVError as exc:
+            self._fail(f"{name} raised {type(exc).__name__}, not {expected.__name__}: {exc}")
         except Exception as exc:
             self._fail(f"{name} raised a non-agentkv {type(exc).__name__}: {exc} (defect 9)")
         self._expect(refused, f"{name} was accepted (defect 9)")

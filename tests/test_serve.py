@@ -300,3 +300,27 @@ def test_a_restarted_server_resumes_its_conversations_from_the_store(tmp_path: P
                         assert all(s["handle_forwarded"] for s in turn(door.url, "Four?").values())
                         assert [s["turn"] for s in turn(door.url, "Five?").values()] == [5, 5]
             engine.assert_honest()
+
+
+def test_serve_gives_its_engines_the_context_length_asked_for(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agentkv._surfaces._cli import main
+
+    made: list[dict[str, Any]] = []
+
+    class NoPool:
+        def __init__(self, **options: Any) -> None:
+            made.append(options)
+
+        def __enter__(self) -> NoPool:
+            raise KeyboardInterrupt  # stands for a Ctrl-C as the engines start
+
+        def __exit__(self, *exc_info: object) -> None:
+            pass
+
+    monkeypatch.setattr("agentkv._session._pool.SessionPool", NoPool)
+    assert main(["serve", "--store", "memory", "--max-model-len", "2048"]) == 130  # the shell's code for SIGINT
+    assert made[0]["engine_options"] == {"max_model_len": 2048}
+    assert main(["serve", "--max-model-len", "2048", "--remote", "http://p:1", "http://d:2"]) == 2
+    assert "--remote take their vLLM arguments where they start" in capsys.readouterr().err

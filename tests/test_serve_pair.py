@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
+import psutil
 import pytest
 
 from agentkv import EmbeddedPair, FrontDoor, SessionPool, SqliteSessionStore
@@ -25,6 +28,20 @@ ADD = {
             "type": "object",
             "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
             "required": ["a", "b"],
+        },
+    },
+}
+RECORD = {
+    "type": "function",
+    "function": {
+        "name": "record",
+        "description": "Record numbers.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "numbers": {"type": "array", "items": {"type": "integer", "minimum": 100000}, "minItems": 300}
+            },
+            "required": ["numbers"],
         },
     },
 }
@@ -181,3 +198,59 @@ def test_a_conversation_resumes_token_for_token_after_a_server_restart(pair: Emb
                     assert session.token_ids[: len(saved)] == saved
                     assert all(s["handle_forwarded"] for s in stats[1:])
                     assert [t.turn for t in session.stats.turns] == [1, 2, 3, 4]
+
+
+def _busy_cores(pids: set[int], seconds: float) -> float:
+    """The cores ``pids`` kept busy (user + system CPU time) over ``seconds``."""
+    processes = [psutil.Process(pid) for pid in pids]
+
+    def spent() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+    before = spent()
+    time.sleep(seconds)
+    return (spent() - before) / seconds
+
+
+def test_a_client_that_leaves_mid_decode_stops_the_decode_on_both_engines(pair: EmbeddedPair) -> None:
+    """A streamed and a plain request, each dropped while D decodes a long answer: both engines' requests end at
+    once (agentkv's count and vLLM's), the pair's cores go idle, and the conversation's next request works."""
+    engines = (pair._p, pair._d)
+    assert all(engine is not None for engine in engines)
+    with (
+        SessionPool(engine=pair, cache_salt="serve-pair-leaves") as pool,
+        FrontDoor(pool, model_name="smol", port=free_port()) as door,
+    ):
+        port = int(door.url.rsplit(":", 1)[1])
+        for stream in (True, False):
+            body = json.dumps(
+                {
+                    "model": "smol",
+                    "messages": [{"role": "user", "content": "Record some numbers."}],
+                    "tools": [RECORD],  # a call the grammar makes long: D decodes until max_tokens
+                    "tool_choice": "required",
+                    "max_tokens": 1024,
+                    "stream": stream,
+                }
+            ).encode()
+            head = f"POST /v1/chat/completions HTTP/1.1\r\nhost: a\r\ncontent-type: application/json\r\nx-session-id: leaves\r\ncontent-length: {len(body)}\r\n\r\n"
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:
+                connection.sendall(head.encode() + body)
+                deadline = time.monotonic() + 120
+                while not (pair._d.in_flight and pair._d.llm.output_processor.get_num_unfinished_requests()):
+                    assert time.monotonic() < deadline, "D never started decoding"
+                    time.sleep(0.05)
+                time.sleep(1.0)  # D decodes
+            deadline = time.monotonic() + 10
+            while any(e.in_flight or e.llm.output_processor.get_num_unfinished_requests() for e in engines):
+                assert time.monotonic() < deadline, "a request of the dropped step still runs"
+                time.sleep(0.05)
+            assert _busy_cores(pair.pids, 2.0) < 0.5  # idle (a decode keeps about a core busy)
+        with openai.OpenAI(base_url=door.url + "/v1", api_key="none", max_retries=0) as client:
+            reply = client.chat.completions.create(
+                model="smol",
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=8,
+                extra_headers={"x-session-id": "leaves"},
+            )
+        assert reply.model_extra["agentkv"]["stats"]["turn"] == 1  # type: ignore[index]  # the dropped steps kept nothing

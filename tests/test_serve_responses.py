@@ -462,7 +462,7 @@ def test_agentkv_serve_keeps_responses_where_told(
             given.update(options)
             self.settings = type("Settings", (), {"api_key": None, "model_name": "m"})()
 
-        def run(self) -> None:
+        def run(self, until: Any = None) -> None:
             given["kept"] = given["store"].get("anything")  # the store is open while the door serves
 
     monkeypatch.setenv("AGENTKV_HOME", str(tmp_path))

@@ -7,7 +7,8 @@ token-exact rule); the real pair runs the same loop in test_pair_step.py.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -155,6 +156,49 @@ def test_malformed_messages_are_refused_and_nothing_is_lost(
             session.step_sync(messages)
         assert session.token_ids == [] and session.stats.turns == []
         assert session.step_sync([{"role": "user", "content": "hi"}], tools=[WEATHER]).tool_calls
+
+
+def bad_tool_result(first: Any) -> list[Any]:
+    call = first.tool_calls[0]
+    return [{"role": "tool", "tool_call_id": call.id, "content": "sunny \ud800"}]
+
+
+def bad_arguments(first: Any) -> list[Any]:
+    result = {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny"}
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "\\udfff"}'}}
+    return [result, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "?"}]
+
+
+@pytest.mark.parametrize(
+    ("bad", "where"),
+    [
+        (lambda first: [{"role": "user", "content": "More? \udc00"}], "message 3: its content"),
+        (bad_tool_result, "message 3: its content"),
+        (bad_arguments, "message 4: its tool call 'c1''s arguments"),
+    ],
+)
+def test_text_no_tokenizer_takes_is_an_invalid_message_naming_it(
+    pair: HonestPairEngine, bad: Callable[[Any], list[Any]], where: str
+) -> None:
+    history: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    with Session(engine=pair) as session:
+        first = session.step_sync(history, tools=[WEATHER])
+        history.append(as_openai(first.message))
+        before = (session.token_ids, session.messages, session.stats)
+        with pytest.raises(InvalidMessageError, match=re.escape(where) + " is not valid Unicode text"):
+            session.step_sync([*history, *bad(first)], tools=[WEATHER])
+        assert (session.token_ids, session.messages, session.stats) == before
+        result = {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny"}
+        second = session.step_sync([*history, result], tools=[WEATHER])  # usable, and its pin was kept
+        assert second.text == "It is sunny in Paris." and second.stats.handle_forwarded
+        with pytest.raises(InvalidMessageError, match="message 0: its content"):
+            session.step_sync([{"role": "system", "content": "\ud800"}, {"role": "user", "content": "hi"}])
+        bad_tool = {"type": "function", "function": {"name": "w", "description": "\ud800"}}
+        with pytest.raises(UserError, match="tool 'w': its description or parameters are not valid Unicode"):
+            session.step_sync([{"role": "user", "content": "hi"}], tools=[bad_tool])
+        with pytest.raises(UserError, match="tool 'w': its description"):
+            Session(engine=pair, tools=[tool(name="w", description="\ud800")(lambda: "x")])
+        assert session.stats.turns[-1].steps[-1] == second.stats
 
 
 def test_bad_tools_and_settings_are_user_errors(pair: HonestPairEngine, script: Script) -> None:

@@ -1,11 +1,13 @@
 """Sessions saved and resumed: `Session.snapshot` / `restore`, and `SessionPool(store=SqliteSessionStore(...))`
-across a restart (a new pool on a new engine, the same file).
+across a restart (a new pool on a new engine, the same file); store arguments that are no SQLite file's path
+(a URL given to the stores, the pool or ``agentkv serve --store``) refused.
 
 Logic on `HonestPairEngine`, which checks every pushed-back handle; no model runs here.
 """
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from agentkv import Session, SessionPool, SessionSnapshot, SqliteSessionStore, UserError
+from agentkv import Session, SessionPool, SessionSnapshot, SqliteResponseStore, SqliteSessionStore, UserError
+from agentkv._surfaces._cli import main
 from agentkv.testing import HonestPairEngine
 
 
@@ -69,6 +72,53 @@ def test_restore_refuses_another_models_snapshot_and_a_running_session() -> None
         with pytest.raises(UserError, match="do not fit"):
             session.restore(broken)
         assert session.token_ids == snapshot.tokens  # a refused restore changed nothing
+
+
+def test_an_empty_sessions_snapshot_restores_an_empty_session() -> None:
+    with (
+        HonestPairEngine(answer) as engine,
+        Session(engine=engine, system="Be brief.") as empty,
+        Session(engine=engine) as busy,
+    ):
+        snapshot = SessionSnapshot.model_validate_json(empty.snapshot().model_dump_json())  # through JSON
+        assert snapshot.tokens == [] and snapshot.segments == [] and snapshot.turns == []
+        empty.restore(snapshot)  # onto itself: still empty
+        assert empty.token_ids == [] and empty.stats.turns == []
+        busy.step_sync([user("One?")])
+        busy.restore(snapshot)  # onto a session with a turn: emptied
+        assert busy.token_ids == [] and busy.messages == empty.messages and busy.stats.turns == []
+        with pytest.raises(UserError, match="do not fit"):
+            busy.restore(snapshot.model_copy(update={"tokens": [1, 2]}))  # tokens without the segments they render
+        assert busy.token_ids == []
+        again = busy.step_sync([user("Two?")])  # usable: a new first turn
+        assert again.stats.turn == 1 and again.stats.miss_reason == "resumed" and len(busy.stats.turns) == 1
+    engine.assert_honest()
+
+
+@pytest.mark.parametrize("url", ["postgresql://postgres@127.0.0.1:55432/postgres", "sqlite:///srv/serve.sqlite3"])
+def test_a_store_url_is_refused_naming_its_scheme(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    scheme = url.split(":")[0]
+    for make in (SqliteSessionStore, SqliteResponseStore, lambda store: SessionPool(store=store)):
+        with pytest.raises(UserError, match=f"'{re.escape(url)}' is a {scheme}:// URL.*SQLite file's path"):
+            make(url)
+    assert list(tmp_path.iterdir()) == []  # no folder named after the URL
+    with pytest.raises(UserError, match="SqliteSessionStore"):
+        SessionPool(store=str(tmp_path / "s.sqlite3"))  # type: ignore[arg-type]  # a path is not a store
+    with SqliteSessionStore(str(tmp_path / "kept" / "s.sqlite3")) as kept:  # a path is taken as it is
+        assert kept.path == tmp_path / "kept" / "s.sqlite3" and kept.path.exists()
+
+
+def test_serve_refuses_a_store_url_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # the command sets it; put back after the test
+    assert main(["serve", "--store", "postgresql://postgres@127.0.0.1:55432/postgres"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("agentkv serve: error: the store 'postgresql://") and "postgresql:// URL" in error
+    assert "SQLite file's path" in error and "'memory'" in error
+    assert list(tmp_path.iterdir()) == []  # no SQLite file under ./postgresql:/...
 
 
 def test_a_named_conversation_resumes_from_the_store_after_a_restart(store: SqliteSessionStore) -> None:

@@ -7,6 +7,7 @@ and check the report's checks, its text, the command's wiring and its exit statu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +53,13 @@ def test_the_smoke_run_on_the_real_pair_passes_and_pulls_back_from_turn_two(pair
     assert pair.is_open and not pair.is_dead  # a shared engine stays open
 
 
+@pytest.mark.pair
+def test_the_smoke_run_in_auto_mode_reuses_from_turn_two(pair: EmbeddedPair) -> None:
+    report = run_smoke(pair, turns=2, mode="auto")
+    assert report.passed, report.text()
+    assert all(step.stats.prefill_engine in ("prefill", "decode") for step in report.steps)
+
+
 # ----------------------------------------------------------------- on doubles
 
 
@@ -82,7 +90,7 @@ def test_a_pair_that_pulls_back_passes_every_check() -> None:
     assert "engines: where they compute was not reported by this engine" in lines
     header = next(line for line in lines if line.startswith("turn"))
     assert header.split() == [
-        "turn", "step", "ttft_s", "prompt", "local", "pulled", "computed", "out", "kv_MB", "miss", "tool", "calls",
+        "turn", "step", "ttft_s", "prompt", "local", "pulled", "computed", "on", "out", "kv_MB", "miss", "tool", "calls",
     ]  # fmt: skip
     assert "add(a=2, b=3)" in text and "  ok    pull-back: " in text
     assert lines[-1] == "agentkv smoke: passed (3 turns, 6 steps)"
@@ -107,7 +115,9 @@ def test_a_turn_that_raises_fails_the_run_and_names_the_turn() -> None:
     assert "FAILED (turns, tool, pull-back; 0 turns, 0 steps)" in report.text()
 
 
-def _stats(turn: int, step: int, *, pulled: int, forwarded: bool = True, miss: Any = None) -> SmokeStep:
+def _stats(
+    turn: int, step: int, *, pulled: int, forwarded: bool = True, miss: Any = None, on: Any = "prefill"
+) -> SmokeStep:
     stats = StepStats(
         turn=turn,
         step=step,
@@ -119,8 +129,34 @@ def _stats(turn: int, step: int, *, pulled: int, forwarded: bool = True, miss: A
         output_tokens=8,
         handle_forwarded=forwarded,
         miss_reason=miss,
+        prefill_engine=on,
     )
     return SmokeStep(stats=stats, tool_calls=())
+
+
+def test_a_step_on_d_alone_counts_as_reuse_in_auto_mode() -> None:
+    """Placed on D, a step pulls nothing: D's own cache of the pin served it (its local hits)."""
+    first = _stats(1, 1, pulled=0, forwarded=False, miss="no_handle")
+    steps = [first, _stats(1, 2, pulled=40), _stats(2, 1, pulled=0, on="decode"), _stats(2, 2, pulled=0, on="decode")]
+    check = {c.name: c for c in _smoke._check_steps(steps, turns=2, notes=[])}["pull-back"]
+    assert check.passed and "2 step(s) ran on D alone" in check.detail, check.detail
+
+
+class _PlacesOnP(HonestPairEngine):
+    """An honest pair double that serves no mode auto (as a pair on a vLLM without auto placement's targets)."""
+
+    @property
+    def info(self) -> EngineInfo:
+        info = super().info
+        return dataclasses.replace(info, modes=info.modes - {"auto"}, extra={"modes_off": {"auto": "targets moved"}})
+
+
+def test_auto_on_an_engine_that_places_every_step_on_p_fails_by_name() -> None:
+    with _PlacesOnP(_answers()) as engine:
+        report = run_smoke(engine, mode="auto")
+    assert report.exit_code == 1 and not report.steps
+    assert report.failures[0].name == "push-back"
+    assert report.failures[0].detail == "the engine serves no auto: targets moved"
 
 
 def test_the_pull_back_check_allows_below_threshold_and_names_every_other_miss() -> None:
@@ -244,3 +280,8 @@ def test_agentkv_smoke_needs_two_turns(capsys: pytest.CaptureFixture[str]) -> No
 def test_agentkv_smoke_passes_the_devices_given(pairs: type[_Pair]) -> None:
     assert main(["smoke", "--turns", "2", "--prefill-devices", "0", "--decode-devices", "GPU-1f2e,1"]) == 0
     assert pairs.made == [(None, {"max_model_len": 4096, "prefill_devices": [0], "decode_devices": ["GPU-1f2e", 1]})]
+
+
+def test_agentkv_smoke_runs_auto_when_asked(pairs: type[_Pair], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["smoke", "--turns", "2", "--mode", "auto"]) == 0
+    assert "ok    push-back: the engine serves auto; the session runs it" in capsys.readouterr().out

@@ -88,6 +88,33 @@ def test_native_calls_run_and_results_come_back_as_tool_responses(tool_model: Pa
     assert "<|im_start|>user<tool_response>\n3\n</tool_response><tool_response>\n7\n</tool_response><|im_end|>" in text
 
 
+@tool
+def garble() -> str:
+    """Text with half a surrogate pair."""
+    return "half \ud800 of a pair"
+
+
+def test_a_tool_result_no_tokenizer_takes_is_escaped_as_the_schema_format_escapes_it(tool_model: Path) -> None:
+    """A tool's output is not the caller's text: a lone surrogate in it is written as JSON writes it, never refused."""
+    scripts = {
+        "native": [call("garble"), "Done."],
+        "schema": [json.dumps({"tool_calls": [{"name": "garble", "arguments": {}}]}), json.dumps({"answer": "Done."})],
+    }
+    shown: dict[str, str] = {}
+    for form, outputs in scripts.items():
+        with (
+            ScriptedEngine(outputs, model_path=tool_model) as engine,
+            Session(engine=engine, tools=[garble], tool_format=form) as session,  # type: ignore[arg-type]
+        ):
+            result = session.run_sync("Garble something.")
+            assert result.text == "Done."
+            assert result.steps[0].tool_results[0].content == "half \ud800 of a pair"  # the tool's own output
+            shown[form] = session.messages[-2].content  # the tool message the model read
+            engine.assert_complete()
+    assert shown["native"] == "half \\ud800 of a pair"
+    assert json.dumps(garble()) in shown["schema"] and shown["native"] in shown["schema"]
+
+
 def test_native_format_leaves_choice_to_the_model() -> None:
     with pytest.raises(UserError, match="native"):
         Session(tools=[add], tool_format="native", tool_choice="required")

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from _agentkv_vllm._patches import (
     FEATURES,
     IDLE_SLEEP,
     NIXL_DELAY_ENV,
+    OWN_GROUP,
     PARKED_POLL_ENV,
     PUSH_BACK,
     TESTED_VLLM,
@@ -67,10 +69,11 @@ def test_an_untested_vllm_is_warned_of_once_not_refused(
 def test_the_environment_marks_agentkvs_engines_and_names_both_intervals() -> None:
     assert engine_env(None) == {ENGINE_ENV: "1"}
     assert engine_env(50) == {ENGINE_ENV: "1", NIXL_DELAY_ENV: "50000", PARKED_POLL_ENV: "50"}
-    assert engine_features(engine_env(None)) == [CLEAN_SHUTDOWN, AUTO_PLACEMENT]
+    assert engine_features(engine_env(None)) == [CLEAN_SHUTDOWN, AUTO_PLACEMENT, OWN_GROUP]
     assert engine_features({**engine_env(50), _patches.CORE_TABLE_ENV: "/t:0"}) == [
         CLEAN_SHUTDOWN,
         AUTO_PLACEMENT,
+        OWN_GROUP,
         IDLE_SLEEP,
         ELASTIC_CORES,
     ]
@@ -123,8 +126,9 @@ def test_every_feature_probes_every_target_its_patch_replaces() -> None:
     table leaves out is (a walk over vLLM's and NIXL's modules for the plugin's functions): a new patch cannot
     skip its probe. Patched targets still pass their probes (the wrappers keep vLLM's parameters)."""
     script = """
-        import inspect, json, sys, types
+        import inspect, json, pickle, sys, types
         from _agentkv_vllm import _patches as patches
+        from vllm.v1.engine.core import EngineCoreProc
 
         def resolve(path):
             module, _, name = path.partition(":")
@@ -169,6 +173,8 @@ def test_every_feature_probes_every_target_its_patch_replaces() -> None:
             "after": {name: patches.probe(name) for name in patches.FEATURES},
             "patched": patches.patched_features(),
             "agentkv": [name for name in sys.modules if name.split(".")[0] == "agentkv"],
+            # a spawned engine core gets its target by name: the replaced one must be found under it
+            "by_name": pickle.loads(pickle.dumps(EngineCoreProc.run_engine_core)) is patches.run_engine_core_in_own_group,
         }))
     """
     found = _last_json(_run(script, _engine_process_env()))
@@ -179,6 +185,7 @@ def test_every_feature_probes_every_target_its_patch_replaces() -> None:
     assert found["after"] == dict.fromkeys(FEATURES), "a patched target must still pass its probe"
     assert found["patched"] == dict.fromkeys(found["patched"]) and len(found["patched"]) == len(FEATURES) - 1
     assert found["agentkv"] == []  # the plugin never imports agentkv
+    assert found["by_name"]
 
 
 def test_the_push_connector_touches_only_what_its_feature_probes() -> None:
@@ -266,9 +273,9 @@ def test_a_moved_target_turns_its_feature_off_with_one_warning(feature: str, rem
     assert len(warnings) == 1, done.stderr[-3000:]
     assert f"agentkv: {feature} is off" in warnings[0] and target in warnings[0], warnings
     assert found["patched"][feature] is not None and target in found["patched"][feature]
-    others = [name for name in (CLEAN_SHUTDOWN, AUTO_PLACEMENT, IDLE_SLEEP, ELASTIC_CORES) if name != feature]
+    others = [n for n in (CLEAN_SHUTDOWN, AUTO_PLACEMENT, OWN_GROUP, IDLE_SLEEP, ELASTIC_CORES) if n != feature]
     assert {name: why for name, why in found["patched"].items() if name != feature} == dict.fromkeys(others)
-    assert feature not in found["available"] and len(found["available"]) == 3
+    assert feature not in found["available"] and len(found["available"]) == len(others)
     assert found["others"] == [True, True, True]  # idle sleep (core and worker) and elastic cores applied
     if feature == AUTO_PLACEMENT:  # a patch release: no version warning, and clean shutdown is applied
         assert found["shutdown"] == "handle_shutdown_without_parked_kv"
@@ -328,3 +335,121 @@ def test_an_engine_waiting_only_for_remote_kv_steps_at_once_then_polls(monkeypat
     assert _patches._idle_wait_s(busy, parked_poll_s=0.05) is None
     assert _patches._idle_wait_s(_core("FINISHED_STOPPED"), parked_poll_s=0.05) == 0.05  # only parked KV
     assert _patches._idle_wait_s(_core("WAITING"), parked_poll_s=0.05) is None  # a request to schedule
+
+
+_OWNER = """
+    import multiprocessing, os, signal, sys, time
+    from _agentkv_vllm import _patches
+
+    def engine_core(report):  # stands for vLLM's run_engine_core: its handlers stop it on SIGINT or SIGTERM
+        def noted(signum, frame):
+            with open(report, "a") as file:
+                file.write(f"{signal.Signals(signum).name}\\n")
+            os._exit(0)
+        signal.signal(signal.SIGTERM, noted)
+        signal.signal(signal.SIGINT, noted)
+        with open(report, "a") as file:
+            file.write(f"group {os.getpgid(0) == os.getpid()} {signal.getsignal(signal.SIGTTOU) is signal.SIG_IGN}\\n")
+        time.sleep(60)
+
+    if __name__ == "__main__":
+        _patches._VLLM_RUN_ENGINE_CORE[:] = [engine_core]
+        core = multiprocessing.get_context("fork").Process(target=_patches.run_engine_core_in_own_group, args=(sys.argv[1],))
+        core.start()
+        print(core.pid, flush=True)
+        time.sleep(1.0)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C: the owner's whole group
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("agentkvs", [True, False], ids=["agentkv-engine", "other-engine"])
+def test_an_engine_core_ignores_its_owners_group_and_stops_when_its_owner_dies(tmp_path: Path, agentkvs: bool) -> None:
+    """The replaced ``run_engine_core`` of an engine agentkv started puts the core in a process group of its own
+    (SIGTTOU ignored), so the owner group's SIGINT does not reach it, and SIGTERMs it (vLLM's own stop) within
+    `OWNER_POLL_S` of its owner's SIGKILL. In another vLLM's engine core (no ``AGENTKV_ENGINE``) it changes nothing."""
+    script, report = tmp_path / "owner.py", tmp_path / "report"
+    script.write_text(textwrap.dedent(_OWNER))
+    env = _engine_process_env() if agentkvs else {k: v for k, v in os.environ.items() if not k.startswith("AGENTKV_")}
+    done = subprocess.run(
+        [sys.executable, str(script), str(report)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,  # the owner's group is its own: its SIGINT spares this test
+    )
+    assert done.returncode == -9, done.stderr[-3000:]
+    core = int(done.stdout.split()[0])
+    deadline = time.monotonic() + _patches.OWNER_POLL_S + 5
+    while agentkvs and os.path.exists(f"/proc/{core}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    noted = report.read_text().splitlines()
+    if agentkvs:
+        assert noted == ["group True True", "SIGTERM"]
+        assert not os.path.exists(f"/proc/{core}") or "Z" in Path(f"/proc/{core}/stat").read_text().split(")")[1][:3]
+    else:
+        assert noted == ["group False False", "SIGINT"]  # as vLLM runs it: in its owner's group, stopped by Ctrl-C
+
+
+_STARTING = """
+    import multiprocessing, os, signal, sys, threading, time
+    from _agentkv_vllm import _patches
+
+    def engine_core(report, block):  # a spawned core: seconds of imports, in its owner's group, then the plugin
+        time.sleep(2.0)
+        if block:
+            _patches._leave_the_owners_group()
+        def noted(signum, frame):
+            with open(report, "a") as file:
+                file.write(f"{signal.Signals(signum).name}\\n")
+        signal.signal(signal.SIGINT, noted)  # vLLM's handlers, installed once the core runs
+        signal.signal(signal.SIGTERM, noted)
+        time.sleep(1.0)
+        with open(report, "a") as file:
+            file.write("ran\\n")
+
+    def start(report, block, started):  # agentkv's owner makes the core from a worker thread
+        from agentkv._engines._vllm import _stop_signals_blocked
+
+        with _stop_signals_blocked() if block else open(os.devnull):
+            core = multiprocessing.get_context("spawn").Process(target=engine_core, args=(report, block))
+            core.start()
+        started.set()
+        core.join()
+
+    if __name__ == "__main__":
+        signal.signal(signal.SIGINT, lambda signum, frame: None)  # the owner's own stop (a handler, not inherited)
+        started = threading.Event()
+        starter = threading.Thread(target=start, args=(sys.argv[1], sys.argv[2] == "block", started))
+        starter.start()
+        started.wait()
+        time.sleep(1.0)
+        os.killpg(0, signal.SIGINT)  # a Ctrl-C while the core starts
+        starter.join()
+"""
+
+
+@pytest.mark.parametrize("block", [True, False], ids=["agentkv-owner", "unblocked"])
+def test_a_ctrl_c_while_an_engine_core_starts_stays_with_its_owner(tmp_path: Path, block: bool) -> None:
+    """A spawned core (vLLM's way on CPU) spends seconds importing in its owner's group before it can leave it.
+    Made by agentkv (SIGINT and SIGTERM blocked in the starting thread), a Ctrl-C to the group in that time is
+    dropped once the core has its own group; made without, it interrupts the core's start."""
+    script, report = tmp_path / "starting.py", tmp_path / "report"
+    script.write_text(textwrap.dedent(_STARTING))
+    done = subprocess.run(
+        [sys.executable, str(script), str(report), "block" if block else "plain"],
+        env=_engine_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    noted = report.read_text().splitlines() if report.exists() else []
+    if block:
+        assert noted == ["ran"], done.stderr[-3000:]
+    else:
+        assert noted == [] and "KeyboardInterrupt" in done.stderr

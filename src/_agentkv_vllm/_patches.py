@@ -16,6 +16,9 @@ Each patch and its measured reason is described in ``docs/vllm-patches.md``. In 
   before the engine, not after, so it never reads the "engine dead" that vLLM's own shutdown
   puts in its queue (a traceback at every exit).
 * **Pins of steps on D alone** (auto placement): D's worker tracks them as it tracks a decode's pin.
+* **Engines stopped by their owner only** (`run_engine_core_in_own_group`): an engine core (and the workers
+  it starts) runs in a process group of its own, so a terminal's Ctrl-C or a signal to the owner's process
+  group reaches the owner alone, which stops the engine in order; the engine stops itself when its owner dies.
 * **Elastic cores** (with ``core_policy="elastic"``, in `_agentkv_vllm._elastic_worker`): a
   worker sets its thread count from the host's core table (`CoreTable`) before each forward pass,
   and before each layer of a long one: all the cores of its binding while no other busy engine
@@ -60,6 +63,7 @@ __all__ = [
     "ELASTIC_CORES",
     "FEATURES",
     "IDLE_SLEEP",
+    "OWN_GROUP",
     "PREFILL_STATS",
     "PUSH_BACK",
     "SERVER_READOUTS",
@@ -76,6 +80,7 @@ __all__ = [
     "keep_prefill_stats",
     "patched_features",
     "probe",
+    "run_engine_core_in_own_group",
     "stop_output_handler",
     "untested_vllm",
     "warn_feature_off",
@@ -110,6 +115,7 @@ logger = logging.getLogger("agentkv")
 CLEAN_SHUTDOWN = "clean shutdown"
 IDLE_SLEEP = "idle sleep"
 AUTO_PLACEMENT = "auto placement"
+OWN_GROUP = "own process group"
 ELASTIC_CORES = "elastic cores"
 PREFILL_STATS = "prefill stats"
 SERVER_READOUTS = "server read-outs"
@@ -226,6 +232,21 @@ FEATURES: dict[str, Feature] = {
                     attrs=("_reqs_in_batch", "is_bidirectional_kv_xfer_enabled"),
                 ),
                 Target(f"{_REQUEST}:Request", attrs=("kv_transfer_params", "request_id")),
+            ),
+        ),
+        Feature(
+            OWN_GROUP,
+            serves="every engine agentkv starts: its processes ignore signals sent to their owner's process group "
+            "(a terminal's Ctrl-C), are stopped by their owner, and stop when it dies",
+            when_off="a Ctrl-C or SIGTERM sent to the owner's process group reaches the engine processes too: they "
+            "stop on their own before their owner stops them (the owner logs 'engine core exited unexpectedly' and "
+            "an EngineDeadError), and an engine whose owner was killed keeps running until agentkv's watchdog stops it",
+            targets=(
+                Target(f"{_CORE}:EngineCoreProc.run_engine_core", replaced=True),
+                Target(  # the target every engine-core process runs, read when the process is made
+                    "vllm.v1.engine.utils:CoreEngineProcManager.__init__",
+                    source="target=EngineCoreProc.run_engine_core",
+                ),
             ),
         ),
         Feature(
@@ -544,12 +565,12 @@ def engine_env(idle_poll_ms: int | None) -> dict[str, str]:
 
 def engine_features(env: Mapping[str, str] | None = None) -> list[str]:
     """The features `install` applies in a process with environment ``env`` (default: this one's): none outside
-    an engine agentkv started; clean shutdown and auto placement's pin fix in every one; idle sleep with
-    ``idle_poll_ms``; elastic cores with a core table."""
+    an engine agentkv started; clean shutdown, auto placement's pin fix and the engines' own process group in
+    every one; idle sleep with ``idle_poll_ms``; elastic cores with a core table."""
     env = os.environ if env is None else env
     if not env.get(ENGINE_ENV):
         return []
-    features = [CLEAN_SHUTDOWN, AUTO_PLACEMENT]
+    features = [CLEAN_SHUTDOWN, AUTO_PLACEMENT, OWN_GROUP]
     if env.get(NIXL_DELAY_ENV) or env.get(PARKED_POLL_ENV):
         features.append(IDLE_SLEEP)
     if env.get(CORE_TABLE_ENV):
@@ -578,6 +599,7 @@ def install() -> None:
         patches: dict[str, Callable[[], None]] = {
             CLEAN_SHUTDOWN: _tear_down_without_waiting_for_parked_kv,
             AUTO_PLACEMENT: _track_pins_of_steps_on_decode,
+            OWN_GROUP: _start_engine_cores_in_their_own_group,
             IDLE_SLEEP: _sleep_when_idle,
             ELASTIC_CORES: lambda: follow_core_table(os.environ[CORE_TABLE_ENV]),
         }
@@ -720,6 +742,100 @@ def _only_parked_kv(core: Any) -> bool:
     return not (
         core.engines_running or core.batch_queue or scheduler.has_unfinished_requests() or scheduler.finished_req_ids
     )
+
+
+OWNER_POLL_S = 1.0
+"""How often an engine core checks that the process that started it (its owner) still lives."""
+OWNERLESS_GRACE_S = 30.0
+"""An engine core whose owner died, still running this long after its own SIGTERM, exits at once."""
+_VLLM_RUN_ENGINE_CORE: list[Callable[..., Any]] = []
+"""vLLM's ``EngineCoreProc.run_engine_core``, once `run_engine_core_in_own_group` replaced it in this process."""
+
+
+def _start_engine_cores_in_their_own_group() -> None:
+    """Every engine-core process made from now on runs `run_engine_core_in_own_group` (vLLM's process manager
+    reads ``EngineCoreProc.run_engine_core`` as its target when it makes the process)."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    run = EngineCoreProc.run_engine_core
+    if run is run_engine_core_in_own_group:
+        return
+    _VLLM_RUN_ENGINE_CORE[:] = [run]
+    EngineCoreProc.run_engine_core = staticmethod(run_engine_core_in_own_group)  # type: ignore[method-assign,assignment]
+
+
+def run_engine_core_in_own_group(*args: Any, **kwargs: Any) -> Any:
+    """vLLM's ``EngineCoreProc.run_engine_core`` (an engine core's whole life), in a process group of its own.
+
+    A terminal's Ctrl-C goes to its foreground process group, and a supervisor's SIGTERM often to a
+    whole group. An engine core in its owner's group got them too, and vLLM's handler stopped it at
+    once, before its owner could stop it in order: the owner then logged "engine core exited
+    unexpectedly" and an ``EngineDeadError``. In a group of its own (its workers, which it starts,
+    inherit it), made before vLLM installs its handlers, an engine core gets only what its owner sends
+    it (vLLM stops a core with SIGTERM to its pid). A group kill of the owner no longer reaches it
+    either, so the core watches its owner and stops when it dies (`_stop_when_the_owner_dies`).
+
+    Module-level: vLLM spawns a CPU engine's core (a GPU engine's too, once CUDA is initialised in
+    the owner), which unpickles its target by name and so runs this first as well; a forked core
+    inherits the replaced attribute.
+    """
+    if os.environ.get(ENGINE_ENV):  # an engine agentkv started (the replaced target stays in the owner's process)
+        _leave_the_owners_group()
+    if _VLLM_RUN_ENGINE_CORE:
+        run = _VLLM_RUN_ENGINE_CORE[0]
+    else:  # a spawned engine core: this process has not replaced vLLM's function
+        from vllm.v1.engine.core import EngineCoreProc
+
+        run = EngineCoreProc.run_engine_core
+    return run(*args, **kwargs)
+
+
+def _leave_the_owners_group() -> None:
+    """Put this process (an engine core) in a process group of its own, and watch its owner. Never raises: vLLM's
+    engine core runs on (in its owner's group) where this fails."""
+    import multiprocessing
+    import signal
+
+    try:
+        parent = multiprocessing.parent_process()
+        owner = parent.pid if parent is not None and parent.pid else os.getppid()
+        os.setpgid(0, 0)
+        # A background group that writes to a terminal set to `stty tostop` is stopped by SIGTTOU, unless it
+        # ignores it (then the write goes through): the engine's log lines still reach the owner's terminal.
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        _drop_what_came_to_the_owners_group()
+        threading.Thread(target=_stop_when_the_owner_dies, args=(owner,), name="agentkv-owner", daemon=True).start()
+    except Exception as exc:
+        logger.warning("agentkv: the engine core stays in its owner's process group (%r)", exc)
+
+
+def _drop_what_came_to_the_owners_group() -> None:
+    """agentkv's owner makes an engine core with SIGINT and SIGTERM blocked (``_stop_signals_blocked`` in
+    ``src/agentkv/_engines/_vllm.py``): one sent to the owner's group while this process started (importing
+    Python, multiprocessing, this plugin) waits, pending. It was not for this process: drop it (an ignored signal
+    is discarded), then take them again."""
+    import signal
+
+    stops = {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    for pending in stops & signal.sigpending():
+        handler = signal.signal(pending, signal.SIG_IGN)
+        signal.signal(pending, handler)
+    if stops:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+
+
+def _stop_when_the_owner_dies(owner: int) -> None:
+    """Wait until ``owner`` (this process's parent) is gone, then stop this engine core as vLLM stops it: SIGTERM
+    (its requests are aborted, its workers stopped; they also follow it through vLLM's death pipe). A core still
+    running `OWNERLESS_GRACE_S` later (stuck in a start-up handshake with the dead owner) exits."""
+    import signal
+
+    while os.getppid() == owner:  # an orphan is re-parented (to init or a subreaper): the owner is gone
+        time.sleep(OWNER_POLL_S)
+    logger.warning("agentkv: the process that started this engine (pid %d) is gone; the engine stops", owner)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(OWNERLESS_GRACE_S)
+    os._exit(1)
 
 
 def _idle_wait_s(core: Any, *, parked_poll_s: float) -> float | None:

@@ -43,6 +43,7 @@ from ._errors import (
     ModelPreparationError,
     SessionBusyError,
     SessionClosedError,
+    StoreUnavailableError,
     TemplateError,
     UserError,
 )
@@ -127,6 +128,7 @@ __all__ = [
     "StepRequest",
     "StepStats",
     "StepTimings",
+    "StoreUnavailableError",
     "StoredResponse",
     "TemplateError",
     "TextDelta",

@@ -10,6 +10,7 @@ Every error agentkv raises on purpose derives from `AgentKVError`::
     ├── ModelPreparationError      the bundled or given model could not be prepared or loaded
     ├── TemplateError              the chat template cannot give token-exact deltas
     ├── ContextLengthError         the prompt does not fit the model's context length
+    ├── StoreUnavailableError      a saved session or response could not be kept (store locked, full, read-only)
     └── EngineError                the inference backend failed
         ├── EngineStartError       an engine did not come up
         ├── EngineDeadError        an engine died; the engine must be replaced
@@ -32,6 +33,7 @@ __all__ = [
     "ModelPreparationError",
     "SessionBusyError",
     "SessionClosedError",
+    "StoreUnavailableError",
     "TemplateError",
     "UserError",
 ]
@@ -75,6 +77,26 @@ class ContextLengthError(AgentKVError):
         super().__init__(message)
         self.prompt_tokens = prompt_tokens
         self.max_model_len = max_model_len
+
+
+class StoreUnavailableError(AgentKVError):
+    """The store a `SessionPool` saves its sessions in, or the front door its responses in, could not be read or
+    written: its file is locked by another process (past the store's ``timeout_s``), the disk or the database is
+    full, the file is read-only, or the disk failed (``_sqlite.py``'s ``SqliteTable`` raises it).
+
+    Nothing of the failed call is kept: a pool's step that could not be saved is not answered, and its
+    conversation resumes from its last saved step. The store tries again on its next call, so saving resumes
+    once the fault clears; ``agentkv serve`` answers 503 with ``Retry-After`` meanwhile.
+    """
+
+    def __init__(self, message: str, *, path: str, reason: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.path = path
+        """The store's file."""
+        self.reason = reason
+        """``locked``, ``full``, ``read_only``, ``io`` (the disk failed) or ``other``."""
+        self.retry_after_s = retry_after_s
+        """When a caller may try again (``agentkv serve``'s ``Retry-After``)."""
 
 
 class EngineError(AgentKVError):

@@ -122,17 +122,33 @@ class EventLoopHome:
             raise
 
     async def call_async(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Await ``fn(*args)`` on this loop from a task on another loop."""
+        """Await ``fn(*args)`` on this loop from a task on another loop.
+
+        Cancelled, it cancels ``fn`` and waits for it to unwind before it re-raises, as `call` does: a
+        cancelled step has rolled back (and its engine requests are aborted) when the caller goes on.
+        """
         if self.is_current():
             return await fn(*args)
         if self._portal is None:
             raise UserError("this object lives on another event loop; call it from that loop")
         portal = self._portal
-        future: concurrent.futures.Future[T] = portal.start_task_soon(fn, *args)
+        caller = asyncio.get_running_loop()
+        unwound = asyncio.Event()
+
+        async def call_and_signal() -> T:
+            try:
+                return await fn(*args)
+            finally:
+                with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+                    caller.call_soon_threadsafe(unwound.set)
+
+        future: concurrent.futures.Future[T] = portal.start_task_soon(call_and_signal)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             future.cancel()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_CANCEL_GRACE_S):
+                await unwound.wait()
             raise
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:

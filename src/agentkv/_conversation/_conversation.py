@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from .._errors import InvalidMessageError, TemplateError, UserError
 from ._tools import ToolCall
 
-__all__ = ["ChatRenderer", "Conversation", "Message", "SavedSegment"]
+__all__ = ["ChatRenderer", "Conversation", "Message", "SavedSegment", "check_unicode"]
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -31,6 +31,14 @@ _CONTENT_MARKER = re.compile("\x00agentkv-content-(\\d+)\x00")
 
 _TOKENIZER_LOCK = threading.Lock()
 """Guards the tokenizer's shared ``split_special_tokens`` switch (sessions on several loop threads share one)."""
+
+
+def check_unicode(text: str, what: str) -> None:
+    """`InvalidMessageError` naming ``what`` if ``text`` is not valid Unicode (a lone surrogate: no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(f"{what} is not valid Unicode text ({exc.reason} at {exc.start})") from None
 
 
 def _content_marker(index: int) -> str:
@@ -150,6 +158,8 @@ class ChatRenderer:
         are tokenized with the markup, as a full render would be; otherwise the render is split
         at the contents (rendered with markers) and each content is tokenized as plain text.
         """
+        for message in messages:  # what no tokenizer takes is refused here, whatever path it came by
+            check_unicode(message.content + (message.name or ""), f"a {message.role} message")
         text = render(messages)
         if not any(self._has_special_text(m.content) for m in messages):
             return self.encode(text)
@@ -325,7 +335,9 @@ class Conversation:
     ) -> Conversation:
         """A saved conversation, its token ids as saved (never re-rendered); raises `UserError` if they do not fit."""
         conversation = cls(renderer, system=system)
-        ends = [s.start for s in segments[1:]] + [len(tokens)]
+        if not segments and tokens:  # an empty conversation (no turn yet) has no tokens either
+            raise UserError("the saved conversation's segments do not fit its tokens")
+        ends = [s.start for s in segments[1:]] + [len(tokens)] if segments else []
         for segment, end in zip(segments, ends, strict=True):
             if not 0 <= segment.start <= end or (
                 segment.generated is not None and segment.generated != list(tokens[segment.start : end])

@@ -186,6 +186,7 @@ def check_tools(tools: Sequence[Tool | Callable[..., Any]]) -> dict[str, Tool]:
         wrapped = item if isinstance(item, Tool) else Tool(item)
         if wrapped.name in by_name:
             raise UserError(f"two tools are named {wrapped.name!r}")
+        _check_spec_text(wrapped.spec)
         by_name[wrapped.name] = wrapped
     return by_name
 
@@ -204,8 +205,19 @@ def check_tool_specs(tools: Sequence[ToolSpec | Tool | dict[str, Any]]) -> dict[
             raise UserError(f"a tool must be a ToolSpec, a Tool or an OpenAI tool dict, not {type(item).__name__}")
         if spec.name in by_name:
             raise UserError(f"two tools are named {spec.name!r}")
-        by_name[spec.name] = spec
+        by_name[spec.name] = _check_spec_text(spec)
     return by_name
+
+
+def _check_spec_text(spec: ToolSpec) -> ToolSpec:
+    """``spec``, if its text can reach the model: a lone surrogate (no tokenizer takes it) is a `UserError`."""
+    try:
+        json.dumps(spec.model_dump(), ensure_ascii=False, default=str).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UserError(
+            f"tool {spec.name!r}: its description or parameters are not valid Unicode text ({exc.reason})"
+        ) from None
+    return spec
 
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
@@ -398,8 +410,14 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
     return result(content)
 
 
+def native_result(result: ToolResult) -> str:
+    """The tool message content the model reads in the native format: the tool's text as it is, but a lone
+    surrogate (which no tokenizer takes) written as `result_message`'s JSON writes it (``\\ud800``)."""
+    return result.content.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def result_message(result: ToolResult) -> str:
-    """The tool message content the model reads."""
+    """The tool message content the model reads (schema format: JSON, so any text is escaped)."""
     return (
         json.dumps({"name": result.name, "result": result.content})
         if result.error is None

@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .._errors import InvalidMessageError
-from ._conversation import ChatRenderer, Conversation, Message
+from ._conversation import ChatRenderer, Conversation, Message, check_unicode
 from ._tools import ToolCall, ToolFormat, ToolResult, ToolSpec, result_message
 
 __all__ = ["Transcript", "TranscriptKey", "assistant_text", "read_messages", "rebuild", "model_messages"]
@@ -37,6 +37,8 @@ def read_messages(messages: Sequence[MessageLike]) -> list[Message]:
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
         raise InvalidMessageError("messages must be a non-empty list of messages")
     read = [_read_one(index, item) for index, item in enumerate(messages)]
+    for index, message in enumerate(read):
+        _check_unicode(index, message)
     calls: dict[str, ToolCall] = {}
     checked: list[Message] = []
     for index, message in enumerate(read):
@@ -80,6 +82,20 @@ def _read_one(index: int, item: MessageLike) -> Message:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
         raise InvalidMessageError(f"message {index}: {where + ': ' if where else ''}{first['msg']}") from None
+
+
+def _check_unicode(index: int, message: Message) -> None:
+    """`InvalidMessageError` naming the message and the part of it that is not valid Unicode (a lone surrogate)."""
+    parts = [("content", message.content), ("name", message.name or ""), ("tool_call_id", message.tool_call_id or "")]
+    for call in message.tool_calls:
+        arguments = json.dumps(call.arguments, ensure_ascii=False, default=str)
+        parts += [
+            ("tool call id", call.id),
+            ("tool call name", call.name),
+            (f"tool call {call.id!r}'s arguments", arguments),
+        ]
+    for what, text in parts:
+        check_unicode(text, f"message {index}: its {what}")
 
 
 def _text(index: int, content: object) -> str:

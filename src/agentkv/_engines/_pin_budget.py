@@ -76,7 +76,7 @@ class PinBudget:
     def deadline(self, handle: KVHandle) -> float | None:
         """When ``handle``'s pin expires in this process's clock (None: not a live pin of this budget)."""
         pin = self._pins.get(handle.remote_request_id)
-        return pin.deadline if pin is not None else None
+        return pin.deadline if pin is not None and pin.handle == handle else None
 
     def pinned(self, handle: KVHandle, *, deadline: float | None = None) -> None:
         """D returned ``handle``: its blocks stay held until read, released or expired.

@@ -13,11 +13,13 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -126,7 +128,7 @@ class AsyncLLMRunner:
         with _START_LOCK:
             before = descendants(os.getpid())
             try:
-                with _environ(self.launch.env):
+                with _environ(self.launch.env), _stop_signals_blocked():
                     self._llm = self._build()
             except Exception as exc:
                 raise EngineStartError(f"the {self.name} engine did not start: {exc}") from exc
@@ -408,6 +410,26 @@ def engine_seconds(output: RequestOutput) -> tuple[float | None, float, float | 
     wait = max(0.0, metrics.scheduled_ts - metrics.queued_ts)
     decode = metrics.last_token_ts - metrics.first_token_ts if metrics.first_token_ts else None
     return prefill, wait, decode
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """Block SIGINT and SIGTERM in this thread (a worker thread: the main one still gets them) while it starts
+    an engine. The engine-core process it makes is born with them blocked, forked or spawned: a Ctrl-C to this
+    process's group while that process starts, still in this group, stays pending there until it has moved to a
+    group of its own and drops it (``run_engine_core_in_own_group`` in ``src/_agentkv_vllm/_patches.py``)."""
+    if threading.current_thread() is threading.main_thread():
+        yield  # blocked here, they would keep a Ctrl-C from the caller for the whole start
+        return
+    # Python's resource tracker, started by the first process multiprocessing spawns, unblocks both signals in
+    # the thread that starts it (multiprocessing/resource_tracker.py): started first, it leaves this block alone.
+    resource_tracker.ensure_running()
+    stops = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager

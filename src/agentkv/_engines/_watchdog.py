@@ -3,14 +3,17 @@
 agentkv's exit hook (``_vllm.py``) covers a normal exit and Ctrl-C, but not SIGTERM or SIGKILL
 of the Python process that embeds the engines; vLLM's engine cores then keep running as orphans. The watchdog is
 a small process that holds the read end of a pipe from this process: it learns the engine
-pids as they start and stop, and when the pipe closes (this process is gone, however it
-ended) it terminates every pid still registered.
+pids as they start and stop, and when the pipe closes or this process is gone (however it
+ended) it terminates every pid still registered. Both: the engine processes vLLM forks inherit the
+pipe's write end, so while they run the pipe does not close when this process dies; the watchdog then
+sees that its parent changed (an orphan is re-parented).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -21,13 +24,20 @@ __all__ = ["forget_pids", "stop_watching", "watch_pids"]
 logger = logging.getLogger("agentkv")
 
 _WATCHDOG = r"""
-import os, signal, sys, time
+import os, signal, sys, threading, time
 pids = set()
-for line in sys.stdin:
-    sign, pid = line[0], int(line[1:])
-    (pids.add if sign == "+" else pids.discard)(pid)
+owner = int(sys.argv[1])
+def read():
+    for line in sys.stdin:
+        sign, pid = line[0], int(line[1:])
+        (pids.add if sign == "+" else pids.discard)(pid)
+reader = threading.Thread(target=read, daemon=True)
+reader.start()
+while reader.is_alive() and os.getppid() == owner:
+    reader.join(0.5)
+reader.join(0.5)  # the owner is gone: what it wrote before is still read
 for sig in (signal.SIGTERM, signal.SIGKILL):
-    for pid in pids:
+    for pid in list(pids):
         try:
             os.kill(pid, sig)
         except OSError:
@@ -44,7 +54,10 @@ def _send(lines: Iterable[str]) -> None:
     with _lock:
         if _process is None or _process.poll() is not None:
             _process = subprocess.Popen(
-                [sys.executable, "-c", _WATCHDOG], stdin=subprocess.PIPE, text=True, start_new_session=True
+                [sys.executable, "-c", _WATCHDOG, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
             )  # not in our process group: Ctrl-C spares it
         assert _process.stdin is not None
         try:

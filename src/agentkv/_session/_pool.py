@@ -29,7 +29,7 @@ from ._message_step import MessageRequest, StepOptions
 from ._results import StepReply
 from ._session import Session, make_engine
 from ._session_config import SessionConfig
-from ._session_store import SessionStore, conversation_key, history_key
+from ._session_store import SessionStore, check_session_store, conversation_key, history_key
 
 __all__ = ["SessionPool"]
 
@@ -61,7 +61,9 @@ class SessionPool(EngineUser):
         store: where each session's snapshot is saved after every step (e.g. `SqliteSessionStore`): a
             conversation not live in the pool (closed when idle, or before a restart) resumes from it,
             token for token. Default: none (such a conversation is rebuilt from its messages).
-            The caller closes a store it passes.
+            The caller closes a store it passes. A step that cannot be saved (`StoreUnavailableError`:
+            the store's file locked, full, read-only) raises instead of answering, and its session is
+            closed: the conversation's next step resumes from its last saved step.
         session_options: keyword arguments of each `Session` (``system``, ``mode``, ``tool_format``,
             ``max_tokens``, ``temperature``, ``seed``, ``cache_salt``; ``model`` and ``engine_options``
             for the pool's own engine).
@@ -86,7 +88,7 @@ class SessionPool(EngineUser):
             raise UserError("model= and engine_options= configure the pool's own engine; not with engine=")
         self._config = Session(**session_options)._config  # the options are checked now, not at the first step
         """Every session's configuration (each step's request is read once, with it)."""
-        self.store = store
+        self.store = check_session_store(store)
         self._engine_config = SessionConfig.build(
             tools=(),
             engine_options=engine_options.get("engine_options"),
@@ -209,7 +211,8 @@ class SessionPool(EngineUser):
                     return
         finally:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # the step is cancelled before the consumer goes on
+            with anyio.CancelScope(shield=True):  # the step is cancelled (and unwound) before the consumer goes on,
+                await asyncio.gather(task, return_exceptions=True)  # even a consumer that was cancelled itself
 
     async def _step(
         self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, options: StepOptions
@@ -222,8 +225,18 @@ class SessionPool(EngineUser):
                 request, on_text=options.get("on_text"), on_first_token=options.get("on_first_token")
             )
             if self.store is not None:
-                await self._save(member, history=[*request.messages, reply.message])
+                try:
+                    await self._save(member, history=[*request.messages, reply.message])
+                except Exception:  # not answered: the live session goes, the next step resumes from the last saved one
+                    with anyio.CancelScope(shield=True):
+                        await self._close(member, "its step could not be saved")
+                    raise
             return reply
+        except BaseException:
+            if not member.session.stats.turns and member.saved_key is None and member in self._members:
+                with anyio.CancelScope(shield=True):  # a session whose first step failed or was cancelled holds
+                    await self._close(member, "its first step did not complete")  # nothing: not kept
+            raise
         finally:
             member.busy = False
             member.used = time.monotonic()
@@ -276,7 +289,10 @@ class SessionPool(EngineUser):
         logger.debug("agentkv: resumed a pooled session from the store")
 
     async def _save(self, member: _Member, *, history: Sequence[Message]) -> None:
-        """Save the member's session after a step (an unnamed one under its new history, the old key dropped)."""
+        """Save the member's session after a step (an unnamed one under its new history, the old key dropped).
+
+        A save that fails raises (`SqliteSessionStore`: `StoreUnavailableError`): `_step` then drops the
+        member and does not answer, so every answered step is saved and the store keeps the last saved one."""
         assert self.store is not None
         store, snapshot = self.store, member.session.snapshot()
         if member.conversation_id is not None:
@@ -288,7 +304,10 @@ class SessionPool(EngineUser):
         def save() -> None:
             store.put(key, snapshot)
             if previous is not None and previous != key:
-                store.delete(previous)
+                try:
+                    store.delete(previous)
+                except Exception as exc:  # the step is saved; the old snapshot stays (the old history's own)
+                    logger.warning("agentkv: a superseded session snapshot could not be dropped: %s", exc)
 
         with anyio.CancelScope(shield=True):  # the step is done: its snapshot is saved even if the caller left
             await anyio.to_thread.run_sync(save)

@@ -662,9 +662,20 @@ def make_engine(config: SessionConfig) -> Engine:
     return EmbeddedPair(config.model, **options)
 
 
-@functools.lru_cache(maxsize=4)
+_TOKENIZER_LOADING = threading.Lock()
+
+
 def load_tokenizer(model_path: str) -> Any:
-    """The model's Hugging Face tokenizer, loaded once per process (sessions only read it)."""
+    """The model's Hugging Face tokenizer, loaded once per process (sessions only read it).
+
+    One thread at a time: sessions opened at once (a burst at the front door) would otherwise import
+    transformers in several threads together, and its lazy imports then fail (``cannot import name``)."""
+    with _TOKENIZER_LOADING:
+        return _load_tokenizer(model_path)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)

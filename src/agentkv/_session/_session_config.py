@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .._conversation._conversation import check_unicode
 from .._conversation._tools import Tool, ToolChoice, ToolFormat, ToolSpec, check_tools, instructions
 from .._engines._base import Mode
 from .._errors import InvalidMessageError, UserError
@@ -116,10 +117,7 @@ def check_text(text: object, what: str) -> str:
     """``text`` if it is a string the tokenizer can take, else `InvalidMessageError`."""
     if not isinstance(text, str):
         raise InvalidMessageError(f"{what} must be a string, not {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it
-        raise InvalidMessageError(f"{what} is not valid Unicode text ({exc.reason} at {exc.start})") from None
+    check_unicode(text, what)
     return text
 
 

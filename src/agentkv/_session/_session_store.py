@@ -17,10 +17,11 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .._conversation._conversation import Message
-from .._sqlite import SqliteTable, Store, positive
+from .._errors import UserError
+from .._sqlite import STORE_TIMEOUT_S, SqliteTable, Store, positive, store_path
 from ._snapshot import SessionSnapshot
 
-__all__ = ["SessionStore", "SqliteSessionStore", "conversation_key", "history_key"]
+__all__ = ["SessionStore", "SqliteSessionStore", "check_session_store", "conversation_key", "history_key"]
 
 
 def conversation_key(conversation_id: str) -> str:
@@ -43,29 +44,47 @@ class SessionStore(Store):
 
     @abstractmethod
     def put(self, key: str, snapshot: SessionSnapshot) -> None:
-        """Save ``snapshot`` under ``key`` (replacing what was there)."""
+        """Save ``snapshot`` under ``key`` (replacing what was there). A store that cannot raises (`SqliteSessionStore`:
+        `StoreUnavailableError`); the pool then does not answer the step it was saving."""
 
     @abstractmethod
     def delete(self, key: str) -> None:
         """Forget ``key`` (nothing happens when it is unknown)."""
 
 
+def check_session_store(store: object) -> SessionStore | None:
+    """``store`` as `SessionPool` takes it: a `SessionStore` or None; anything else is a `UserError` (a URL's
+    names its scheme: `store_path`)."""
+    if store is None or isinstance(store, SessionStore):
+        return store
+    if isinstance(store, str | Path):
+        path = str(store_path(store))
+        raise UserError(f"store takes a SessionStore, not a path: SqliteSessionStore({path!r}) keeps snapshots there")
+    raise UserError(f"store must be a SessionStore (e.g. SqliteSessionStore(path)), not {type(store).__name__}")
+
+
 class SqliteSessionStore(SessionStore):
     """Session snapshots in a table of one SQLite file, kept across restarts; the oldest dropped beyond ``max_sessions``.
+
+    A call that cannot read or write the file (locked by another process past ``timeout_s``, full, read-only)
+    raises `StoreUnavailableError` and keeps nothing; the next call tries again.
 
     Args:
         path: the database file (created, with its folder, if missing); ``agentkv serve`` shares it with its responses.
         max_sessions: the most snapshots kept.
+        timeout_s: the most a call waits for the file's write lock (another process's) before it fails.
     """
 
-    def __init__(self, path: str | Path, *, max_sessions: int = 100_000) -> None:
+    def __init__(self, path: str | Path, *, max_sessions: int = 100_000, timeout_s: float = STORE_TIMEOUT_S) -> None:
         self._table = SqliteTable(
             path,
             table="sessions",
             columns=("key TEXT PRIMARY KEY", "snapshot TEXT NOT NULL"),
             max_rows=positive("max_sessions", max_sessions),
+            timeout_s=timeout_s,
         )
         self.path = self._table.path
+        self.timeout_s = self._table.timeout_s
 
     def get(self, key: str) -> SessionSnapshot | None:
         row = self._table.read("SELECT snapshot FROM sessions WHERE key = ?", key)

@@ -19,6 +19,7 @@ from .._conversation._conversation import Conversation, Message
 from .._conversation._tools import (
     ToolCall,
     ToolResult,
+    native_result,
     output_schema,
     parse_native_output,
     parse_output,
@@ -215,8 +216,9 @@ def read_step(
 
 
 def _tool_message(config: SessionConfig, result: ToolResult) -> str:
-    """A tool result as the model reads it: raw content for native templates, JSON for schema mode."""
-    return result.content if config.format == "native" else result_message(result)
+    """A tool result as the model reads it: raw content for native templates (a lone surrogate escaped, as
+    JSON escapes it), JSON for schema mode. A tool's output is not the caller's text: it is never refused."""
+    return native_result(result) if config.format == "native" else result_message(result)
 
 
 @asynccontextmanager

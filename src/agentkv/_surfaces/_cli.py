@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from .._errors import AgentKVError, UserError
 from .._model import list_models, prepare_model
 from .._session._results import TextDelta
 from .._session._session import Mode, Session
+from ._signals import StopSignals
 
 __all__ = ["main"]
 
@@ -116,6 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1,
         help="pairs behind the door, the cores (on a GPU host: the GPUs) split among them (default 1)",
     )
+    serve.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="the engines' context length in tokens (default 4096; not with --remote)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this host only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -126,14 +134,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--max-sessions", type=int, default=64, help="sessions kept; least recently used closed first")
     serve.add_argument("--idle-ttl-s", type=float, default=600.0, help="a session idle this long is closed")
     serve.add_argument("--max-tokens", type=int, default=256, help="answer length when a request names none")
-    serve.add_argument("--max-request-mb", type=float, default=4.0, help="largest request body")
+    serve.add_argument("--max-request-mb", type=float, default=4.0, help="largest request body (413 above it)")
+    serve.add_argument(
+        "--max-header-kb", type=float, default=16.0, help="most bytes of request headers, in KiB (431 above it)"
+    )
+    serve.add_argument(
+        "--max-messages", type=_positive_int, default=2048, help="most messages in one request (400 above it)"
+    )
+    serve.add_argument(
+        "--max-in-flight",
+        type=_positive_int,
+        default=None,
+        help="most steps running at once; one more gets a 429 with Retry-After at once (default: --max-sessions)",
+    )
     serve.add_argument("--timeout-s", type=float, default=300.0, help="the most one request may take")
     serve.add_argument(
         "--store",
         default=None,
         metavar="PATH",
         help="the SQLite file sessions (to resume after a restart) and responses (for previous_response_id) "
-        "are kept in (default: $AGENTKV_HOME/serve.sqlite3); 'memory': in this process only",
+        "are kept in (default: $AGENTKV_HOME/serve.sqlite3; a path, not a URL); 'memory': in this process only",
+    )
+    serve.add_argument(
+        "--store-timeout-s",
+        type=_positive_seconds,
+        default=2.0,
+        help="the most a save waits for the store's lock (another process's) before its request gets a 503",
     )
 
     engine = commands.add_parser(
@@ -176,6 +202,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     smoke.add_argument("--max-model-len", type=int, default=4096)
     smoke.add_argument("--turns", type=_smoke_turns, default=3, help="turns of the conversation, 2 or more (default 3)")
+    smoke.add_argument(
+        "--mode",
+        choices=("bidirectional", "auto"),
+        default="bidirectional",
+        help="auto: the pair may place steps on D alone (they reuse D's cache instead of pulling)",
+    )
     smoke.add_argument(
         "--prefill-devices",
         type=_devices,
@@ -242,6 +274,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
     return value
 
 
@@ -313,8 +352,10 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
     pairs: int = getattr(args, "pairs", 1)
     engine_args: dict[str, Any] = getattr(args, "engine_args", None) or {}
     options: dict[str, Any] = {"engine_args": engine_args} if engine_args else {}
+    if getattr(args, "max_model_len", None) is not None:
+        options["max_model_len"] = args.max_model_len
     if args.remote:
-        if engine_args:
+        if options:
             raise UserError("servers given with --remote take their vLLM arguments where they start (agentkv engine)")
         remotes = [RemotePair(*urls, model=args.model, transfer=args.transfer) for urls in args.remote]
         return {"engine": remotes[0] if len(remotes) == 1 else EngineGroup(remotes)}
@@ -357,6 +398,17 @@ def _session(args: argparse.Namespace, **options: Any) -> Session:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """Start the pool's engines, serve, and stop in order on SIGINT or SIGTERM, whenever it comes (`StopSignals`):
+    0 once serving, 128 + the signal's number when it interrupted the start-up."""
+    with StopSignals("agentkv serve") as signals:
+        try:
+            _serve_until(args, signals)
+        except KeyboardInterrupt:  # a signal while the engines started: they were stopped as the start-up unwound
+            return 128 + (signals.received or signal.SIGINT)
+    return 0
+
+
+def _serve_until(args: argparse.Namespace, signals: StopSignals) -> None:
     from .._session._pool import SessionPool
     from .._session._session_store import SqliteSessionStore
     from .._sqlite import default_store_path
@@ -369,7 +421,9 @@ def _serve(args: argparse.Namespace) -> int:
         responses = MemoryResponseStore()
     else:
         path = args.store or default_store_path()
-        responses, sessions = SqliteResponseStore(path), SqliteSessionStore(path)
+        timeout_s = args.store_timeout_s
+        responses = SqliteResponseStore(path, timeout_s=timeout_s)
+        sessions = SqliteSessionStore(path, timeout_s=timeout_s)
     pool = SessionPool(
         mode=args.mode,
         max_sessions=args.max_sessions,
@@ -383,6 +437,9 @@ def _serve(args: argparse.Namespace) -> int:
             pool,
             api_key=args.api_key or None,
             max_request_bytes=int(args.max_request_mb * 1024 * 1024),
+            max_header_bytes=int(args.max_header_kb * 1024),
+            max_messages=args.max_messages,
+            max_in_flight=args.max_in_flight,
             timeout_s=args.timeout_s,
             host=args.host,
             port=args.port,
@@ -395,8 +452,8 @@ def _serve(args: argparse.Namespace) -> int:
             f"agentkv serve: {door.url}/v1 (model {door.settings.model_name!r}, {pairs}, {key}, {kept}); Ctrl-C to stop",
             flush=True,
         )
-        door.run()
-    return 0
+        signals.serving()
+        door.run(until=signals.requested)
 
 
 def _smoke(args: argparse.Namespace) -> int:
@@ -410,6 +467,7 @@ def _smoke(args: argparse.Namespace) -> int:
         prefill_devices=args.prefill_devices,
         decode_devices=args.decode_devices,
         engine_args=args.engine_args,
+        mode=args.mode,
     )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._sqlite import SqliteTable, Store, positive
+from .._sqlite import STORE_TIMEOUT_S, SqliteTable, Store, positive
 
 __all__ = ["MemoryResponseStore", "ResponseStore", "SqliteResponseStore", "StoredResponse"]
 
@@ -98,15 +98,22 @@ class SqliteResponseStore(ResponseStore):
     dropped beyond ``max_responses``. A ``responses`` table of another layout (an older agentkv's) is
     replaced by an empty one, with a warning: its responses can no longer be continued.
 
+    A call that cannot read or write the file (locked by another process past ``timeout_s``, full, read-only)
+    raises `StoreUnavailableError` and keeps nothing (``agentkv serve`` answers 503); the next call tries again.
+
     Args:
         path: the database file (created, with its folder, if missing; other tables in it are left alone).
         max_responses: the most responses kept.
+        timeout_s: the most a call waits for the file's write lock (another process's) before it fails.
     """
 
-    def __init__(self, path: str | Path, *, max_responses: int = 100_000) -> None:
+    def __init__(self, path: str | Path, *, max_responses: int = 100_000, timeout_s: float = STORE_TIMEOUT_S) -> None:
         self.max_responses = positive("max_responses", max_responses)
-        self._table = SqliteTable(path, table="responses", columns=_COLUMNS, max_rows=self.max_responses)
+        self._table = SqliteTable(
+            path, table="responses", columns=_COLUMNS, max_rows=self.max_responses, timeout_s=timeout_s
+        )
         self.path = self._table.path
+        self.timeout_s = self._table.timeout_s
 
     def get(self, response_id: str) -> StoredResponse | None:
         row = self._table.read(

@@ -15,13 +15,14 @@ import logging
 import secrets
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -34,11 +35,24 @@ from .._errors import (
     EngineUnavailableError,
     SessionBusyError,
     SessionClosedError,
+    StoreUnavailableError,
     UserError,
 )
 from .._model import model_name as served_name
 from .._session._pool import SessionPool
 from .._session._results import StepReply
+from ._in_flight import ClientGoneError, InFlight, ServerStoppingError
+from ._limits import (
+    Admission,
+    HeaderLimit,
+    HeadersTooLargeError,
+    OverloadedError,
+    RequestTooLargeError,
+    check_items,
+    check_positive,
+    parser_bound,
+    read_body,
+)
 from ._metrics import ServeMetrics
 from ._openai_chat import ChatRequest, CompletionIds, chunk, completion, read_request
 from ._openai_responses import (
@@ -51,6 +65,7 @@ from ._openai_responses import (
     refuse_retrieve_options,
 )
 from ._response_store import MemoryResponseStore, ResponseStore, StoredResponse
+from ._signals import StopSignals
 
 __all__ = ["FrontDoor", "ServeSettings", "create_app"]
 
@@ -63,30 +78,57 @@ class ServeSettings:
 
     model_name: str
     """The model id clients name (and ``GET /v1/models`` lists)."""
-    api_key: str | None = None
-    """When set, every ``/v1`` and ``/metrics`` request needs ``Authorization: Bearer <key>``."""
+    api_key: str | None = field(default=None, repr=False)
+    """When set, every ``/v1`` and ``/metrics`` request needs ``Authorization: Bearer <key>`` (compared in
+    constant time; never logged, nor shown in the settings' repr)."""
     max_request_bytes: int = 4 * 1024 * 1024
+    """The largest request body (413 above it; counted as it arrives, before it is parsed)."""
+    max_header_bytes: int = 16 * 1024
+    """The most bytes of request headers, names and values (431 above it)."""
+    max_messages: int = 2048
+    """The most messages (Responses: input items) one request may carry (400 above it)."""
+    max_in_flight: int = 64
+    """The most steps running at once; one more is refused at once with 429 and ``Retry-After``, never queued."""
     timeout_s: float = 300.0
     """The most one request may take (the step is cancelled after it: nothing is kept)."""
 
+    def __post_init__(self) -> None:
+        limits = ("max_request_bytes", "max_header_bytes", "max_messages", "max_in_flight")
+        check_positive({name: getattr(self, name) for name in limits})
 
-def create_app(pool: SessionPool, settings: ServeSettings, store: ResponseStore | None = None) -> Starlette:
+
+def create_app(
+    pool: SessionPool,
+    settings: ServeSettings,
+    store: ResponseStore | None = None,
+    *,
+    in_flight: InFlight | None = None,
+) -> Starlette:
     """The ASGI app: ``POST /v1/chat/completions``, ``POST /v1/responses``, ``GET`` and ``DELETE
     /v1/responses/{id}``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``. ``store`` keeps responses for
-    ``previous_response_id`` and ``GET`` (default: in memory)."""
-    metrics = ServeMetrics(gauges=lambda: _gauges(pool))
+    ``previous_response_id`` and ``GET`` (default: in memory). Its steps run in ``in_flight`` (its ``stop`` ends
+    them); each is cancelled when its client goes away."""
+    steps = in_flight if in_flight is not None else InFlight()
+    admission = Admission(settings.max_in_flight)
+    metrics = ServeMetrics(gauges=lambda: _gauges(pool) | {"steps_in_flight": admission.in_flight})
     responses_store = store if store is not None else MemoryResponseStore()
 
     async def chat(request: Request) -> Response:
         try:
             _authorize(request, settings)
-            parsed = read_request(await _body(request, settings))
+            parsed = read_request(await read_body(request, settings.max_request_bytes))
+            check_items("messages", len(parsed.messages), settings.max_messages)
             conversation_id = request.headers.get("x-session-id") or parsed.session_id or parsed.user
             headers = {"x-session-id": conversation_id} if conversation_id else {}
             if parsed.stream:
-                return await _stream(pool, parsed, conversation_id, settings, metrics, headers)
-            with anyio.fail_after(settings.timeout_s):
-                reply = await pool.step(parsed.messages, conversation_id=conversation_id, **parsed.step_options())
+                return await admission.stream(
+                    lambda: _stream(pool, parsed, conversation_id, settings, metrics, headers, request, steps)
+                )
+            with anyio.fail_after(settings.timeout_s), admission.admit():
+                reply = await steps.call(
+                    request,
+                    lambda: pool.step(parsed.messages, conversation_id=conversation_id, **parsed.step_options()),
+                )
         except Exception as exc:
             return _failure(exc, metrics)
         metrics.step(reply.stats)
@@ -95,16 +137,22 @@ def create_app(pool: SessionPool, settings: ServeSettings, store: ResponseStore 
     async def responses(request: Request) -> Response:
         try:
             _authorize(request, settings)
-            parsed = read_responses_request(await _body(request, settings))
+            parsed = read_responses_request(await read_body(request, settings.max_request_bytes))
+            check_items("input", 1 if isinstance(parsed.input, str) else len(parsed.input), settings.max_messages)
             previous = await _previous_response(responses_store, parsed.previous_response_id)
             turn = ResponseTurn.begin(
                 parsed, previous, session_header=request.headers.get("x-session-id"), model=settings.model_name
             )
             headers = {"x-session-id": turn.conversation_id} if turn.conversation_id else {}
             if parsed.stream:
-                return await _stream_response(pool, responses_store, turn, settings, metrics, headers)
-            with anyio.fail_after(settings.timeout_s):
-                reply = await pool.step(turn.messages(), conversation_id=turn.conversation_id, **parsed.step_options())
+                return await admission.stream(
+                    lambda: _stream_response(pool, responses_store, turn, settings, metrics, headers, request, steps)
+                )
+            with anyio.fail_after(settings.timeout_s), admission.admit():
+                reply = await steps.call(
+                    request,
+                    lambda: pool.step(turn.messages(), conversation_id=turn.conversation_id, **parsed.step_options()),
+                )
             answer = turn.response(reply)
             await _keep(responses_store, turn, reply, answer)
         except Exception as exc:
@@ -160,7 +208,10 @@ def create_app(pool: SessionPool, settings: ServeSettings, store: ResponseStore 
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_page, methods=["GET"]),
-        ]
+        ],
+        middleware=[
+            Middleware(HeaderLimit, max_bytes=settings.max_header_bytes, refuse=lambda exc: _failure(exc, metrics))
+        ],
     )
 
 
@@ -171,12 +222,15 @@ async def _stream(
     settings: ServeSettings,
     metrics: ServeMetrics,
     headers: dict[str, str],
+    request: Request,
+    steps: InFlight,
 ) -> Response:
     """Server-sent chunks. The first item is awaited before answering, so that a request refused
-    at once (bad input, a busy conversation, a prompt over the context) gets its HTTP status."""
+    at once (bad input, a busy conversation, a prompt over the context) gets its HTTP status. The
+    step runs in ``steps``: a stop of the door ends the stream with an error chunk."""
     items = pool.stream(parsed.messages, conversation_id=conversation_id, first_token=True, **parsed.step_options())
     with anyio.fail_after(settings.timeout_s):
-        first = await anext(items)
+        first = await steps.call(request, lambda: anext(items))
     ids = CompletionIds.new(settings.model_name)
     include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
 
@@ -190,7 +244,7 @@ async def _stream(
                     if item:  # the first item, at the first token, is empty: the role chunk went out for it
                         streamed += item
                         yield _sse(chunk("text", ids, text=item))
-                    item = await anext(items)
+                    item = await steps.next(items)
             reply = item
             if not reply.tool_calls and reply.text != streamed and reply.text.startswith(streamed):
                 yield _sse(chunk("text", ids, text=reply.text[len(streamed) :]))  # what was not streamed (raw output)
@@ -233,14 +287,16 @@ async def _stream_response(
     settings: ServeSettings,
     metrics: ServeMetrics,
     headers: dict[str, str],
+    request: Request,
+    steps: InFlight,
 ) -> Response:
     """Responses stream events. As for chat, the first item is awaited before answering (a refused
-    request gets its HTTP status); a failure after that is an ``error`` event."""
+    request gets its HTTP status); a failure after that (a stop of the door too) is an ``error`` event."""
     items = pool.stream(
         turn.messages(), conversation_id=turn.conversation_id, first_token=True, **turn.request.step_options()
     )
     with anyio.fail_after(settings.timeout_s):
-        first = await anext(items)
+        first = await steps.call(request, lambda: anext(items))
     stream = ResponseEvents(turn)
 
     async def events() -> AsyncIterator[str]:
@@ -252,7 +308,7 @@ async def _stream_response(
                 while isinstance(item, str):
                     for event in stream.text(item) if item else ():  # the first, empty item marks the first token
                         yield _event_sse(event)
-                    item = await anext(items)
+                    item = await steps.next(items)
                 closing = stream.closing(item)
                 await _keep(store, turn, item, closing[-1]["response"])
             for event in closing:
@@ -284,53 +340,47 @@ class _Unauthorized(Exception):
     pass
 
 
-class _TooLarge(Exception):
-    pass
-
-
-async def _body(request: Request, settings: ServeSettings) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > settings.max_request_bytes:
-        raise _TooLarge
-    body = b""
-    async for part in request.stream():
-        body += part
-        if len(body) > settings.max_request_bytes:
-            raise _TooLarge
-    return body
-
-
 _STATUS: list[tuple[type[BaseException], int, str]] = [
     (_Unauthorized, 401, "authentication_error"),
-    (_TooLarge, 413, "invalid_request_error"),
+    (RequestTooLargeError, 413, "invalid_request_error"),
+    (HeadersTooLargeError, 431, "invalid_request_error"),
+    (OverloadedError, 429, "rate_limit_error"),
     (SessionBusyError, 409, "conflict_error"),
     (ResponseNotFoundError, 404, "invalid_request_error"),
     (ContextLengthError, 400, "invalid_request_error"),
     (UserError, 400, "invalid_request_error"),
     (TimeoutError, 504, "timeout_error"),
     (SessionClosedError, 503, "service_unavailable"),
+    (ServerStoppingError, 503, "service_unavailable"),
+    (ClientGoneError, 499, "client_closed_request"),
     (EngineStartError, 503, "service_unavailable"),
     (EngineUnavailableError, 503, "service_unavailable"),
     (EngineError, 503, "service_unavailable"),
+    (StoreUnavailableError, 503, "service_unavailable"),
     (AgentKVError, 500, "server_error"),
 ]
 
 
 def _failure(exc: Exception, metrics: ServeMetrics) -> JSONResponse:
     """The OpenAI error body and status for ``exc``; unexpected errors are logged, never their payload."""
+    if isinstance(exc, ClientDisconnect):  # the client left while its body was read: nothing to log
+        exc = ClientGoneError()
     status, kind = next(((s, k) for cls, s, k in _STATUS if isinstance(exc, cls)), (500, "server_error"))
     if status == 500:
         logger.exception("agentkv serve: a request failed")
     message = {
         _Unauthorized: "a valid API key is required (Authorization: Bearer ...)",
-        _TooLarge: "the request body is over the limit",
         TimeoutError: "the request took longer than the server's timeout; nothing of it was kept",
     }.get(type(exc), str(exc) or type(exc).__name__)
     code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else type(exc).__name__
     code = getattr(exc, "openai_code", code)
     param = getattr(exc, "openai_param", None)
     metrics.error(code)
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    headers = getattr(exc, "http_headers", None)
+    if isinstance(exc, StoreUnavailableError):  # the store is checked again by the next call
+        headers = {"retry-after": str(exc.retry_after_s)}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _gauges(pool: SessionPool) -> dict[str, int]:
@@ -355,8 +405,13 @@ class FrontDoor:
         pool: the open pool every request goes to (the door never closes it).
         model_name: the model id clients name and ``GET /v1/models`` lists (default: the model folder's name,
             or the Hugging Face id, ``org/name``, of a model from the HF cache).
-        api_key: when set, ``/v1`` and ``/metrics`` need ``Authorization: Bearer <key>``.
+        api_key: when set, ``/v1`` and ``/metrics`` need ``Authorization: Bearer <key>`` (401 without it).
         max_request_bytes: the largest request body (413 above it).
+        max_header_bytes: the most bytes of request headers (431 above it; uvicorn's parser cuts off a head
+            past twice it with a plain 400).
+        max_messages: the most messages (Responses: input items) in one request (400 above it).
+        max_in_flight: the most steps running at once (429 with ``Retry-After`` above it, at once: never queued).
+            Default: the pool's ``max_sessions`` (a running step holds a session: more would grow the pool past it).
         timeout_s: the most one request may take (504 after it; the step is cancelled and nothing is kept).
         host: the address to listen on (default ``127.0.0.1``: this host only).
         port: the port to listen on.
@@ -371,6 +426,9 @@ class FrontDoor:
         model_name: str | None = None,
         api_key: str | None = None,
         max_request_bytes: int = 4 * 1024 * 1024,
+        max_header_bytes: int = 16 * 1024,
+        max_messages: int = 2048,
+        max_in_flight: int | None = None,
         timeout_s: float = 300.0,
         host: str = "127.0.0.1",
         port: int = 8000,
@@ -382,25 +440,42 @@ class FrontDoor:
             model_name=model_name or served_name(pool.engine.info.model_path),
             api_key=api_key,
             max_request_bytes=max_request_bytes,
+            max_header_bytes=max_header_bytes,
+            max_messages=max_messages,
+            max_in_flight=pool.max_sessions if max_in_flight is None else max_in_flight,
             timeout_s=timeout_s,
         )
         self.settings = settings
+        self._in_flight = InFlight()
         config = uvicorn.Config(
-            create_app(pool, settings, store),
+            create_app(pool, settings, store, in_flight=self._in_flight),
             host=host,
             port=port,
             log_level="warning",
             lifespan="off",
             access_log=False,
+            http="h11",  # its parser bounds a request head (httptools' holds any size)
+            h11_max_incomplete_event_size=parser_bound(settings.max_header_bytes),
         )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
         self.url = f"http://{host}:{port}"
         """The server's address (the OpenAI base URL is this plus ``/v1``)."""
 
-    def run(self) -> None:
-        """Serve in the foreground until interrupted (Ctrl-C or SIGTERM)."""
-        self._server.run()
+    def run(self, until: threading.Event | None = None) -> None:
+        """Serve until ``until`` is set (default: until SIGINT, a terminal's Ctrl-C, or SIGTERM, when called from
+        the main thread), then `stop`. Also returns when `stop` is called from another thread."""
+        if until is None:
+            with StopSignals("agentkv serve") as signals:
+                signals.serving()
+                self.run(signals.requested)
+            return
+        self.start()
+        try:
+            while not until.wait(0.25) and self._thread is not None and self._thread.is_alive():
+                pass
+        finally:
+            self.stop()
 
     def start(self) -> FrontDoor:
         """Serve in a thread of its own; return once it listens."""
@@ -413,10 +488,16 @@ class FrontDoor:
         return self
 
     def stop(self) -> None:
-        """Stop serving (open streams end, their steps are cancelled) and wait for the thread."""
+        """Stop serving and wait for the server's thread: the steps in flight are cancelled and their requests
+        answered (a plain one with a 503, a stream with an error event), new ones refused; no step is left
+        running on the pool. Safe to call twice."""
+        self._in_flight.stop()
         self._server.should_exit = True
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=10)
+            if self._thread.is_alive():  # a client that reads nothing holds its connection open: stop waiting for it
+                self._server.force_exit = True
+                self._thread.join(timeout=20)
             self._thread = None
 
     def __enter__(self) -> FrontDoor:

@@ -15,6 +15,8 @@ What is checked (`SmokeReport.checks`):
   or pulled nothing for the one expected reason, ``below_threshold`` (P's own prefix cache already held all
   but fewer than the pair's ``recompute_threshold`` tokens of D's pin, so P computed them: reported in the
   notes, not a failure); and every turn from the second on pulled something in one of its steps.
+  With ``mode="auto"`` (``--mode auto``) the pair may place a step on D alone, which reuses D's own cache of
+  the pinned conversation instead of pulling: such a step counts as reuse when D's cache served tokens.
 
 A turn that raises is a failed check too (the report says which turn and what was raised).
 """
@@ -140,6 +142,7 @@ class SmokeReport:
             "local",
             "pulled",
             "computed",
+            "on",
             "out",
             "kv_MB",
             "miss",
@@ -154,6 +157,7 @@ class SmokeReport:
                 str(step.stats.local_hit_tokens),
                 str(step.stats.pulled_tokens),
                 str(step.stats.computed_tokens),
+                {"prefill": "P", "decode": "D"}.get(step.stats.prefill_engine or "", "-"),
                 str(step.stats.output_tokens),
                 "-" if step.stats.kv_bytes is None else f"{step.stats.kv_bytes / 1e6:.2f}",
                 step.stats.miss_reason or "-",
@@ -199,8 +203,13 @@ def _call_text(call: ToolCall) -> str:
     return f"{call.name}({arguments})"
 
 
-def run_smoke(engine: Engine, *, turns: int = 3) -> SmokeReport:
+def run_smoke(
+    engine: Engine, *, turns: int = 3, mode: Literal["bidirectional", "auto"] = "bidirectional"
+) -> SmokeReport:
     """Run ``turns`` turns of a conversation with a tool on ``engine`` and check that turns 2+ pull from D.
+
+    ``mode="auto"``: the session lets the pair place each step on P or on D alone (a step on D reuses D's cache
+    instead of pulling, and counts as reuse); an open engine that serves no mode ``auto`` fails the check.
 
     ``engine`` is used as a Session uses one: an open engine (opened with ``with``) is shared and stays
     open; an unopened one opens and closes with the run. Every turn's first step must call `add`
@@ -215,20 +224,26 @@ def run_smoke(engine: Engine, *, turns: int = 3) -> SmokeReport:
     checks: list[SmokeCheck] = []
     notes: list[str] = []
     report = SmokeReport(engine=type(engine).__name__, model="?", platform="?", placement={}, turns=turns)
-    with Session(
-        engine=engine,
-        tools=[add],
-        tool_choice="required",
-        max_steps=SMOKE_MAX_STEPS,
-        max_tokens=SMOKE_MAX_TOKENS,
-        cache_salt=f"agentkv-smoke-{uuid.uuid4().hex[:12]}",
-    ) as session:
+    if mode == "auto" and engine.is_open and "auto" not in engine.info.modes:
+        why = engine.info.extra.get("modes_off", {}).get("auto", "it places every step on P")
+        return dataclasses.replace(report, checks=[SmokeCheck("push-back", False, f"the engine serves no auto: {why}")])
+    with (
+        Session(
+            mode="auto" if mode == "auto" else None,  # None: the engine's own mode, checked below
+            engine=engine,
+            tools=[add],
+            tool_choice="required",
+            max_steps=SMOKE_MAX_STEPS,
+            max_tokens=SMOKE_MAX_TOKENS,
+            cache_salt=f"agentkv-smoke-{uuid.uuid4().hex[:12]}",
+        ) as session
+    ):
         info = session.engine.info
         platform, placement = engine_placement(info, session.engine)
         report = dataclasses.replace(
             report, model=str(info.model_path), platform=platform, placement=placement, versions=installed_versions()
         )
-        if session.mode != "bidirectional":
+        if session.mode != mode:
             checks.append(
                 SmokeCheck(
                     "push-back",
@@ -238,7 +253,7 @@ def run_smoke(engine: Engine, *, turns: int = 3) -> SmokeReport:
                 )
             )
             return dataclasses.replace(report, checks=checks)
-        checks.append(SmokeCheck("push-back", True, "the engine serves bidirectional; the session runs it"))
+        checks.append(SmokeCheck("push-back", True, f"the engine serves {mode}; the session runs it"))
         raised: str | None = None
         for turn in range(1, turns + 1):
             try:
@@ -286,7 +301,7 @@ def _check_steps(steps: Sequence[SmokeStep], *, turns: int, notes: list[str]) ->
         where = f"turn {stats.turn} step {stats.step}"
         if not stats.handle_forwarded:
             problems.append(f"{where}: D's handle was not forwarded (miss_reason {stats.miss_reason})")
-        elif stats.pulled_tokens > 0:
+        elif _reused(stats):
             continue
         elif stats.miss_reason == "below_threshold":
             notes.append(
@@ -300,7 +315,7 @@ def _check_steps(steps: Sequence[SmokeStep], *, turns: int, notes: list[str]) ->
                 f"{where}: the handle was forwarded but nothing was pulled (miss_reason {stats.miss_reason})"
             )
     later = [t for t in ran if t >= 2]
-    empty = [t for t in later if not any(s.stats.pulled_tokens > 0 for s in by_turn[t])]
+    empty = [t for t in later if not any(_reused(s.stats) for s in by_turn[t])]
     problems += [f"turn {t} pulled nothing from D in any of its steps" for t in empty]
     if len(ran) < turns:
         problems.append(f"{len(ran)} of {turns} turns ran")
@@ -310,11 +325,18 @@ def _check_steps(steps: Sequence[SmokeStep], *, turns: int, notes: list[str]) ->
         checks.append(SmokeCheck("pull-back", False, "; ".join(problems)))
     else:
         pulled = ", ".join(f"turn {t}: {sum(s.stats.pulled_tokens for s in by_turn[t])}" for t in later)
-        unpulled = sum(1 for s in steps[1:] if s.stats.pulled_tokens == 0)
+        unpulled = sum(1 for s in steps[1:] if not _reused(s.stats))
         but = f"; {unpulled} step(s) pulled nothing for an expected reason (notes)" if unpulled else ""
+        on_decode = sum(1 for s in steps if s.stats.prefill_engine == "decode")
+        but += f"; {on_decode} step(s) ran on D alone, from D's own cache" if on_decode else ""
         detail = "every step after the first had D's handle forwarded, every turn from 2 on pulled KV back from D"
         checks.append(SmokeCheck("pull-back", True, f"{detail} (tokens pulled: {pulled}){but}"))
     return checks
+
+
+def _reused(stats: StepStats) -> bool:
+    """The step's prompt came back from the pin: pulled from D, or computed on D alone over D's cache of it."""
+    return stats.pulled_tokens > 0 or (stats.prefill_engine == "decode" and stats.local_hit_tokens > 0)
 
 
 def engine_placement(info: EngineInfo, engine: Engine | None = None) -> tuple[str, dict[str, str]]:
@@ -399,6 +421,7 @@ def smoke_command(
     prefill_devices: Sequence[int | str] | None = None,
     decode_devices: Sequence[int | str] | None = None,
     engine_args: Mapping[str, Any] | None = None,
+    mode: Literal["bidirectional", "auto"] = "bidirectional",
     out: Callable[[str], None] = print,
 ) -> int:
     """``agentkv smoke``: open a pair with the platform's defaults, run `run_smoke` on it, print the report.
@@ -416,7 +439,7 @@ def smoke_command(
     started = time.perf_counter()
     with pair:
         opened_s = time.perf_counter() - started
-        report = run_smoke(pair, turns=turns)
+        report = run_smoke(pair, turns=turns, mode=mode)
     report = dataclasses.replace(report, opened_s=opened_s)
     out(report.text())
     return report.exit_code
