@@ -23,6 +23,7 @@ import pytest
 from agentkv import FrontDoor, SessionPool, StepEvent, StepRequest, UserError
 from agentkv._engines._system import free_port
 from agentkv.testing import HonestPairEngine
+from serve_cli import serve_with_doubles
 
 KEY = "sk-agentkv-" + secrets.token_hex(16)
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -242,39 +243,13 @@ def test_the_limits_are_checked_settings() -> None:
 
 
 def test_agentkv_serve_passes_its_limits_to_the_door(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentkv._surfaces._cli import main
-
-    given: dict[str, Any] = {}
-
-    class NoPool:
-        engine = None
-
-        def __init__(self, **options: Any) -> None:
-            pass
-
-        def __enter__(self) -> NoPool:
-            return self
-
-        def __exit__(self, *exc_info: object) -> None:
-            pass
-
-    class NoDoor:
-        url = "http://127.0.0.1:8000"
-
-        def __init__(self, pool: NoPool, **options: Any) -> None:
-            given.update(options)
-            self.settings = type("Settings", (), {"api_key": None, "model_name": "m"})()
-
-        def run(self, **options: Any) -> None:
-            pass
-
-    monkeypatch.setattr("agentkv._session._pool.SessionPool", NoPool)
-    monkeypatch.setattr("agentkv._surfaces._serve.FrontDoor", NoDoor)
-    assert main(["serve", "--store", "memory"]) == 0
+    code, _, given = serve_with_doubles(monkeypatch, ["serve", "--store", "memory"])
+    assert code == 0
     assert given["max_request_bytes"] == 4 * 1024 * 1024 and given["max_header_bytes"] == 16 * 1024
     assert given["max_messages"] == 2048 and given["max_in_flight"] is None  # the door's default: --max-sessions
     flags = ["--max-request-mb", "1", "--max-header-kb", "8", "--max-messages", "100", "--max-in-flight", "5"]
-    assert main(["serve", "--store", "memory", *flags]) == 0
+    code, _, given = serve_with_doubles(monkeypatch, ["serve", "--store", "memory", *flags])
+    assert code == 0
     assert [given[k] for k in ("max_request_bytes", "max_header_bytes", "max_messages", "max_in_flight")] == [
         1024 * 1024,
         8 * 1024,

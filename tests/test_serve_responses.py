@@ -32,6 +32,7 @@ from agentkv import (
 from agentkv._engines._system import free_port
 from agentkv.testing import HonestPairEngine
 from scripted import Script, answer
+from serve_cli import serve_with_doubles
 
 WEATHER = {
     "type": "function",
@@ -439,43 +440,19 @@ def test_a_chain_on_the_real_pair_pulls_back_every_call(pair: EmbeddedPair) -> N
 def test_agentkv_serve_keeps_responses_where_told(
     store: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agentkv._surfaces._cli import main
-
-    given: dict[str, Any] = {}
-
-    class NoPool:
-        engine = None
-
-        def __init__(self, **options: Any) -> None:
-            pass
-
-        def __enter__(self) -> NoPool:
-            return self
-
-        def __exit__(self, *exc_info: object) -> None:
-            pass
-
-    class NoDoor:
-        url = "http://127.0.0.1:8000"
-
-        def __init__(self, pool: NoPool, **options: Any) -> None:
-            given.update(options)
-            self.settings = type("Settings", (), {"api_key": None, "model_name": "m"})()
-
-        def run(self, until: Any = None) -> None:
-            given["kept"] = given["store"].get("anything")  # the store is open while the door serves
-
+    kept: list[Any] = []
     monkeypatch.setenv("AGENTKV_HOME", str(tmp_path))
-    monkeypatch.setattr("agentkv._session._pool.SessionPool", NoPool)
-    monkeypatch.setattr("agentkv._surfaces._serve.FrontDoor", NoDoor)
     argv = ["serve"] if store is None else ["serve", "--store", str(tmp_path / store) if "." in store else store]
-    assert main(argv) == 0
+    code, _, given = serve_with_doubles(
+        monkeypatch, argv, while_serving=lambda door: kept.append(door["store"].get("anything"))
+    )  # the store is open while the door serves
+    assert code == 0
     if store == "memory":
         assert isinstance(given["store"], MemoryResponseStore)
     else:
         assert isinstance(given["store"], SqliteResponseStore)
         assert given["store"].path == tmp_path / (store or "serve.sqlite3")
-    assert given["kept"] is None
+    assert kept == [None]
 
 
 def test_an_unstored_unnamed_request_goes_by_its_history(client: openai.OpenAI) -> None:

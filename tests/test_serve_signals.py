@@ -32,6 +32,7 @@ import pytest
 
 from agentkv._engines._system import alive, free_port, listening_ports, running_pids
 from freed import assert_ports_freed
+from test_serve_pair import RECORD  # a tool whose forced arguments keep D decoding
 
 pytestmark = pytest.mark.pair
 
@@ -154,20 +155,6 @@ def _collect(process: subprocess.Popen[str], lines: list[str]) -> None:
         lines.append(line)
 
 
-RECORD = {
-    "type": "function",
-    "function": {
-        "name": "record",
-        "description": "Record numbers.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "numbers": {"type": "array", "items": {"type": "integer", "minimum": 100000}, "minItems": 300}
-            },
-            "required": ["numbers"],
-        },
-    },
-}
 """A tool whose call the grammar makes long (300 numbers of 6 digits or more): its step decodes until max_tokens,
 some 1024 tokens, whatever the model would rather say: still running when the signal comes."""
 
@@ -225,11 +212,15 @@ class InFlight:
 
 
 def test_ctrl_c_to_the_group_while_streaming_stops_everything_in_order(start_serving: Callable[..., Serving]) -> None:
-    serving = start_serving()
+    _signal_while_streaming(start_serving(), signal.SIGINT)
+
+
+def _signal_while_streaming(serving: Serving, sig: signal.Signals) -> None:
+    """``sig`` to the door's group while a stream and a plain request decode: both end with errors they read."""
     serving.wait_until_serving()
     requests = InFlight()
     requests.start(serving.url)
-    serving.signal(signal.SIGINT, group=True)
+    serving.signal(sig, group=True)
     requests.assert_ended_with_errors()
     serving.assert_stopped_cleanly(code=0)
 
@@ -268,13 +259,7 @@ def test_ctrl_c_twice_in_a_row_while_idle(start_serving: Callable[..., Serving])
 
 @pytest.mark.nightly
 def test_sigterm_to_the_group_while_streaming(start_serving: Callable[..., Serving]) -> None:
-    serving = start_serving()
-    serving.wait_until_serving()
-    requests = InFlight()
-    requests.start(serving.url)
-    serving.signal(signal.SIGTERM, group=True)
-    requests.assert_ended_with_errors()
-    serving.assert_stopped_cleanly(code=0)
+    _signal_while_streaming(start_serving(), signal.SIGTERM)
 
 
 _SCRIPT = """

@@ -40,6 +40,7 @@ from agentkv._engines._system import free_port
 from agentkv._session._session_store import conversation_key
 from agentkv._sqlite import SqliteTable
 from agentkv.testing import HonestPairEngine
+from serve_cli import serve_with_doubles
 
 ANSWER = "Forty-two, as far as I can tell."
 
@@ -494,34 +495,10 @@ def test_the_store_timeout_is_a_checked_setting_and_agentkv_serve_passes_it(
     with pytest.raises(SystemExit):
         _cli.main(["serve", "--store-timeout-s", "0"])
     assert "--store-timeout-s: must be a positive number of seconds, not 0" in capsys.readouterr().err
-    given: dict[str, Any] = {}
-
-    class NoPool:
-        engine = None
-
-        def __init__(self, **options: Any) -> None:
-            given["sessions"] = options["store"]
-
-        def __enter__(self) -> NoPool:
-            return self
-
-        def __exit__(self, *exc_info: object) -> None:
-            pass
-
-    class NoDoor:
-        url = "http://127.0.0.1:8000"
-        settings = type("Settings", (), {"api_key": None, "model_name": "m"})()
-
-        def __init__(self, pool: NoPool, **options: Any) -> None:
-            given["responses"] = options["store"]
-
-        def run(self, **options: Any) -> None:
-            pass
-
-    monkeypatch.setattr("agentkv._session._pool.SessionPool", NoPool)
-    monkeypatch.setattr("agentkv._surfaces._serve.FrontDoor", NoDoor)
-    assert _cli.main(["serve", "--store", str(tmp_path / "serve.sqlite3"), "--store-timeout-s", "0.25"]) == 0
-    assert given["sessions"].timeout_s == given["responses"].timeout_s == 0.25
+    argv = ["serve", "--store", str(tmp_path / "serve.sqlite3"), "--store-timeout-s", "0.25"]
+    code, pool, door = serve_with_doubles(monkeypatch, argv)
+    assert code == 0
+    assert pool["store"].timeout_s == door["store"].timeout_s == 0.25
 
 
 def test_a_store_locked_when_it_opens_says_so(tmp_path: Path) -> None:
