@@ -40,7 +40,14 @@ from ._base import (
     prompt_split,
 )
 from ._handle import KVHandle, PushSource, parse_handle, parse_prefill_result, prefill_params, release_params
-from ._http_capabilities import DecodeCapacity, ServerCapabilities, ServerKind, decode_capacity, probe_servers
+from ._http_capabilities import (
+    UNKNOWN_BLOCK_SIZE,
+    DecodeCapacity,
+    ServerCapabilities,
+    ServerKind,
+    decode_capacity,
+    probe_servers,
+)
 from ._http_transport import (
     PairTransport,
     Role,
@@ -137,7 +144,7 @@ class HTTPPair(PairLayer):
         """P's NIXL engine id, host and side-channel port, which D needs to register for a push."""
         self._retired_engines: set[str] = set()
         """Engine ids of servers that are gone: their handles are dropped, never sent to P."""
-        self._decode_capacity = DecodeCapacity(None, 16)
+        self._decode_capacity = DecodeCapacity(None, UNKNOWN_BLOCK_SIZE)
         self._busy: dict[Role, int] = {"prefill": 0, "decode": 0}
         """This pair's requests in flight on each server (what placement compares)."""
         self._alone_from: dict[str, int | None] = {}

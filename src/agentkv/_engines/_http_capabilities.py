@@ -26,7 +26,15 @@ from .._errors import EngineError
 from ._base import Sampling
 from ._http_transport import PairTransport, Role, completion_body, retrying, translated
 
-__all__ = ["DecodeCapacity", "ServerCapabilities", "ServerKind", "decode_capacity", "parse_capacity", "probe_servers"]
+__all__ = [
+    "UNKNOWN_BLOCK_SIZE",
+    "DecodeCapacity",
+    "ServerCapabilities",
+    "ServerKind",
+    "decode_capacity",
+    "parse_capacity",
+    "probe_servers",
+]
 
 logger = logging.getLogger("agentkv")
 
