@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import warnings
 from typing import Any
@@ -46,3 +47,46 @@ def close_leftover_event_loop() -> None:
         if not loop.is_running():
             loop.close()
             policy.set_event_loop(None)
+
+
+def with_logprobs(engine_class: Any) -> Any:
+    """``engine_class`` (a scripted double) whose steps report log probabilities when asked, as an engine does:
+    token ``t`` at position ``i`` has log probability ``-0.5 * i`` and alternatives ``t + 1``, ``t + 2``..."""
+
+    from agentkv import StepDone, TokenDelta, TokenLogprob
+
+    def logprobs(request: StepRequest, token_ids: Any, start: int = 0) -> list[TokenLogprob] | None:
+        top = request.sampling.options.logprobs
+        if top is None:
+            return None
+        return [
+            TokenLogprob(
+                token_id=t,
+                logprob=-0.5 * (start + i),
+                top=tuple((t + k, -0.5 * (start + i) - k) for k in range(top)),
+            )
+            for i, t in enumerate(token_ids)
+        ]
+
+    class Logprobs(engine_class):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.asked: list[StepRequest] = []
+            """Every step request as it came (logprobs included)."""
+
+        async def step(self, request: StepRequest) -> Any:
+            done = 0
+            options = request.sampling.options.model_copy(update={"logprobs": None})  # the double would refuse it
+            inner = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, options=options))
+            self.asked.append(request)
+            async for event in super().step(inner):
+                if isinstance(event, TokenDelta):
+                    event = TokenDelta(
+                        token_ids=event.token_ids, text=event.text, logprobs=logprobs(request, event.token_ids, done)
+                    )
+                    done += len(event.token_ids)
+                elif isinstance(event, StepDone):
+                    event = dataclasses.replace(event, logprobs=logprobs(request, event.token_ids))
+                yield event
+
+    return Logprobs

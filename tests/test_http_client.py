@@ -267,8 +267,8 @@ def test_client_errors_are_not_retried_and_leave_the_session_usable(
     p, d = servers
     with RemotePair(p.url, d.url, warmup=False) as pair, Session(engine=pair, max_tokens=8) as session:
         before = session.messages
-        d.failures = [400]
-        with pytest.raises(EngineError, match="decode server answered 400"):
+        d.failures = [400]  # vLLM refused a field: the caller's to fix, with vLLM's message
+        with pytest.raises(UserError, match="decode server refused the request: scripted failure"):
             session.run_sync("Capital of France?")
         assert session.messages == before
         assert session.run_sync("Capital of France?").text == "Paris."

@@ -126,7 +126,7 @@ def test_the_model_exposes_each_calls_stats(model: ChatAgentKV) -> None:
     assert model.stats[0].model_dump() == reply.response_metadata["agentkv"]
 
 
-def test_stream_ends_with_a_chunk_of_calls_and_usage_that_merges_to_the_reply(
+def test_stream_carries_the_calls_as_written_and_ends_with_usage_and_merges_to_the_reply(
     model: ChatAgentKV, engine: HonestPairEngine
 ) -> None:
     agent = model.bind_tools([add])
@@ -134,7 +134,13 @@ def test_stream_ends_with_a_chunk_of_calls_and_usage_that_merges_to_the_reply(
     for expected in ((2, 3), (5, 4)):
         chunks = list(agent.stream(messages))
         last = chunks[-1]
-        assert last.chunk_position == "last" and last.tool_call_chunks and last.usage_metadata is not None
+        assert last.chunk_position == "last" and last.usage_metadata is not None
+        pieces = [piece for chunk in chunks[:-1] for piece in chunk.tool_call_chunks]  # the call as it was written
+        assert (
+            pieces[0]["name"] == "add"
+            and pieces[0]["id"]
+            and [p["name"] for p in pieces[1:]] == [None] * (len(pieces) - 1)
+        )
         call = merged(chunks)
         assert [(c["name"], c["args"]) for c in call.tool_calls] == [("add", dict(zip("ab", expected, strict=True)))]
         run_tools(messages, call)  # the merged chunks, sent back as they are: the session still matches
@@ -248,11 +254,23 @@ def test_stop_sequences_end_the_answer_before_the_first(script: Script, model: C
     assert [r.sampling.stop for r in script.requests] == [("\n", "Second"), ("\n",)]
 
 
+def test_bound_sampling_options_under_vllms_names_reach_the_step(script: Script, model: ChatAgentKV) -> None:
+    script.outputs[:] = ["One.", "Two."]
+    model.bind(top_p=0.5, top_k=8).invoke("Hi")
+    model.bind(sampling={"min_p": 0.1, "top_k": 2}, presence_penalty=0.5).invoke("Hi", top_k=4)
+    first, second = (request.sampling.options for request in script.requests)
+    assert (first.top_p, first.top_k) == (0.5, 8)
+    assert (second.min_p, second.top_k, second.presence_penalty, second.top_p) == (0.1, 4, 0.5, 1.0)
+    with pytest.raises(ModelInvalidRequestError, match="sampling.top_p"):
+        model.invoke("Hi", top_p=0)
+
+
 @pytest.mark.parametrize(
     ("messages", "options", "feature"),
     [
         ([HumanMessage([{"type": "image_url", "image_url": {"url": "https://x/y.png"}}])], {}, "'image_url' content"),
         ([HumanMessage("Hi")], {"parallel_tool_calls": False}, "call options parallel_tool_calls"),
+        ([HumanMessage("Hi")], {"logprobs": True}, "call options logprobs"),
         ([ChatMessage(role="critic", content="Hi")], {}, "not ChatMessage"),
     ],
 )

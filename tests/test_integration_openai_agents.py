@@ -24,12 +24,13 @@ from agents.exceptions import ModelBehaviorError
 from agents.exceptions import UserError as AgentsUserError
 from agents.models.chatcmpl_converter import Converter
 from agents.stream_events import RawResponsesStreamEvent
+from openai.types.responses import ResponseOutputText
 from pydantic import BaseModel
 
 from agentkv import EmbeddedPair, InvalidMessageError, Session, StepRequest
 from agentkv.integrations.openai_agents import AgentKVModel, AgentKVProvider
 from agentkv.testing import HonestPairEngine
-from scripted import Script, answer, calls
+from scripted import Script, answer, calls, close_leftover_event_loop, with_logprobs
 
 set_tracing_disabled(True)  # no network here: the default trace exporter would try to reach OpenAI
 
@@ -164,7 +165,7 @@ class Sum(BaseModel):
     [
         ({"output_type": Sum}, {}, "structured output"),
         ({"tools": [WebSearchTool()]}, {}, "hosted tool 'web_search'"),
-        ({"model_settings": ModelSettings(top_p=0.5)}, {}, "model settings top_p"),
+        ({"model_settings": ModelSettings(extra_args={"best_of": 2})}, {}, "model settings extra_args\\['best_of'\\]"),
         (
             {},
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
@@ -190,6 +191,31 @@ def test_a_stop_in_extra_args_ends_the_answer_before_it() -> None:
         agent = Agent(name="a", model=model, model_settings=ModelSettings(extra_args={"stop": ["."]}))
         assert Runner.run_sync(agent, "2 + 3?").final_output == "Five"
     assert script.requests[0].sampling.stop == (".",)
+
+
+def test_sampling_settings_reach_the_engine_and_logprobs_come_back() -> None:
+    engine = with_logprobs(HonestPairEngine)(Script("Five."))
+    extra = {"top_k": 4, "seed": 3, "repetition_penalty": 1.1}
+    settings = ModelSettings(top_p=0.5, presence_penalty=0.25, top_logprobs=2, extra_args=extra)
+    with engine, AgentKVModel(engine=engine) as model:
+        result = Runner.run_sync(Agent(name="a", model=model, model_settings=settings), "2 + 3?")
+        with pytest.raises(AgentsUserError, match="sampling.top_p"):
+            Runner.run_sync(Agent(name="a", model=model, model_settings=ModelSettings(top_p=2.0)), "Hi")
+
+        async def streamed() -> None:
+            run = Runner.run_streamed(Agent(name="a", model=model, model_settings=settings), "Hi")
+            async for _ in run.stream_events():
+                pass
+
+        close_leftover_event_loop()  # run_sync's loop, before asyncio.run sets its own
+        with pytest.raises(AgentsUserError, match="top_logprobs"):
+            asyncio.run(streamed())
+    asked = engine.asked[0].sampling
+    assert (asked.options.top_p, asked.options.presence_penalty, asked.options.top_k) == (0.5, 0.25, 4)
+    assert (asked.options.repetition_penalty, asked.options.logprobs, asked.seed) == (1.1, 2, 3)
+    parts = [part for item in result.raw_responses[0].output if item.type == "message" for part in item.content]
+    logprobs = parts[0].logprobs if isinstance(parts[0], ResponseOutputText) else None
+    assert logprobs and all(len(entry.top_logprobs) == 2 for entry in logprobs)
 
 
 def test_output_the_model_did_not_write_as_json_is_a_model_behavior_error() -> None:

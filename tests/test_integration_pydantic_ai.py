@@ -23,12 +23,13 @@ from pydantic_ai.exceptions import (
     UserError,
 )
 from pydantic_ai.messages import (
+    BinaryContent,
+    FilePart,
     ModelMessage,
     ModelRequest,
     ModelResponse,
     RetryPromptPart,
     TextPart,
-    ThinkingPart,
     ToolCallPart,
     ToolReturnPart,
     UserPromptPart,
@@ -39,7 +40,7 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import ToolDefinition
 
 from agentkv import EmbeddedPair, Message, Session, SessionPool, StepReply, StepRequest
-from agentkv.integrations.pydantic_ai import AgentKVModel
+from agentkv.integrations.pydantic_ai import AgentKVModel, _sampling
 from agentkv.testing import HonestPairEngine
 
 
@@ -244,11 +245,26 @@ def test_per_request_settings_reach_the_step(tokenizer: Any) -> None:
     with honest(script) as engine, agentkv_model(engine) as model:
         assert Agent(model, tools=[add], model_settings=settings).run_sync("1 + 1?").output == "Two."
         stopped = Agent(model).run_sync("Hi", model_settings={"stop_sequences": ["there"]})
-    assert stopped.output == "Hi" and script.requests[2].sampling.stop == ("there",)
+    assert stopped.output == "Hi " and script.requests[2].sampling.stop == ("there",)
     first, second = (request.sampling for request in script.requests[:2])
     assert (first.max_tokens, first.temperature, first.seed) == (40, 0.5, 7)
     assert first.json_schema is not None and first.json_schema["required"] == ["tool_calls"]
     assert second.json_schema is not None and second.json_schema["required"] == ["answer"]
+
+
+def test_sampling_settings_reach_the_step_under_vllms_names(tokenizer: Any) -> None:
+    script = Script(tokenizer, "Hi.")
+    settings: ModelSettings = {"top_p": 0.5, "top_k": 3, "presence_penalty": 0.25, "extra_body": {"min_p": 0.2}}
+    with honest(script) as engine, agentkv_model(engine) as model:
+        assert Agent(model).run_sync("Hi", model_settings=settings).output == "Hi."
+        with pytest.raises(UserError, match="extra_body best_of"):
+            Agent(model).run_sync("Hi", model_settings={"extra_body": {"best_of": 2}})
+        with pytest.raises(UserError, match="extra_body logprobs"):
+            Agent(model).run_sync("Hi", model_settings={"extra_body": {"logprobs": 2}})
+    options = script.requests[0].sampling.options
+    assert (options.top_p, options.top_k, options.presence_penalty, options.min_p) == (0.5, 3, 0.25, 0.2)
+    biased = _sampling({"logit_bias": {"7": -5}, "frequency_penalty": 0.5, "seed": 1})
+    assert biased == {"logit_bias": {"7": -5}, "frequency_penalty": 0.5}  # the seed is a step argument of its own
 
 
 def test_unsupported_features_raise_a_clear_user_error(tokenizer: Any) -> None:
@@ -264,11 +280,16 @@ def test_unsupported_features_raise_a_clear_user_error(tokenizer: Any) -> None:
             Agent(model, output_type=NativeOutput(City)).run_sync("Where is Paris?")
         history: list[ModelMessage] = [
             ModelRequest(parts=[UserPromptPart("Hi")]),
-            ModelResponse(parts=[ThinkingPart("hmm"), ToolCallPart("add", {"a": 1, "b": 2}, tool_call_id="c1")]),
+            ModelResponse(
+                parts=[
+                    FilePart(BinaryContent(b"x", media_type="image/png")),
+                    ToolCallPart("add", {"a": 1, "b": 2}, tool_call_id="c1"),
+                ]
+            ),
             ModelRequest(parts=[ToolReturnPart("add", 3, tool_call_id="c1")]),
             ModelResponse(parts=[TextPart("3")]),
         ]
-        with pytest.raises(UserError, match="ThinkingPart"):
+        with pytest.raises(UserError, match="FilePart"):
             Agent(model, tools=[add]).run_sync("Go on.", message_history=history)
     assert script.requests == []  # nothing reached the engine
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,9 +28,10 @@ import pytest
 
 from agentkv import RemotePair, Session, TurnResult, UserError
 from agentkv._engines._start_log import record_engine_start
-from agentkv._engines._system import alive, descendants, free_port, repin_threads, split_cores
+from agentkv._engines._system import descendants, free_port, repin_threads, split_cores
 from agentkv._model import prepare_model
-from freed import assert_ports_freed, running_pids
+from freed import running_pids
+from stock_server import healthy, stop_servers
 
 pytestmark = pytest.mark.pair
 
@@ -69,14 +69,6 @@ def stock_server_command(model: Path, port: int) -> list[str]:
     ]
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def model() -> Path:
     return prepare_model()
@@ -110,7 +102,7 @@ def stock_servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     pids: set[int] = set()
     try:
         deadline = time.monotonic() + 600
-        while not all(_healthy(url) for url in urls):
+        while not all(healthy(url) for url in urls):
             dead = [role for role, process in processes.items() if process.poll() is not None]
             if dead or time.monotonic() > deadline:
                 tails = {role: (logs / f"{role}.log").read_text()[-2000:] for role in processes}
@@ -121,19 +113,9 @@ def stock_servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         pids = {pid for process in processes.values() for pid in {process.pid, *descendants(process.pid)}}
         yield urls[0], urls[1]
     finally:
-        for process in processes.values():
-            with_group(process, signal.SIGTERM)
-        for process in processes.values():
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                with_group(process, signal.SIGKILL)
-                process.wait()
-        stop = time.monotonic() + 30
-        while alive(pids) and time.monotonic() < stop:
-            time.sleep(0.5)
-    assert alive(pids) == set()
-    assert_ports_freed({port for pair in ports.values() for port in pair}, running_before=running_before)
+        pids |= {pid for process in processes.values() for pid in descendants(process.pid)}
+        ports_used = {port for pair in ports.values() for port in pair}
+        stop_servers(list(processes.values()), pids, ports_used, running_before)
 
 
 def nixl_totals(url: str) -> tuple[float, float]:
@@ -145,13 +127,6 @@ def nixl_totals(url: str) -> tuple[float, float]:
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((f"{name} ", f"{name}{{")))
 
     return total("vllm:nixl_xfer_time_seconds_count"), total("vllm:nixl_bytes_transferred_sum")
-
-
-def with_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 async def _three_turns(pair: RemotePair) -> list[TurnResult]:

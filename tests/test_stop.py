@@ -63,7 +63,7 @@ def test_the_step_after_a_stop_extends_the_history_exactly_and_forwards_no_dropp
         history += [{"role": "assistant", "content": second.text}, {"role": "user", "content": "Again."}]
         third = session.step_sync(history)
         steps = [s for t in session.stats.turns for s in t.steps]
-    assert (stopped.text, second.text, third.text) == ("One,", "One, two, three. Done.", "One, two, three. Done.")
+    assert (stopped.text, second.text, third.text) == ("One, ", "One, two, three. Done.", "One, two, three. Done.")
     assert [r.forwarded for r in pair.steps] == [False, False, True]
     assert [s.miss_reason for s in steps] == ["no_handle", "no_handle", None]
     assert [s.turn for s in steps] == [1, 2, 3]  # the session kept the conversation: no rebuild

@@ -203,7 +203,8 @@ def test_stream_events_name_the_tool_calls() -> None:
         Session(engine=engine, tools=[add]) as session,
     ):
         session.run_sync("add", on_event=lambda event: kinds.append(event.kind))
-    assert kinds == ["text_delta", "tool_call", "tool_result", "step_end", "text_delta", "step_end", "turn_end"]
+    called = ["tool_call_delta", "tool_call_delta", "tool_call"]  # the call's name, its arguments, then the call
+    assert kinds == ["text_delta", *called, "tool_result", "step_end", "text_delta", "step_end", "turn_end"]
 
 
 class Point(BaseModel):

@@ -1,4 +1,4 @@
-"""tool_format="native": the chat template renders the tools; Hermes-style <tool_call> blocks are parsed.
+"""tool_format="native": the chat template renders the tools; vLLM's tool parser (hermes by default) reads the calls.
 
 No tool-trained model ships with agentkv, so this runs the loop on the scripted engine with the
 bundled tokenizer and a Qwen2.5-style tool template (the format Hermes and Qwen models use).
@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from agentkv import Session, UserError, tool
-from agentkv._conversation._tools import parse_native_output
+from agentkv import Session, ToolCallDelta, UserError, tool
+from agentkv._conversation._parsers import NativeToolParser
 from agentkv.testing import ScriptedEngine
 
 HERMES_TEMPLATE = """\
@@ -52,14 +53,20 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+def hermes_model(model_path: Path, folder: Path) -> Path:
+    """``folder``: the bundled tokenizer with `HERMES_TEMPLATE`, a tool-aware chat template (no weights: for
+    scripted engines)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
+        if (model_path / name).exists():
+            shutil.copy(model_path / name, folder / name)
+    (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    return folder
+
+
 @pytest.fixture
 def tool_model(model_path: Path, tmp_path: Path) -> Path:
     """The bundled tokenizer with a tool-aware chat template (no weights: the engine is scripted)."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
-        if (model_path / name).exists():
-            shutil.copy(model_path / name, tmp_path / name)
-    (tmp_path / "chat_template.jinja").write_text(HERMES_TEMPLATE)
-    return tmp_path
+    return hermes_model(model_path, tmp_path)
 
 
 def call(name: str, **arguments: int) -> str:
@@ -115,18 +122,96 @@ def test_a_tool_result_no_tokenizer_takes_is_escaped_as_the_schema_format_escape
     assert json.dumps(garble()) in shown["schema"] and shown["native"] in shown["schema"]
 
 
-def test_native_format_leaves_choice_to_the_model() -> None:
+def test_a_native_format_session_leaves_its_own_turns_to_the_model() -> None:
+    """`Session.run`'s loop forces no call in native format (`Session.step` does, per step, as vLLM's server)."""
     with pytest.raises(UserError, match="native"):
         Session(tools=[add], tool_format="native", tool_choice="required")
     with pytest.raises(UserError, match="tool_format"):
         Session(tools=[add], tool_format="xml")  # type: ignore[arg-type]
 
 
-def test_parse_native_output_cases() -> None:
-    calls, answer, error = parse_native_output("Sure. " + call("add", a=1, b=2), call_prefix="c")
-    assert error is None and answer is None and calls[0].arguments == {"a": 1, "b": 2}
-    assert parse_native_output("The answer is 3.", call_prefix="c") == ([], "The answer is 3.", None)
-    assert parse_native_output("<tool_call>{", call_prefix="c")[2] == "a <tool_call> block is not closed"
-    assert parse_native_output("<tool_call>{nope}</tool_call>", call_prefix="c")[2] is not None
+def test_a_forced_native_step_is_forced_and_read_as_vllm_serve_forces_and_reads_it(tool_model: Path) -> None:
+    """`Session.step` with ``tool_choice`` required or a tool's name in native format: the step is constrained as
+    vLLM's server constrains it (its composed parser's ``adjust_request``) and read as it reads it (``parse``)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser import ParserManager
+
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "add", "description": "Add two integers.", "parameters": add.spec.parameters},
+        }
+    ]
+    messages = [{"role": "user", "content": "Add 1 + 2 and 3 + 4."}]
+    named = {"type": "function", "function": {"name": "add"}}
+    wrote = [call("add", a=1, b=2) + "\n" + call("add", a=3, b=4), call("add", a=5, b=6), call("add") + "x"]
+    wrote.append('<tool_call>\n{"name": "add", "arguments": "five"}\n</tool_call>')
+    with (
+        ScriptedEngine(wrote, model_path=tool_model) as engine,
+        Session(engine=engine, tools=[add], tool_format="native") as session,
+    ):
+        both = session.step_sync(messages, tool_choice="required")
+        one = session.step_sync(messages, tool_choice=named)
+        session.step_sync(messages, tool_choice="required")
+        odd = session.step_sync(messages, tool_choice=named)
+        forced = [request.sampling.options.structured_outputs for request in engine.requests]
+    assert [(c.name, c.arguments) for c in both.tool_calls] == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    assert [(c.name, c.arguments) for c in one.tool_calls] == [("add", {"a": 5, "b": 6})]
+    assert odd.tool_calls[0].arguments == {} and odd.tool_calls[0].arguments_json == '"five"'  # kept as vLLM keeps it
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tool_model))
+    for constraint, choice in zip(forced, ["required", named], strict=False):
+        request = ChatCompletionRequest(model="m", messages=[], tools=tools, tool_choice=choice)
+        composed = ParserManager.get_parser(tool_parser_name="hermes", enable_auto_tools=True)
+        assert composed is not None
+        expected = composed(tokenizer, request.tools).adjust_request(request).structured_outputs
+        assert constraint is not None and constraint["structural_tag"] == expected.structural_tag
+
+
+def test_the_hermes_parser_reads_native_output(tokenizer: object) -> None:
+    parser = NativeToolParser("hermes", tokenizer, {"add": add.spec})
+    calls, answer, error = parser.read("Sure. " + call("add", a=1, b=2), call_prefix="c")
+    assert error is None and answer is None and calls[0].arguments == {"a": 1, "b": 2} and calls[0].id == "c-0"
+    assert parser.read("The answer is 3.", call_prefix="c") == ([], "The answer is 3.", None)
+    assert "<tool_call>" in str(parser.read("<tool_call>{", call_prefix="c")[2])  # meant as a call: not an answer
+    assert parser.read("<tool_call>{nope}</tool_call>", call_prefix="c")[2] is not None
     as_string = '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
-    assert parse_native_output(as_string, call_prefix="c")[0][0].arguments == {"a": 1, "b": 2}
+    assert parser.read(as_string, call_prefix="c")[0][0].arguments == {"a": 1, "b": 2}
+
+
+@pytest.mark.pair
+def test_a_native_step_on_the_bundled_model_is_read_by_the_hermes_parser(pair: Any) -> None:
+    """The real pair, the bundled model (no tool training): its output goes through vLLM's hermes parser as before
+    (an answer, or calls whose streamed arguments join to the reply's), and the next step pushes D's KV back."""
+    deltas: list[ToolCallDelta] = []
+    with Session(engine=pair, tools=[add], tool_format="native", tool_call_parser="hermes", max_tokens=24) as session:
+        history: list[Any] = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
+        reply = session.step_sync(history, on_tool_call=deltas.append)
+        if reply.tool_calls:
+            history += [
+                as_message(reply),
+                *({"role": "tool", "tool_call_id": c.id, "content": "5"} for c in reply.tool_calls),
+            ]
+        else:
+            history += [as_message(reply), {"role": "user", "content": "Thanks."}]
+        second = session.step_sync(history)
+    assert reply.error is None or "<tool_call>" in reply.step.text
+    if reply.tool_calls:
+        streamed = {d.index: "" for d in deltas}
+        for d in deltas:
+            streamed[d.index] += d.arguments
+        assert [json.loads(streamed[i]) for i in sorted(streamed)] == [c.arguments for c in reply.tool_calls]
+    elif reply.error is None:
+        assert reply.text == reply.step.text.strip() and deltas == []
+    assert second.stats.handle_forwarded and second.stats.pulled_tokens > 0
+
+
+def as_message(reply: Any) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.message.content}
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            for c in reply.tool_calls
+        ]
+    return message

@@ -32,6 +32,7 @@ from ._engines import (
     StepTimings,
     TokenDelta,
 )
+from ._engines._sampling import SamplingOptions, TokenLogprob
 from ._errors import (
     AgentKVError,
     ContextLengthError,
@@ -54,10 +55,13 @@ from ._session._message_step import StepOptions
 from ._session._pool import SessionPool
 from ._session._results import (
     Event,
+    ReasoningDelta,
     Step,
     StepEnd,
     StepReply,
     TextDelta,
+    TextPiece,
+    ToolCallDelta,
     ToolCallEvent,
     ToolResultEvent,
     TurnEnd,
@@ -104,9 +108,11 @@ __all__ = [
     "PairSettings",
     "Placement",
     "PrefillEngine",
+    "ReasoningDelta",
     "RemotePair",
     "ResponseStore",
     "Sampling",
+    "SamplingOptions",
     "SavedSegment",
     "SavedTranscript",
     "ServerCapabilities",
@@ -132,9 +138,12 @@ __all__ = [
     "StoredResponse",
     "TemplateError",
     "TextDelta",
+    "TextPiece",
     "TokenDelta",
+    "TokenLogprob",
     "Tool",
     "ToolCall",
+    "ToolCallDelta",
     "ToolCallEvent",
     "ToolChoice",
     "ToolFormat",

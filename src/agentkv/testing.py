@@ -12,8 +12,15 @@ computed and returns no handle. Tests that claim the pair works use the real pai
 
 Both doubles honour `Sampling.stop` as vLLM does: the output ends at the token that completes
 the first stop string, its token ids are kept up to that token, its text ends before the stop
-string, no text delta carries it, and the finish reason is ``"stop"``. Like a real pair (whose
-D pins nothing for a request a stop string ended), `HonestPairEngine` then returns no handle.
+string (or with it, given ``include_stop_str_in_output``), no text delta carries it, and the finish
+reason is ``"stop"``. Like a real pair (whose D pins nothing for a request a stop string ended),
+`HonestPairEngine` then returns no handle.
+
+Of `SamplingOptions`, a scripted output stands for one sample whatever shapes the distribution
+(``top_p``, ``top_k``, ``min_p``, the penalties, as ``temperature`` and ``seed``); an option whose
+effect on the output a script cannot honour (``logprobs``, ``logit_bias``, ``allowed_token_ids``,
+``bad_words``, ``structured_outputs``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, special-token
+text) fails the step with `UserError` naming it, rather than being dropped.
 
 `HonestPairEngine` is a test double of the pair's decode engine D that keeps the push-back rule
 honest: it remembers the tokens each handle it issued holds, checks every handle pushed back to
@@ -47,7 +54,7 @@ from ._engines import (
     StepTimings,
     TokenDelta,
 )
-from ._engines._base import pair_modes
+from ._engines._base import Sampling, pair_modes
 from ._engines._handle import parse_handle
 from ._engines._netns import NamespacesUnavailableError, TwoHosts, two_hosts
 from ._engines._server_process import ServerProcess
@@ -147,6 +154,7 @@ class ScriptedEngine(_BundledModelDouble):
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
+        _refuse_unhonoured(request)  # as an engine refuses a value: the step never reaches the script
         if not self._outputs:
             raise UnconsumedScriptError("the script ran out: the code under test asked for one more step")
         started = time.perf_counter()
@@ -155,11 +163,16 @@ class ScriptedEngine(_BundledModelDouble):
         output = self._outputs.pop(0)
         text = output(request) if callable(output) else output
         token_ids = self._encode(text)
-        cut = _cut_at_stop(token_ids, request.sampling.stop, self._decode)
+        cut = _cut_at_stop(token_ids, request.sampling, self._decode)
         if cut is not None:
             token_ids, text = cut
         yield TokenDelta(token_ids=token_ids, text=text)
-        yield StepDone(
+        yield self._done(request, token_ids, text, started)
+
+    @staticmethod
+    def _done(request: StepRequest, token_ids: list[int], text: str, started: float) -> StepDone:
+        """The `StepDone` of an output ``text`` (``token_ids``) of ``request``, begun at ``started``."""
+        return StepDone(
             token_ids=token_ids,
             text=text,
             finish_reason="stop",
@@ -347,6 +360,7 @@ class HonestPairEngine(_BundledModelDouble):
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
+        _refuse_unhonoured(request)  # refused before the engine: no record, the faults wait for the next step
         faults, self._pending = self._pending, []
         record = StepRecord(request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids), faults=faults)
         self.steps.append(record)
@@ -493,7 +507,7 @@ class HonestPairEngine(_BundledModelDouble):
         if len(token_ids) > request.sampling.max_tokens:
             token_ids = token_ids[: request.sampling.max_tokens]
             text, finish_reason = self._decode(token_ids), "length"
-        cut = _cut_at_stop(token_ids, request.sampling.stop, self._decode)
+        cut = _cut_at_stop(token_ids, request.sampling, self._decode)
         if cut is not None:
             return *cut, "stop", True
         return token_ids, text, finish_reason, False
@@ -508,16 +522,43 @@ class HonestPairEngine(_BundledModelDouble):
 
 
 def _cut_at_stop(
-    token_ids: Sequence[int], stop: Sequence[str], decode: Callable[[list[int]], str]
+    token_ids: Sequence[int], sampling: Sampling, decode: Callable[[list[int]], str]
 ) -> tuple[list[int], str] | None:
     """Where vLLM ends an output at a stop string: the token ids up to the one that completes the first
-    stop string, and the text before that string; None when no stop string occurs."""
+    stop string, and the text before that string (through it with ``include_stop_str_in_output``); None
+    when no stop string occurs."""
+    stop = sampling.stop
     for end in range(1, len(token_ids) + 1) if stop else ():
         text = decode(list(token_ids[:end]))
-        found = [at for string in stop if (at := text.find(string)) >= 0]
+        found = [(at, at + len(string)) for string in stop if (at := text.find(string)) >= 0]
         if found:
-            return list(token_ids[:end]), text[: min(found)]
+            at, through = min(found)
+            return list(token_ids[:end]), text[: through if sampling.options.include_stop_str_in_output else at]
     return None
+
+
+_UNHONOURED = (
+    "logprobs",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
+"""The `SamplingOptions` whose effect on an output a scripted double cannot honour. Structured outputs are taken, as
+`Sampling.json_schema` is: a script stands for the constrained output (its author writes what the grammar allows)."""
+
+
+def _refuse_unhonoured(request: StepRequest) -> None:
+    """`UserError` naming the first option of ``request`` set away from its default that a double cannot honour."""
+    options = request.sampling.options
+    defaults = type(options)()
+    for name in _UNHONOURED:
+        if getattr(options, name) != getattr(defaults, name):
+            raise UserError(f"{name}: the scripted test doubles cannot honour it (use a real engine)")
 
 
 def _default_response(request: StepRequest) -> str:

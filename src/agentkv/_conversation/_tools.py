@@ -42,9 +42,8 @@ ToolChoice = Literal["auto", "required", "none"] | str
 ToolFormat = Literal["schema", "native"]
 """How tool calls are made: ``"schema"`` (default: the output is forced to JSON by vLLM
 structured outputs, so any model makes calls that parse) or ``"native"`` (the model's own
-chat-template tool support; calls are parsed from Hermes-style ``<tool_call>`` blocks)."""
-
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+chat-template tool support; calls are read by a vLLM tool parser, ``hermes`` unless the session
+names another: `agentkv._conversation._parsers`)."""
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -57,6 +56,14 @@ class ToolCall(BaseModel):
     id: str
     name: str
     arguments: dict[str, Any]
+    raw_arguments: str | None = Field(default=None, repr=False)
+    """The arguments' JSON as the model wrote it when it is no JSON object (a model not trained for tools may write
+    a string where vLLM's grammar lets it): `arguments` is then ``{}``. None otherwise."""
+
+    @property
+    def arguments_json(self) -> str:
+        """The arguments as OpenAI's ``function.arguments`` carries them (JSON text)."""
+        return self.raw_arguments if self.raw_arguments is not None else json.dumps(self.arguments)
 
 
 class ToolResult(BaseModel):
@@ -334,34 +341,6 @@ def parse_output(text: str, *, call_prefix: str) -> tuple[list[ToolCall], str | 
                 arguments=arguments if isinstance(arguments, dict) else {"value": arguments},
             )
         )
-    return calls, None, None
-
-
-def parse_native_output(text: str, *, call_prefix: str) -> tuple[list[ToolCall], str | None, str | None]:
-    """(tool calls, answer, error) from Hermes-style output: ``<tool_call>{"name":..., "arguments":...}</tool_call>``.
-
-    Output without tool-call blocks is the answer.
-    """
-    blocks = _TOOL_CALL_BLOCK.findall(text)
-    if not blocks:
-        if "<tool_call>" in text:
-            return [], None, "a <tool_call> block is not closed"
-        return [], text.strip(), None
-    calls: list[ToolCall] = []
-    for index, block in enumerate(blocks):
-        try:
-            raw = json.loads(block)
-        except json.JSONDecodeError as exc:
-            return [], None, f"tool call {index} is not valid JSON ({exc.msg})"
-        arguments = raw.get("arguments", {}) if isinstance(raw, dict) else None
-        if isinstance(arguments, str):  # some models send the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                return [], None, f"tool call {index} has arguments that are not JSON"
-        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not isinstance(arguments, dict):
-            return [], None, f"tool call {index} needs a name and an arguments object"
-        calls.append(ToolCall(id=f"{call_prefix}-{index}", name=raw["name"], arguments=arguments))
     return calls, None, None
 
 

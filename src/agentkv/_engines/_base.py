@@ -18,6 +18,7 @@ from .._errors import EngineDeadError
 from .._lifecycle import Lifecycle, LifecycleState
 from ._handle import KVHandle
 from ._placement import Placement, PrefillEngine
+from ._sampling import Sampling, SamplingOptions, TokenLogprob
 
 __all__ = [
     "Engine",
@@ -27,11 +28,13 @@ __all__ = [
     "Placement",
     "PrefillEngine",
     "Sampling",
+    "SamplingOptions",
     "StepDone",
     "StepEvent",
     "StepRequest",
     "StepTimings",
     "TokenDelta",
+    "TokenLogprob",
     "pair_modes",
     "prompt_split",
 ]
@@ -44,27 +47,6 @@ from D's own cache of the pinned conversation, whichever its measured costs say 
 """
 
 _MODE_PREFERENCE: tuple[Mode, ...] = ("bidirectional", "auto", "disaggregated", "colocated")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sampling:
-    """How to sample one step's output."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    json_schema: dict[str, Any] | None = None
-    """Force the output to match this JSON schema (vLLM structured outputs)."""
-    stop: tuple[str, ...] = ()
-    """End the output at the first of these strings (vLLM ``stop``; finish reason ``"stop"``).
-
-    The output's text ends before the stop string; its token ids are kept exactly as generated,
-    up to and including the token that completed the stop string (they are what the engine
-    computed, and what the next prompt must extend). vLLM ends such a request by aborting it
-    (the stop string is found outside its scheduler), so a pair's D pins nothing for it: the
-    step's `StepDone.handle` is None, and the next step recomputes rather than pulling back.
-    """
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +69,8 @@ class TokenDelta:
 
     token_ids: Sequence[int]
     text: str
+    logprobs: Sequence[TokenLogprob] | None = None
+    """One per token of `token_ids` when the step asked for them (`SamplingOptions.logprobs`), else None."""
 
 
 @dataclass(kw_only=True)
@@ -171,6 +155,8 @@ class StepDone:
     handle_error: str | None = None
     """Why D's handle was dropped (it was malformed; `handle` is then None): the step's answer stands,
     the next step cannot push back."""
+    logprobs: Sequence[TokenLogprob] | None = None
+    """One per token of `token_ids` when the step asked for them (`SamplingOptions.logprobs`), else None."""
 
 
 StepEvent = TokenDelta | StepDone

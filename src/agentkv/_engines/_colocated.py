@@ -19,7 +19,8 @@ from ._pair_config import check_engine_args, engine_launch
 from ._pair_layer import run_warmup_steps
 from ._platforms import current_platform
 from ._system import available_cores
-from ._vllm import AsyncLLMRunner, DecodeStream, engine_seconds, vllm_sampling
+from ._vllm import AsyncLLMRunner, DecodeStream, engine_seconds
+from ._vllm_sampling import vllm_sampling
 
 __all__ = ["Colocated"]
 
@@ -183,4 +184,5 @@ class Colocated(Engine):
             finish_reason=completion.finish_reason,
             handle=None,
             timings=timings,
+            logprobs=stream.logprobs,
         )

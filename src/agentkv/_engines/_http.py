@@ -36,6 +36,7 @@ from ._base import (
     StepRequest,
     StepTimings,
     TokenDelta,
+    TokenLogprob,
     pair_modes,
     prompt_split,
 )
@@ -53,6 +54,7 @@ from ._http_transport import (
     Role,
     ServerReply,
     completion_body,
+    completion_logprobs,
     never_arrived,
     retrying,
     translated,
@@ -61,6 +63,7 @@ from ._pair_config import Transfer
 from ._pair_layer import ON_DECODE_PARAMS, PairLayer
 from ._placement import PlacementChoice
 from ._push import PushedStep
+from ._vllm_sampling import check_sampling
 
 __all__ = ["HTTPPair", "stock_decode_streaming_error"]
 
@@ -299,6 +302,7 @@ class HTTPPair(PairLayer):
         self.check_open()
         if request.handle is not None and not self.info.push_back:
             raise UserError("this pair runs without push-back: it takes no handle")
+        check_sampling(request.sampling)  # what D would refuse after P's work (P refuses the rest before it)
         await self._before_step()
         self._in_flight += 1
         self._started_steps += 1
@@ -330,7 +334,7 @@ class HTTPPair(PairLayer):
                 request, max_tokens=request.sampling.max_tokens, kv_transfer_params=handoff.as_decode_params()
             )
             outputs = self._decode(body)
-        answer = _Answer()
+        answer = _Answer(logprobs_count=request.sampling.options.logprobs)
         async for delta in answer.collect(outputs):
             yield delta
         if pushed is not None:
@@ -342,7 +346,7 @@ class HTTPPair(PairLayer):
     ) -> AsyncGenerator[StepEvent, None]:
         """The whole step on D's server: its cache holds the pin's whole blocks; it computes the rest and pins."""
         body = self._body(request, max_tokens=request.sampling.max_tokens, kv_transfer_params=ON_DECODE_PARAMS)
-        answer = _Answer()
+        answer = _Answer(logprobs_count=request.sampling.options.logprobs)
         async for delta in answer.collect(self._decode(body)):
             yield delta
         yield self._done(request, answer, started, choice, prefill=None, declined=False)
@@ -374,6 +378,7 @@ class HTTPPair(PairLayer):
             handle=handle,
             handle_deadline=_local_deadline(handle, d_reply),
             handle_error=handle_error,
+            logprobs=None if answer.logprobs_count is None else answer.logprobs or [],
             timings=StepTimings(
                 ttft_s=(answer.first_token_at or time.perf_counter()) - started,
                 prefill_s=computed_on.seconds("prefill"),
@@ -511,6 +516,9 @@ class _Answer:
     first_token_at: float | None = None
     finish_reason: str | None = None
     reply: ServerReply = field(default_factory=ServerReply)
+    logprobs_count: int | None = None
+    """The alternatives per token the step asked for (`SamplingOptions.logprobs`); None: no logprobs."""
+    logprobs: list[TokenLogprob] | None = None
 
     async def collect(self, outputs: AsyncIterator[tuple[Any, ServerReply | None]]) -> AsyncIterator[TokenDelta]:
         async for choice, reply in outputs:
@@ -525,8 +533,14 @@ class _Answer:
             self.token_ids.extend(ids)
             self.texts.append(choice.text)
             self.finish_reason = choice.finish_reason or self.finish_reason
+            logprobs = None
+            if self.logprobs_count is not None:
+                logprobs = completion_logprobs(getattr(choice, "logprobs", None), self.logprobs_count)
+                if len(logprobs) != len(ids):
+                    raise EngineError(f"the decode server sent logprobs for {len(logprobs)} of {len(ids)} tokens")
+                self.logprobs = [*(self.logprobs or ()), *logprobs]
             if ids or choice.text:
-                yield TokenDelta(token_ids=ids, text=choice.text)
+                yield TokenDelta(token_ids=ids, text=choice.text, logprobs=logprobs)
 
 
 _NOTHING_MOVED = {"bytes": 0.0, "seconds": 0.0, "expired": 0.0}

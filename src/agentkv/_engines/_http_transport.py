@@ -2,7 +2,7 @@
 
 Knows ``/v1/completions`` with token ids and vLLM's ``kv_transfer_params``; knows nothing of
 sessions, handles' meaning or capabilities. Errors of the ``openai`` client leave here as
-agentkv's (`EngineUnavailableError`, `EngineError`).
+agentkv's (`EngineUnavailableError`, `EngineError`; a request the server refused, `UserError`).
 
 Retries (tenacity, `retrying`) cover transient failures: a refused connection while a
 server starts, a dropped connection, a 5xx. Which calls may be retried is the caller's
@@ -30,15 +30,17 @@ from tenacity import (
     wait_random,
 )
 
-from .._errors import EngineError, EngineUnavailableError
-from ._base import Sampling
+from .._errors import EngineError, EngineUnavailableError, UserError
+from ._base import Sampling, TokenLogprob
 from ._handle import SERVER_EXTRAS_FIELD
+from ._vllm_sampling import LOGPROB_FLOOR, top_alternatives
 
 __all__ = [
     "PairTransport",
     "Role",
     "ServerReply",
     "completion_body",
+    "completion_logprobs",
     "never_arrived",
     "retrying",
     "transient",
@@ -58,7 +60,20 @@ def translated(role: Role) -> Iterator[None]:
     except openai.APIConnectionError as exc:
         raise EngineUnavailableError(f"the {role} server could not be reached: {exc}") from exc
     except openai.APIStatusError as exc:
+        if exc.status_code in (400, 422):  # vLLM refused the request (a sampling value): the caller's to fix
+            raise UserError(f"the {role} server refused the request: {_server_message(exc)}") from exc
         raise EngineError(f"the {role} server answered {exc.status_code}: {exc.message}") from exc
+
+
+def _server_message(exc: openai.APIStatusError) -> str:
+    """The message of vLLM's error body (``{"error": {"message": ...}}``; the client keeps the inner object)."""
+    body = exc.body
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        message = inner.get("message") if isinstance(inner, dict) else None
+        if isinstance(message, str):
+            return message
+    return exc.message
 
 
 def transient(exc: BaseException) -> bool:
@@ -133,26 +148,86 @@ def completion_body(
     kv_transfer_params: dict[str, Any] | None,
     cache_salt: str | None = None,
 ) -> dict[str, Any]:
-    """A ``/v1/completions`` request with token ids (``kv_transfer_params=None``: a plain request, no KV transfer)."""
-    extra: dict[str, Any] = {"return_token_ids": True}
+    """A ``/v1/completions`` request with token ids (``kv_transfer_params=None``: a plain request, no KV transfer).
+
+    Every sampling field goes in vLLM's names (those the ``openai`` client lacks in ``extra_body``), defaults
+    included, so that the server's own defaults (the model's generation config) never replace agentkv's. A request
+    for fewer tokens than the step's (P's one) caps ``min_tokens`` at them and leaves the stop strings out: over
+    HTTP P's token is never the answer's first, D decodes it all.
+    """
+    options = sampling.options
+    extra: dict[str, Any] = {
+        "return_token_ids": True,
+        "top_k": options.top_k,
+        "min_p": options.min_p,
+        "repetition_penalty": options.repetition_penalty,
+        "min_tokens": min(options.min_tokens, max_tokens),
+        "ignore_eos": options.ignore_eos,
+        "stop_token_ids": list(options.stop_token_ids),
+        "include_stop_str_in_output": options.include_stop_str_in_output,
+        "skip_special_tokens": options.skip_special_tokens,
+        "spaces_between_special_tokens": options.spaces_between_special_tokens,
+        "bad_words": list(options.bad_words),
+    }
+    if options.allowed_token_ids is not None:
+        extra["allowed_token_ids"] = list(options.allowed_token_ids)
+    if sampling.structured is not None:
+        extra["structured_outputs"] = sampling.structured
+    if options.logprobs is not None:
+        extra["return_tokens_as_token_ids"] = True  # tokens as "token_id:N" (`completion_logprobs`)
     if kv_transfer_params is not None:
         extra["kv_transfer_params"] = kv_transfer_params
     if cache_salt is not None:
         extra["cache_salt"] = cache_salt
-    if sampling.json_schema is not None and max_tokens > 1:
-        extra["structured_outputs"] = {"json": sampling.json_schema}
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt_token_ids),
         "max_tokens": max_tokens,
         "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
+        "top_p": options.top_p,
+        "presence_penalty": options.presence_penalty,
+        "frequency_penalty": options.frequency_penalty,
         "seed": sampling.seed,
         "extra_body": extra,
     }
-    if sampling.stop and max_tokens > 1:  # P's one token is never the answer's first over HTTP: D decodes it all
+    if options.logit_bias is not None:
+        body["logit_bias"] = {str(token_id): bias for token_id, bias in options.logit_bias.items()}
+    if options.logprobs is not None:
+        body["logprobs"] = options.logprobs
+    if sampling.stop and max_tokens >= sampling.max_tokens:
         body["stop"] = list(sampling.stop)
     return body
+
+
+def completion_logprobs(logprobs: Any, count: int) -> list[TokenLogprob]:
+    """`TokenLogprob`s of a ``/v1/completions`` choice's ``logprobs`` (asked with ``return_tokens_as_token_ids``:
+    tokens are ``"token_id:N"``), each with the ``count`` likeliest alternatives of its ``top_logprobs`` (which
+    hold the chosen token too, OpenAI's ``logprobs + 1``)."""
+    if logprobs is None:
+        return []
+    fields = logprobs if isinstance(logprobs, dict) else vars(logprobs)
+    tokens, values = fields.get("tokens") or [], fields.get("token_logprobs") or []
+    tops = fields.get("top_logprobs") or [None] * len(tokens)
+    found = []
+    for token, value, top in zip(tokens, values, tops, strict=False):
+        alternatives = ((_token_id(key), float(lp)) for key, lp in (top or {}).items())
+        found.append(
+            TokenLogprob(
+                token_id=_token_id(token),
+                logprob=LOGPROB_FLOOR if value is None else float(value),
+                top=top_alternatives(alternatives, count),
+            )
+        )
+    return found
+
+
+def _token_id(token: str) -> int:
+    prefix, _, number = token.rpartition(":")
+    if prefix != "token_id" or not number.lstrip("-").isdigit():
+        raise EngineError(
+            f"the server sent logprobs for {token!r}, not a token id (it needs return_tokens_as_token_ids)"
+        )
+    return int(number)
 
 
 class PairTransport:

@@ -8,7 +8,6 @@ decodes, pins its blocks and returns a new handle.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -42,8 +41,9 @@ from ._placement import PlacementChoice
 from ._platforms import Platform, current_platform, pair_devices
 from ._push import PushedStep
 from ._system import free_port, split_cores
-from ._vllm import AsyncLLMRunner, DecodeStream, TransferLedger, engine_seconds, first_token_of_prefill, vllm_sampling
+from ._vllm import AsyncLLMRunner, DecodeStream, TransferLedger, engine_seconds
 from ._vllm_features import feature_problem, has_feature
+from ._vllm_sampling import continued_sampling, first_token_of_prefill, prefill_sampling, vllm_sampling
 
 __all__ = ["EmbeddedPair"]
 
@@ -263,6 +263,9 @@ class EmbeddedPair(PairLayer):
                 async for event in events:
                     yield event
             return
+        whole = vllm_sampling(request.sampling, kv_transfer_params=None, stream=True)  # D's, refused before P works
+        if request.sampling.structured is not None:
+            d.check(whole)  # P samples without the grammar; every other field P checks itself as it takes the request
         (p_out, p_stats, p_ledger), declined = await self._prefill_or_recompute(p, request)
         handoff = parse_prefill_result(p_out.kv_transfer_params)
         first = first_token_of_prefill(request, p_out, d.block_size)
@@ -270,8 +273,7 @@ class EmbeddedPair(PairLayer):
         if first is not None:  # P's token is the answer's first: stream it now, D continues after it
             first_token_at = time.perf_counter()
             yield first
-            seed = sampling.seed + 1 if sampling.seed is not None else None  # not P's draw again
-            sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - 1, seed=seed)
+            sampling = continued_sampling(sampling)
             d_prompt.extend(first.token_ids)
         params = vllm_sampling(sampling, kv_transfer_params=handoff.as_decode_params(), stream=True)
         stream = self._decode_stream(d, d_prompt, params, request, "d")
@@ -330,6 +332,9 @@ class EmbeddedPair(PairLayer):
     ) -> StepDone:
         """The step's end: its tokens (P's first, when streamed, then D's) and D's new handle."""
         handle, handle_error = parse_handle(d_out.kv_transfer_params) if self.bidirectional else (None, None)
+        logprobs = stream.logprobs
+        if first is not None and logprobs is not None:
+            logprobs = [*(first.logprobs or ()), *logprobs]
         return StepDone(
             token_ids=[*first.token_ids, *stream.token_ids] if first is not None else stream.token_ids,
             text=first.text + stream.text if first is not None else stream.text,
@@ -337,6 +342,7 @@ class EmbeddedPair(PairLayer):
             handle=handle,
             handle_error=handle_error,
             timings=timings,
+            logprobs=logprobs,
         )
 
     async def _pushed_step(
@@ -355,6 +361,7 @@ class EmbeddedPair(PairLayer):
             remote_request_id=shared_id,
         )
         params = vllm_sampling(request.sampling, kv_transfer_params=source.as_decode_params(), stream=True)
+        d.check(params)  # refused before either engine works: D's refusal would leave P's push without a reader
         # D idles until P's write lands: not counted busy till then, so P prefills on all the cores
         stream = self._decode_stream(d, request.prompt_token_ids, params, request, "x", waits_for_push=True)
 
@@ -436,6 +443,7 @@ class EmbeddedPair(PairLayer):
             handle=handle,
             handle_error=handle_error,
             timings=timings,
+            logprobs=stream.logprobs,
         )
 
     def _decode_stream(
@@ -466,9 +474,9 @@ class EmbeddedPair(PairLayer):
         ``request_id``: the id P knows the request by (push: the one D registered under, and P's ledger
         goes on counting its write to D until the caller forgets the request); default: its own.
         """
-        # P's token is the answer's first only when no stop string can involve it (`first_token_of_prefill`)
-        sampling = dataclasses.replace(request.sampling, max_tokens=1, json_schema=None, stop=())
-        params = vllm_sampling(sampling, kv_transfer_params=prefill_params(handle), stream=False)
+        params = vllm_sampling(
+            prefill_sampling(request.sampling), kv_transfer_params=prefill_params(handle), stream=False
+        )
         final, stats, ledger = await p.run(
             request.prompt_token_ids,
             params,

@@ -3,7 +3,9 @@
 Run as ``python -m agentkv._engines._server <vllm serve arguments>`` (``LaunchedPair`` and
 ``agentkv engine`` build that command). It is vLLM's server unchanged, with one addition (made in ``src/_agentkv_vllm/_patches.py``):
 every ``/v1/completions`` response carries an ``agentkv`` object, and a streamed response
-ends with one more chunk (no choices) that carries it and the ``kv_transfer_params``.
+ends with one more chunk (no choices) that carries it and the ``kv_transfer_params``. Requests are
+vLLM's: every sampling field a client sends (``completion_body`` in ``_http_transport.py``) reaches
+vLLM as sent, and its refusals are vLLM's 400s.
 
 vLLM 0.32 returns the KV handle only in non-streamed responses, so a client that streams
 tokens from D never sees it and cannot push it back (upstream PR #40186 adds it to the

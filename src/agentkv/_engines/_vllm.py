@@ -28,19 +28,27 @@ import anyio.to_thread
 from _agentkv_vllm._cores import CoreSlot
 from _agentkv_vllm._patches import keep_prefill_stats, stop_output_handler
 
-from .._errors import EngineDeadError, EngineError, EngineStartError
-from ._base import Sampling, StepRequest, TokenDelta
+from .._errors import EngineDeadError, EngineError, EngineStartError, UserError
+from ._base import TokenDelta, TokenLogprob
 from ._pair_config import EngineLaunch
 from ._start_log import record_engine_start
 from ._system import descendants, is_helper, kill_and_reap, repin_threads
 from ._vllm_features import check_vllm_version, warn_engine_features
+from ._vllm_sampling import could_stop, first_token_of_prefill, refused, vllm_logprobs, vllm_sampling
 from ._watchdog import forget_pids, stop_watching, watch_pids
 
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["AsyncLLMRunner", "TransferLedger", "check_vllm_version", "could_stop", "first_token_of_prefill"]
+__all__ = [
+    "AsyncLLMRunner",
+    "TransferLedger",
+    "check_vllm_version",
+    "could_stop",
+    "first_token_of_prefill",
+    "vllm_sampling",
+]
 
 logger = logging.getLogger("agentkv")
 
@@ -262,10 +270,13 @@ class AsyncLLMRunner:
                     yield output
             ran_to_end = True
         except Exception as exc:
-            if isinstance(exc, EngineError):
+            if isinstance(exc, EngineError | UserError):
                 raise
+            from vllm.exceptions import VLLMClientError
             from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
 
+            if isinstance(exc, VLLMClientError):  # refused when added: the engine did nothing
+                raise refused(exc) from exc
             if llm.errored or isinstance(exc, VLLMEngineDeadError):  # the flag can lag the error
                 raise EngineDeadError(f"the {self.name} engine died: {exc}") from exc
             raise EngineError(f"the {self.name} engine failed a request: {exc}") from exc
@@ -274,6 +285,21 @@ class AsyncLLMRunner:
                 self._count_request(-1)
             if not ran_to_end:
                 self.forget(request_id)
+
+    def check(self, params: SamplingParams) -> None:
+        """vLLM's checks of ``params`` against this engine's model (vocabulary, logprobs limit, bad words,
+        grammar), as vLLM makes them when a request is added: refused, `UserError` naming the field. A pair
+        checks D's before P works; a request's own refusal (`generate`) comes before any engine work too."""
+        from vllm.exceptions import VLLMError
+
+        llm, trial = self.llm, params.clone()
+        config = llm.vllm_config
+        try:
+            trial.verify(llm.model_config, config.speculative_config, config.structured_outputs_config, llm.tokenizer)
+            if llm.tokenizer is not None:
+                trial.update_from_tokenizer(llm.tokenizer)
+        except (ValueError, VLLMError) as exc:
+            raise refused(exc) from exc
 
     def _count_request(self, delta: int) -> None:
         self.in_flight = max(0, self.in_flight + delta)
@@ -382,25 +408,6 @@ def _attribute(readouts: _Readouts, moved: TransferStats) -> None:
             ledger.shared = True
 
 
-def vllm_sampling(sampling: Sampling, *, kv_transfer_params: dict[str, Any] | None, stream: bool) -> SamplingParams:
-    """vLLM ``SamplingParams`` for a step (``max_tokens`` as given; P passes 1)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
-    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
-    structured = StructuredOutputsParams(json=sampling.json_schema) if sampling.json_schema is not None else None
-    return SamplingParams(
-        max_tokens=sampling.max_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        seed=sampling.seed,
-        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-        structured_outputs=structured,
-        stop=list(sampling.stop) or None,
-        extra_args=extra,
-    )
-
-
 def engine_seconds(output: RequestOutput) -> tuple[float | None, float, float | None]:
     """(prefill_s, wait_s, decode_s) from a finished request's ``RequestStateStats``."""
     metrics = output.metrics
@@ -471,6 +478,8 @@ class DecodeStream:
         self._request_id = request_id
         self._idle_timeout_s = idle_timeout_s
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        """One per token of `token_ids` when ``params`` ask for logprobs, else None."""
         self._text: list[str] = []
         self.first_token_at: float | None = None
         self._final: RequestOutput | None = None
@@ -502,8 +511,12 @@ class DecodeStream:
                 self.token_ids.extend(completion.token_ids)
                 self._text.append(completion.text)
                 self._final = output
+                logprobs = None
+                if self.logprobs is not None:
+                    logprobs = vllm_logprobs(completion.token_ids, completion.logprobs, self._params.logprobs)
+                    self.logprobs.extend(logprobs)
                 if completion.token_ids or completion.text:
-                    yield TokenDelta(token_ids=list(completion.token_ids), text=completion.text)
+                    yield TokenDelta(token_ids=list(completion.token_ids), text=completion.text, logprobs=logprobs)
         except TimeoutError as exc:
             raise EngineError(f"the {self._engine.name} engine made no progress for {self._idle_timeout_s} s") from exc
         finally:
@@ -516,39 +529,3 @@ class DecodeStream:
         if self._result is None or self._result[0] is None:
             raise EngineError(f"the {self._engine.name} engine returned no output")
         return self._result
-
-
-def first_token_of_prefill(request: StepRequest, p_out: RequestOutput, block_size: int) -> TokenDelta | None:
-    """P's sampled token as the answer's first token, when it can serve as one.
-
-    P samples one token with the step's sampling anyway (vLLM discards it and D samples the
-    first token again, after its pull and a forward pass). Streamed at once, it takes D's
-    pull and first forward pass off the time to first token; D then starts from the prompt
-    plus that token. Not used when the output is constrained by a JSON schema (P ran without
-    the grammar), when the token ended the answer (D must still run to pin the KV), or when
-    its text is incomplete (a partial UTF-8 character that only the next tokens complete).
-    Nor when a stop string could end within or start in its text (P runs without the stop
-    strings, and D looks for them in its own output only: `could_stop`). Nor when the prompt
-    fills its last block: D pulls P's blocks and recomputes the last token of its prompt,
-    which must then lie in a block P sent (vLLM 0.32 fails a pull that P's blocks do not cover).
-    """
-    completion = p_out.outputs[0]
-    text = completion.text
-    if request.sampling.json_schema is not None or request.sampling.max_tokens < 2:
-        return None
-    if len(request.prompt_token_ids) % block_size == 0:
-        return None
-    if len(completion.token_ids) != 1 or completion.finish_reason != "length" or not text or "\ufffd" in text:
-        return None
-    if could_stop(text, request.sampling.stop):
-        return None
-    return TokenDelta(token_ids=list(completion.token_ids), text=text)
-
-
-def could_stop(text: str, stop: Sequence[str]) -> bool:
-    """Whether a stop string occurs in ``text`` or could begin in it and end in text that follows.
-
-    D, continuing after P's token, searches only its own output for the stop strings: P's token is
-    the answer's first only when no stop string can involve its text.
-    """
-    return any(s in text or any(s.startswith(text[i:]) for i in range(len(text))) for s in stop)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from .._conversation._conversation import Message
+from .._conversation._parsers import OutputParsers
 from .._conversation._tools import (
     Tool,
     ToolChoice,
@@ -16,14 +17,13 @@ from .._conversation._tools import (
     check_tool_specs,
     instructions,
     output_schema,
-    parse_native_output,
-    parse_output,
 )
 from .._conversation._transcript import MessageLike, TranscriptKey, read_messages
+from .._engines._sampling import SamplingOptions
 from .._errors import UserError
-from ._answer_text import OutputShape
-from ._results import Step, StepReply
-from ._session_config import SessionConfig, check_stop
+from ._answer_text import OutputReader, OutputShape
+from ._results import ReasoningDelta, Step, StepReply, ToolCallDelta
+from ._session_config import SessionConfig, check_stop, check_structured
 
 __all__ = ["MessageRequest", "StepOptions", "ToolsArgument", "read_reply"]
 
@@ -39,8 +39,11 @@ class StepOptions(TypedDict, total=False):
     temperature: float | None
     seed: int | None
     stop: str | Sequence[str] | None
+    sampling: SamplingOptions | Mapping[str, Any] | None
     on_text: Callable[[str], None] | None
     on_first_token: Callable[[], None] | None
+    on_tool_call: Callable[[ToolCallDelta], None] | None
+    on_reasoning: Callable[[ReasoningDelta], None] | None
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class MessageRequest:
     choice: ToolChoice
     config: SessionConfig
     """The session's configuration with this call's sampling settings."""
+    call_prefix: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:16]}")
+    """This step's tool calls are ``<call_prefix>-<index>`` (known while they stream, kept in the reply)."""
 
     @classmethod
     def build(
@@ -66,6 +71,7 @@ class MessageRequest:
         temperature: float | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        sampling: SamplingOptions | Mapping[str, Any] | None = None,
     ) -> MessageRequest:
         read = read_messages(messages)
         if tools is None:
@@ -80,8 +86,9 @@ class MessageRequest:
             system = (system or "") + instructions(specs)
         key = TranscriptKey(system=system, tools=tuple(specs.values()), format=config.format)
         step_config = config.with_sampling(
-            max_tokens=max_tokens, temperature=temperature, seed=seed, stop=check_stop(stop)
+            max_tokens=max_tokens, temperature=temperature, seed=seed, stop=check_stop(stop), sampling=sampling
         )
+        check_structured(bool(specs), config.format, step_config.sampling)
         return cls(read, key, specs, choice, step_config)
 
     @classmethod
@@ -96,6 +103,7 @@ class MessageRequest:
             temperature=options.get("temperature"),
             seed=options.get("seed"),
             stop=options.get("stop"),
+            sampling=options.get("sampling"),
         )
 
     @property
@@ -105,11 +113,31 @@ class MessageRequest:
             return "plain"
         return "json" if self.key.format == "schema" else "native"
 
+    def reader(self, parsers: OutputParsers) -> OutputReader:
+        """How this step's output is read (``parsers``: the session's, bound to its tokenizer)."""
+        shape = self.shape
+        tools = parsers.tools(self.tools) if shape == "native" else None
+        forced = self.choice if shape == "native" and self.choice not in ("auto", "none") else None
+        return OutputReader(shape, self.call_prefix, tools=tools, reasoning=parsers.reasoning(), forced=forced)
+
+    def step_config(self, parsers: OutputParsers) -> SessionConfig:
+        """The step's configuration; a native-format step whose calls are forced (``required`` or a tool's name)
+        gets what vLLM's server constrains such a step to as its structured outputs (over any of the caller's, as
+        vLLM puts it over them)."""
+        if self.shape != "native" or self.choice in ("auto", "none"):
+            return self.config
+        forced = parsers.tools(self.tools).forced_outputs(self.choice)
+        sampling = self.config.sampling.model_copy(update={"structured_outputs": forced})
+        return self.config.model_copy(update={"sampling": sampling})
+
     def json_schema(self) -> dict[str, Any] | None:
-        """What the output is forced to: in schema format with tools, an answer or calls of these tools."""
-        if not self.tools or self.key.format != "schema":
+        """What the output is forced to: in schema format with tools, an answer or calls of these tools (a native
+        step's forced calls are constrained as vLLM constrains them: `step_config`)."""
+        if not self.tools:
             return None
-        return output_schema(self.tools, self.choice)
+        if self.key.format == "schema":
+            return output_schema(self.tools, self.choice)
+        return None
 
 
 def _choice(choice: ToolChoice | Mapping[str, Any], tools: dict[str, ToolSpec], config: SessionConfig) -> ToolChoice:
@@ -119,28 +147,28 @@ def _choice(choice: ToolChoice | Mapping[str, Any], tools: dict[str, ToolSpec], 
         raise UserError(f"tool_choice {choice!r} is neither auto, required, none nor one of the tools")
     if choice == "required" and not tools:
         raise UserError("tool_choice='required' needs tools")
-    if config.format == "native" and choice not in ("auto", "none"):
-        raise UserError("with tool_format='native' the model decides; forced calls need tool_format='schema'")
     return choice
 
 
-def read_reply(request: MessageRequest, step: Step) -> StepReply:
-    """The model's output as the caller's next message (calls get ids unique to this step)."""
-    if request.shape == "plain":
-        return _answer(step, step.text.strip())
-    parse = parse_output if request.key.format == "schema" else parse_native_output
-    calls, answer, error = parse(step.text, call_prefix=f"call_{uuid.uuid4().hex[:16]}")
-    if error is not None:
-        message = Message(role="assistant", content=step.text)
-        return StepReply(message=message, finish_reason=_finish(step), step=step, error=error)
-    if answer is not None:
-        return _answer(step, answer)
-    message = Message(role="assistant", content="", tool_calls=tuple(calls))
-    return StepReply(message=message, finish_reason="tool_calls", step=step)
+def read_reply(request: MessageRequest, step: Step, reader: OutputReader) -> StepReply:
+    """The model's output as the caller's next message (calls get ids unique to this step: ``request.call_prefix``).
+
+    With a reasoning parser the reasoning is the reply's `StepReply.reasoning`, not part of the message."""
+    read = reader.read(step.text)
+    if read.error is not None:
+        message = Message(role="assistant", content=read.content)
+        return StepReply(
+            message=message, finish_reason=_finish(step), step=step, error=read.error, reasoning=read.reasoning
+        )
+    if read.answer is not None:
+        return _answer(step, read.answer, read.reasoning)
+    message = Message(role="assistant", content="", tool_calls=tuple(read.calls))
+    return StepReply(message=message, finish_reason="tool_calls", step=step, reasoning=read.reasoning)
 
 
-def _answer(step: Step, text: str) -> StepReply:
-    return StepReply(message=Message(role="assistant", content=text), finish_reason=_finish(step), step=step)
+def _answer(step: Step, text: str, reasoning: str | None) -> StepReply:
+    message = Message(role="assistant", content=text)
+    return StepReply(message=message, finish_reason=_finish(step), step=step, reasoning=reasoning)
 
 
 def _finish(step: Step) -> Any:

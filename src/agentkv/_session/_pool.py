@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Unpack
+from typing import Any, Literal, Unpack, overload
 
 import anyio
 import anyio.to_thread
@@ -26,7 +26,7 @@ from .._engines import Engine
 from .._errors import SessionBusyError, UserError
 from ._engine_user import EngineUser
 from ._message_step import MessageRequest, StepOptions
-from ._results import StepReply
+from ._results import ReasoningDelta, StepReply, ToolCallDelta
 from ._session import Session, make_engine
 from ._session_config import SessionConfig
 from ._session_store import SessionStore, check_session_store, conversation_key, history_key
@@ -65,8 +65,9 @@ class SessionPool(EngineUser):
             the store's file locked, full, read-only) raises instead of answering, and its session is
             closed: the conversation's next step resumes from its last saved step.
         session_options: keyword arguments of each `Session` (``system``, ``mode``, ``tool_format``,
-            ``max_tokens``, ``temperature``, ``seed``, ``cache_salt``; ``model`` and ``engine_options``
-            for the pool's own engine).
+            ``tool_call_parser`` and ``reasoning_parser`` (vLLM's parsers, by name), ``max_tokens``, ``temperature``, ``seed``, ``sampling`` (`SamplingOptions`: every session's
+            defaults, which a step's ``sampling=`` overrides field by field), ``cache_salt``; ``model`` and
+            ``engine_options`` for the pool's own engine).
     """
 
     def __init__(
@@ -169,30 +170,58 @@ class SessionPool(EngineUser):
         assert self._home is not None
         return self._home.call(functools.partial(self._step, messages, conversation_id, options))
 
+    @overload
+    def stream(
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        *,
+        conversation_id: str | None = None,
+        first_token: bool = False,
+        deltas: Literal[False] = False,
+        **options: Unpack[StepOptions],
+    ) -> AsyncGenerator[str | StepReply]: ...
+    @overload
+    def stream(
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        *,
+        conversation_id: str | None = None,
+        first_token: bool = False,
+        deltas: Literal[True],
+        **options: Unpack[StepOptions],
+    ) -> AsyncGenerator[str | ToolCallDelta | ReasoningDelta | StepReply]: ...
     async def stream(
         self,
         messages: Sequence[Message | Mapping[str, Any]],
         *,
         conversation_id: str | None = None,
         first_token: bool = False,
+        deltas: bool = False,
         **options: Unpack[StepOptions],
-    ) -> AsyncGenerator[str | StepReply]:
+    ) -> AsyncGenerator[str | ToolCallDelta | ReasoningDelta | StepReply]:
         """`step`, as the answer's text pieces while they are generated, then the `StepReply`.
+
+        With ``deltas``, the `ToolCallDelta` and `ReasoningDelta` pieces come too, in order with the text (a
+        front door streams tool-call arguments and reasoning as they are written).
 
         With ``first_token``, an empty string comes first, when the model's first token arrives
         (for a client's TTFT when the step calls tools and streams no text). Works from any
         asyncio loop (the pool may run on another). A consumer that stops early cancels the
-        step, which then changes nothing in the session.
+        step, which then changes nothing in the session. When the step asks for ``logprobs`` (``sampling=``),
+        each text piece is a `TextPiece` carrying the log probabilities of the tokens since the last piece
+        (all of them are in the reply's ``step.logprobs``).
         """
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[str | StepReply | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[str | ToolCallDelta | ReasoningDelta | StepReply | BaseException] = asyncio.Queue()
 
-        def on_text(text: str) -> None:  # called on the pool's loop, maybe in another thread
+        def on_text(text: str | ToolCallDelta | ReasoningDelta) -> None:  # on the pool's loop, maybe another thread
             loop.call_soon_threadsafe(queue.put_nowait, text)
 
         streamed: StepOptions = {**options, "on_text": on_text}
         if first_token:
             streamed["on_first_token"] = functools.partial(on_text, "")
+        if deltas:
+            streamed["on_tool_call"] = streamed["on_reasoning"] = on_text
 
         async def run() -> None:
             try:
@@ -222,7 +251,11 @@ class SessionPool(EngineUser):
         member = await self._member_for(request, conversation_id)
         try:
             reply = await member.session._step_request(
-                request, on_text=options.get("on_text"), on_first_token=options.get("on_first_token")
+                request,
+                on_text=options.get("on_text"),
+                on_first_token=options.get("on_first_token"),
+                on_tool_call=options.get("on_tool_call"),
+                on_reasoning=options.get("on_reasoning"),
             )
             if self.store is not None:
                 try:

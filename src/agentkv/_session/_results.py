@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .._conversation._conversation import Message
 from .._conversation._tools import ToolCall, ToolResult
+from .._engines._sampling import TokenLogprob
 from .._stats._stats import StepStats, TurnStats
 
 __all__ = [
     "Event",
+    "ReasoningDelta",
     "Step",
     "StepEnd",
     "StepReply",
     "TextDelta",
+    "TextPiece",
+    "ToolCallDelta",
     "ToolCallEvent",
     "ToolResultEvent",
     "TurnEnd",
@@ -35,6 +40,8 @@ class Step(BaseModel):
     finish_reason: str
     """``stop`` (end of answer) or ``length`` (``max_tokens`` reached)."""
     stats: StepStats
+    logprobs: list[TokenLogprob] | None = Field(default=None, repr=False)
+    """One per output token when the step asked for them (`SamplingOptions.logprobs`), else None."""
     tool_calls: list[ToolCall] = Field(default_factory=list[ToolCall])
     """Tools the model called in this step."""
     tool_results: list[ToolResult] = Field(default_factory=list[ToolResult])
@@ -62,6 +69,50 @@ class TextDelta(BaseModel):
     step: int
     text: str
     token_ids: list[int] = Field(repr=False)
+    logprobs: list[TokenLogprob] | None = Field(default=None, repr=False)
+    """One per token of `token_ids` when the step asked for them (`SamplingOptions.logprobs`), else None."""
+
+
+class TextPiece(str):
+    """A piece of a step's answer as `Session.step(on_text=...)` and `SessionPool.stream` give it: a `str`, and
+    when the step asked for log probabilities (`SamplingOptions.logprobs`), `logprobs` holds those of the output
+    tokens generated since the previous piece (the rest are in `Step.logprobs` only)."""
+
+    logprobs: tuple[TokenLogprob, ...]
+
+    def __new__(cls, text: str, logprobs: Sequence[TokenLogprob] = ()) -> TextPiece:
+        return super().__new__(cls, text)
+
+    def __init__(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> None:
+        super().__init__()
+        self.logprobs = tuple(logprobs)
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a tool call while the model writes it: the call's id and name first (once), then its arguments'
+    JSON text as it grows. A call's ``arguments`` pieces, joined, are its arguments as written (the finished call's
+    `ToolCall.arguments`, parsed)."""
+
+    kind: Literal["tool_call_delta"] = "tool_call_delta"
+    turn: int
+    step: int
+    index: int
+    """The call's position among the step's calls (as in OpenAI's streamed ``tool_calls[].index``)."""
+    id: str
+    """The call's id: the same as the finished `ToolCall.id`."""
+    name: str | None = None
+    """The tool's name, on the call's first delta only."""
+    arguments: str = ""
+    """The next piece of the arguments' text ("" on the first delta)."""
+
+
+class ReasoningDelta(BaseModel):
+    """New reasoning text of the step in progress (with a ``reasoning_parser``; not part of the answer)."""
+
+    kind: Literal["reasoning_delta"] = "reasoning_delta"
+    turn: int
+    step: int
+    text: str
 
 
 class StepEnd(BaseModel):
@@ -96,9 +147,12 @@ class TurnEnd(BaseModel):
     result: TurnResult
 
 
-Event = Annotated[TextDelta | ToolCallEvent | ToolResultEvent | StepEnd | TurnEnd, Field(discriminator="kind")]
-"""What `Session.stream` yields, in order: per step its text deltas, tool calls, tool results
-and step end; then one turn end."""
+Event = Annotated[
+    TextDelta | ReasoningDelta | ToolCallDelta | ToolCallEvent | ToolResultEvent | StepEnd | TurnEnd,
+    Field(discriminator="kind"),
+]
+"""What `Session.stream` yields, in order: per step its text deltas (each followed by the reasoning and tool-call
+pieces it made certain), tool calls, tool results and step end; then one turn end."""
 
 
 class StepReply(BaseModel):
@@ -118,6 +172,8 @@ class StepReply(BaseModel):
     """The model call: its raw output, token ids and stats."""
     error: str | None = None
     """Why the output could not be read as an answer or as tool calls (it is then the message's text)."""
+    reasoning: str | None = None
+    """The model's reasoning, apart from its answer (with a ``reasoning_parser``; None: none was found)."""
 
     @property
     def text(self) -> str:

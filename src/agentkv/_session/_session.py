@@ -22,18 +22,20 @@ from typing import Any, Unpack
 import anyio.to_thread
 
 from .._conversation._conversation import ChatRenderer, Conversation, Message
+from .._conversation._parsers import OutputParsers
 from .._conversation._tools import Tool, ToolChoice, ToolFormat, template_tools
 from .._conversation._transcript import Transcript, TranscriptKey, model_messages, rebuild
 from .._engines import Colocated, EmbeddedPair, Engine, KVHandle
+from .._engines._sampling import SamplingOptions, TokenLogprob
 from .._errors import SessionBusyError, SessionClosedError, UserError
 from .._home import EventLoopHome
 from .._lifecycle import LifecycleState
 from .._stats._stats import SessionStats, TurnStats
-from ._answer_text import AnswerText
+from ._answer_text import tool_call_delta
 from ._engine_user import EngineUser
 from ._message_step import MessageRequest, StepOptions, ToolsArgument, read_reply
 from ._pinning import Pin
-from ._results import Event, Step, StepReply, TurnEnd, TurnResult
+from ._results import Event, ReasoningDelta, Step, StepReply, TextPiece, ToolCallDelta, TurnEnd, TurnResult
 from ._session_config import Mode, SessionConfig, check_count, check_message
 from ._snapshot import SessionSnapshot, load_transcript, save_transcript
 from ._turn import StepContext, Turn, model_step, turn_events
@@ -66,11 +68,24 @@ class Session(EngineUser):
         tool_choice: ``"auto"``, ``"required"`` (the first step of each turn must call a tool),
             ``"none"`` or a tool's name (the first step must call it).
         tool_format: ``"schema"`` (default; calls forced to JSON, works with any model) or
-            ``"native"`` (the model's chat template renders the tools; Hermes-style calls parsed).
+            ``"native"`` (the model's chat template renders the tools; its calls are read by ``tool_call_parser``).
+        tool_call_parser: with ``tool_format="native"``, the vLLM tool parser that reads the model's calls, by
+            its ``vllm serve --tool-call-parser`` name (``"hermes"``, ``"llama3_json"``, ``"mistral"``...; default
+            ``"hermes"``: ``<tool_call>`` blocks). An unknown name raises `UserError` listing vLLM's.
+        reasoning_parser: the vLLM reasoning parser (``vllm serve --reasoning-parser`` name: ``"deepseek_r1"``,
+            ``"qwen3"``...) that splits a reasoning model's thinking from its answer (`StepReply.reasoning`;
+            the answer is the rest). The conversation keeps the output's tokens as generated, reasoning
+            included, so the next step extends them and pushes D's KV back (docs/tools.md).
         max_steps: the most model calls per turn; the last one is made to answer.
         max_tokens: the most tokens one model call may generate.
         temperature: sampling temperature (0: greedy; not negative).
         seed: sampling seed.
+        sampling: every other sampling setting of vLLM's OpenAI server (`SamplingOptions`, or a mapping of
+            its fields: ``top_p``, ``top_k``, ``presence_penalty``, ``logit_bias``, ``logprobs``,
+            ``structured_outputs``...), under vLLM's names and ranges; each engine honours every field or
+            refuses the step by name. A mistake raises `UserError` naming ``sampling.<field>``.
+            ``structured_outputs`` and tools in ``tool_format="schema"`` (whose calls a JSON schema forces)
+            cannot apply together: refused (`UserError`); native-format tools take it.
         expiry_margin_s: a pin that expires within this many seconds is not pushed back (not negative).
         cache_salt: keep this session's cached KV apart: blocks cached under one salt never
             serve a request with another (vLLM ``cache_salt``), on P, D or a colocated engine.
@@ -91,10 +106,13 @@ class Session(EngineUser):
         tools: Sequence[Tool | Callable[..., Any]] = (),
         tool_choice: ToolChoice = "auto",
         tool_format: ToolFormat = "schema",
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
         max_steps: int = 8,
         max_tokens: int = 256,
         temperature: float = 0.0,
         seed: int | None = None,
+        sampling: SamplingOptions | Mapping[str, Any] | None = None,
         expiry_margin_s: float = 10.0,
         cache_salt: str | None = None,
         engine_options: Mapping[str, Any] | None = None,
@@ -108,10 +126,13 @@ class Session(EngineUser):
             tools=tools,
             tool_choice=tool_choice,
             tool_format=tool_format,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
             max_steps=max_steps,
             max_tokens=max_tokens,
             temperature=temperature,
             seed=seed,
+            sampling=sampling,
             expiry_margin_s=expiry_margin_s,
             cache_salt=cache_salt,
             engine_options=engine_options,
@@ -135,6 +156,8 @@ class Session(EngineUser):
         self._engine_owner: Session | None = None
         """For a fork: the session whose own engine it runs on (None: a shared engine)."""
         self._tokenizer: Any = None
+        self._parsers = OutputParsers()
+        """The vLLM output parsers the session reads its model's output with (bound to the tokenizer at open)."""
         self._transcript: Transcript | None = None
         """What `step` last answered, as the caller sees it (None after `run` or an edit)."""
         self._renderer: tuple[TranscriptKey, ChatRenderer] | None = None
@@ -158,6 +181,10 @@ class Session(EngineUser):
         system = Message(role="system", content=text) if text is not None else None
         renderer = ChatRenderer(tokenizer, system=system, tools=native_tools)
         self._tokenizer = tokenizer
+        self._parsers = OutputParsers(tokenizer, config.tool_call_parser, config.reasoning_parser)
+        self._parsers.reasoning()  # a reasoning parser that does not fit the model's tokenizer is refused at open
+        if config.format == "native":  # and so is a tool parser
+            self._parsers.tools(config.tool_specs)
         self._conversation = Conversation(renderer, system=system)
 
     async def _close_resources(self) -> None:
@@ -246,8 +273,11 @@ class Session(EngineUser):
         temperature: float | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        sampling: SamplingOptions | Mapping[str, Any] | None = None,
         on_text: Callable[[str], None] | None = None,
         on_first_token: Callable[[], None] | None = None,
+        on_tool_call: Callable[[ToolCallDelta], None] | None = None,
+        on_reasoning: Callable[[ReasoningDelta], None] | None = None,
     ) -> StepReply:
         """One model call over the whole conversation as the caller keeps it; the caller runs the tools.
 
@@ -271,9 +301,17 @@ class Session(EngineUser):
                 none. The history keeps the output's token ids as generated, stop string included. On a
                 pair, a step a stop string ended leaves no pin (vLLM aborts it on D, freeing its blocks):
                 the next step recomputes (``miss_reason="no_handle"``).
-            on_text: called with the answer's text as it is generated (not for tool calls).
+            sampling: this step's other sampling settings (`SamplingOptions` or a mapping of its fields), put
+                over the session's ``sampling`` field by field (the fields given replace the session's). With
+                ``logprobs``, `Step.logprobs` of the reply carries each output token's log probability.
+                ``structured_outputs`` with tools in schema format is refused (`UserError`; see `Session`).
+            on_text: called with the answer's text as it is generated (not for tool calls); with ``logprobs``,
+                each piece is a `TextPiece` carrying the log probabilities of the tokens since the last piece.
             on_first_token: called once, when the model's first output token arrives (TTFT's end; a
                 front door sends its first chunk then, tool calls or not).
+            on_tool_call: called with each `ToolCallDelta` as the model writes a tool call: the call's id and
+                name first, then its arguments' JSON text piece by piece (joined: the call's arguments).
+            on_reasoning: called with each `ReasoningDelta` (with a ``reasoning_parser``: the reasoning's text).
 
         A failed step (bad input, an engine error, cancellation) changes nothing in the session.
         """
@@ -286,8 +324,15 @@ class Session(EngineUser):
             temperature=temperature,
             seed=seed,
             stop=stop,
+            sampling=sampling,
         )
-        return await self._step_request(request, on_text=on_text, on_first_token=on_first_token)
+        return await self._step_request(
+            request,
+            on_text=on_text,
+            on_first_token=on_first_token,
+            on_tool_call=on_tool_call,
+            on_reasoning=on_reasoning,
+        )
 
     async def _step_request(
         self,
@@ -295,12 +340,15 @@ class Session(EngineUser):
         *,
         on_text: Callable[[str], None] | None = None,
         on_first_token: Callable[[], None] | None = None,
+        on_tool_call: Callable[[ToolCallDelta], None] | None = None,
+        on_reasoning: Callable[[ReasoningDelta], None] | None = None,
     ) -> StepReply:
         """`step` on a request already read (a pool reads each request once for all its sessions)."""
         home = self._require_home()
+        step = functools.partial(self._step, request, on_text, on_first_token, on_tool_call, on_reasoning)
         if not home.is_current():
-            return await home.call_async(self._step, request, on_text, on_first_token)
-        return await self._step(request, on_text, on_first_token)
+            return await home.call_async(step)
+        return await step()
 
     def step_sync(self, messages: Sequence[Message | Mapping[str, Any]], **options: Unpack[StepOptions]) -> StepReply:
         """Blocking `step` (the same arguments), for a session opened with ``with``."""
@@ -321,11 +369,18 @@ class Session(EngineUser):
         request: MessageRequest,
         on_text: Callable[[str], None] | None,
         on_first_token: Callable[[], None] | None = None,
+        on_tool_call: Callable[[ToolCallDelta], None] | None = None,
+        on_reasoning: Callable[[ReasoningDelta], None] | None = None,
     ) -> StepReply:
         turn, continues = await self._begin_step(request)
         number = len(self._turns[-1].steps) + 1 if continues else 1
-        context = self._step_context(request.config)
-        answer = AnswerText(request.shape)
+        context = self._step_context(request.step_config(self._parsers))
+        reader = request.reader(self._parsers)
+        watched = on_text is not None or on_tool_call is not None or on_reasoning is not None
+        stream = reader.stream() if watched else None
+        wants_logprobs = request.config.sampling.logprobs is not None
+        pending: list[TokenLogprob] = []
+        """Log probabilities of the tokens since the last piece of text given to ``on_text``."""
         try:
             step: Step | None = None
             async with aclosing(model_step(turn, number, context, json_schema=request.json_schema())) as events:
@@ -336,10 +391,21 @@ class Session(EngineUser):
                     if on_first_token is not None:
                         on_first_token()
                         on_first_token = None
-                    if on_text is not None and (text := answer.feed(event.text)):
-                        on_text(text)
+                    if wants_logprobs and event.logprobs:
+                        pending.extend(event.logprobs)
+                    if stream is None:
+                        continue
+                    pieces = stream.feed(event.text, event.token_ids)
+                    if on_reasoning is not None and pieces.reasoning:
+                        on_reasoning(ReasoningDelta(turn=turn.number, step=number, text=pieces.reasoning))
+                    if on_text is not None and (text := pieces.answer):
+                        on_text(TextPiece(text, pending) if wants_logprobs else text)
+                        pending = []
+                    if on_tool_call is not None:
+                        for piece in pieces.calls:
+                            on_tool_call(tool_call_delta(turn.number, number, piece))
             assert step is not None
-            reply = read_reply(request, step)
+            reply = read_reply(request, step, reader)
             with self._lock:
                 self._take(turn)
                 self._transcript = Transcript(request.key, (*request.messages, reply.message))
@@ -443,6 +509,7 @@ class Session(EngineUser):
             self._discard_pin,
             placement="auto" if self.mode == "auto" else "prefill",
             resumed=self._resumed,
+            parsers=self._parsers,
         )
 
     def _commit(self, turn: Turn) -> None:
@@ -613,7 +680,7 @@ class Session(EngineUser):
             twin._home = self._home
             twin._conversation = conversation.copy()
             twin._turns = list(self._turns)
-            twin._tokenizer, twin._transcript = self._tokenizer, self._transcript
+            twin._tokenizer, twin._transcript, twin._parsers = self._tokenizer, self._transcript, self._parsers
             twin._state = LifecycleState.OPEN
             twin._engine_owner = self if self._owns_engine else self._engine_owner
             if twin._engine_owner is not None:

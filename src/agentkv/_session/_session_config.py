@@ -5,14 +5,25 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .._conversation._conversation import check_unicode
+from .._conversation._parsers import check_parser
 from .._conversation._tools import Tool, ToolChoice, ToolFormat, ToolSpec, check_tools, instructions
 from .._engines._base import Mode
+from .._engines._sampling import SamplingOptions
 from .._errors import InvalidMessageError, UserError
 
-__all__ = ["MAX_STOP_STRINGS", "Mode", "SessionConfig", "check_count", "check_message", "check_stop", "check_text"]
+__all__ = [
+    "MAX_STOP_STRINGS",
+    "Mode",
+    "SessionConfig",
+    "check_count",
+    "check_message",
+    "check_stop",
+    "check_structured",
+    "check_text",
+]
 
 MAX_STOP_STRINGS = 4
 """The most stop strings one step takes (as OpenAI's ``stop``)."""
@@ -31,12 +42,18 @@ class SessionConfig(BaseModel):
     tools: dict[str, Tool] = Field(default_factory=dict[str, Tool])
     tool_choice: str = "auto"
     tool_format: Literal["schema", "native"] = "schema"
+    tool_call_parser: str | None = None
+    """vLLM's tool parser of native-format calls (None: ``hermes``; see `agentkv._conversation._parsers`)."""
+    reasoning_parser: str | None = None
+    """vLLM's reasoning parser that splits the reasoning from the answer (None: no reasoning part)."""
     max_steps: int = Field(default=8, ge=1)
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     """Stop strings of the steps whose output is not forced JSON (see `Session.step`)."""
+    sampling: SamplingOptions = Field(default_factory=SamplingOptions)
+    """Every other sampling setting (vLLM's names; see `SamplingOptions`)."""
     expiry_margin_s: float = Field(default=10.0, ge=0.0, allow_inf_nan=False)
     cache_salt: str | None = None
     engine_options: dict[str, Any] = Field(default_factory=dict[str, Any])
@@ -50,21 +67,42 @@ class SessionConfig(BaseModel):
             check_text(fields["system"], "the system message")
         if isinstance(tools, str | bytes) or not isinstance(tools, Sequence):
             raise UserError(f"tools must be a list of tools, not {type(tools).__name__}")
+        if fields.get("sampling") is None:
+            fields.pop("sampling", None)
+        for kind in ("tool_call", "reasoning"):  # vLLM is imported only for a parser that is named
+            if fields.get(f"{kind}_parser") is not None:
+                check_parser(kind, fields[f"{kind}_parser"])  # type: ignore[arg-type]
         try:
-            return cls(tools=check_tools(tools), engine_options=dict(engine_options or {}), **fields)
+            config = cls(tools=check_tools(tools), engine_options=dict(engine_options or {}), **fields)
         except ValidationError as exc:
             raise UserError(_describe(exc)) from None
+        check_structured(bool(config.tools), config.tool_format, config.sampling)
+        return config
 
     def with_sampling(self, **values: Any) -> SessionConfig:
         """This configuration with other sampling settings (``max_tokens``, ``temperature``, ``seed``, ``stop``:
-        see `check_stop`), checked."""
+        see `check_stop`; ``sampling``: `SamplingOptions` or a mapping, put over the session's field by field),
+        checked."""
         given = {name: value for name, value in values.items() if value is not None}
+        if isinstance(given.get("sampling"), Mapping):
+            given["sampling"] = _options(given["sampling"])
+        if "sampling" in given:  # a step's options go over its session's, field by field
+            if not isinstance(given["sampling"], SamplingOptions):
+                raise UserError(
+                    f"sampling must be SamplingOptions or a mapping, not {type(given['sampling']).__name__}"
+                )
+            given["sampling"] = self.sampling.with_updates(given["sampling"])
         if not given:
             return self
         try:
             return SessionConfig(**{**{name: getattr(self, name) for name in type(self).model_fields}, **given})
         except ValidationError as exc:
             raise UserError(_describe(exc)) from None
+
+    @field_validator("sampling", mode="before")
+    @classmethod
+    def _sampling_from_mapping(cls, value: Any) -> Any:
+        return _options(value) if isinstance(value, Mapping) else value
 
     @model_validator(mode="after")
     def _consistent(self) -> SessionConfig:
@@ -73,6 +111,8 @@ class SessionConfig(BaseModel):
             raise UserError(f"tool_choice {choice!r} is neither auto, required, none nor one of the tools")
         if choice == "required" and not self.tools:
             raise UserError("tool_choice='required' needs tools")
+        if self.tool_call_parser is not None and self.tool_format != "native":
+            raise UserError("tool_call_parser= reads the model's own tool calls: it needs tool_format='native'")
         if self.tool_format == "native" and choice != "auto":
             raise UserError(
                 "with tool_format='native' the model decides (tool_choice='auto'); forced calls need tool_format='schema'"
@@ -153,3 +193,21 @@ def check_count(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise UserError(f"{what} must be an int, not {type(value).__name__}")
     return value
+
+
+def _options(values: Mapping[str, Any]) -> SamplingOptions:
+    """``sampling=`` given as a mapping, checked: a mistake is a `UserError` naming ``sampling.<field>``."""
+    try:
+        return SamplingOptions.model_validate(dict(values))
+    except ValidationError as exc:
+        raise UserError(f"sampling.{_describe(exc)}") from None
+
+
+def check_structured(tools: bool, tool_format: str, sampling: SamplingOptions) -> None:
+    """Refuse a step whose output two constraints would force: schema-format tools (a JSON schema of the answer
+    and the calls) and the caller's ``sampling.structured_outputs``. Native-format tools leave the output free."""
+    if tools and tool_format == "schema" and sampling.structured_outputs is not None:
+        raise UserError(
+            "sampling.structured_outputs: tools in tool_format='schema' already force the output to a JSON schema "
+            "(an answer or tool calls); both cannot apply. Use tool_format='native' or a step without tools"
+        )

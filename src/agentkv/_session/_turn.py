@@ -16,19 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from .._conversation._conversation import Conversation, Message
+from .._conversation._parsers import OutputParsers
 from .._conversation._tools import (
     ToolCall,
     ToolResult,
     native_result,
     output_schema,
-    parse_native_output,
-    parse_output,
     result_message,
     run_tool_calls,
 )
 from .._engines import Engine, KVHandle, Placement, Sampling, StepDone, StepRequest, TokenDelta
 from .._errors import ContextLengthError
 from .._stats._stats import MissReason, StepStats, TurnStats
+from ._answer_text import OutputReader, OutputShape, stream_events
 from ._pinning import Pin, choose_handle, miss_after_step
 from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
 from ._session_config import SessionConfig
@@ -72,6 +72,8 @@ class StepContext:
     """Where a pair prefills each step (``"auto"`` in the session mode of the same name)."""
     resumed: bool = False
     """The session was restored from a snapshot and has not stepped since: no pin is the reason ``resumed``."""
+    parsers: OutputParsers = field(default_factory=OutputParsers)
+    """The vLLM parsers the model's output is read with (native tool calls, reasoning)."""
 
 
 async def turn_events(turn: Turn, context: StepContext) -> AsyncGenerator[Event]:
@@ -87,14 +89,19 @@ async def turn_events(turn: Turn, context: StepContext) -> AsyncGenerator[Event]
         last = number == config.max_steps or not config.tools
         schema = output_schema(config.tool_specs, "none" if last else choice) if forces_json else None
         step: Step | None = None
+        reader = step_reader(config, context.parsers, f"t{turn.number}s{number}")
+        stream = reader.stream()
         async with aclosing(model_step(turn, number, context, json_schema=schema)) as step_events:
             async for step_event in step_events:
                 if isinstance(step_event, Step):
                     step = step_event
                 else:
                     yield step_event
+                    pieces = stream.feed(step_event.text, step_event.token_ids)
+                    for piece_event in stream_events(turn.number, number, pieces):
+                        yield piece_event
         assert step is not None
-        calls, answer, error = read_step(config, step.text, f"t{turn.number}s{number}", last=last)
+        calls, answer, error = read_step(config, reader, step.text, last=last)
         if answer is not None:
             turn.steps.append(step)
             yield StepEnd(step=step)
@@ -129,6 +136,7 @@ async def model_step(
         seed=config.seed,
         json_schema=json_schema,
         stop=config.stop if json_schema is None else (),  # a stop string would cut the forced JSON
+        options=config.sampling,
     )
     handle, reason = choose_handle(
         turn.pin, prompt, push_back=context.push_back, expiry_margin_s=config.expiry_margin_s
@@ -150,7 +158,13 @@ async def model_step(
     async with _closing(engine.step(request)) as events:
         async for event in events:
             if isinstance(event, TokenDelta):
-                yield TextDelta(turn=turn.number, step=number, text=event.text, token_ids=list(event.token_ids))
+                yield TextDelta(
+                    turn=turn.number,
+                    step=number,
+                    text=event.text,
+                    token_ids=list(event.token_ids),
+                    logprobs=None if event.logprobs is None else list(event.logprobs),
+                )
             else:
                 done = event
     assert done is not None
@@ -161,6 +175,7 @@ async def model_step(
         text=done.text,
         token_ids=list(done.token_ids),
         finish_reason=done.finish_reason,
+        logprobs=None if done.logprobs is None else list(done.logprobs),
         stats=_step_stats(turn.number, number, prompt, handle, reason, done),
     )
 
@@ -202,17 +217,23 @@ def finish(turn: Turn, config: SessionConfig, answer: str) -> TurnResult:
     return turn.result
 
 
+def step_reader(config: SessionConfig, parsers: OutputParsers, call_prefix: str) -> OutputReader:
+    """How a step of `Session.run` is read: in the session's tool format, its reasoning apart."""
+    shape: OutputShape = "plain" if not config.tools else "json" if config.format == "schema" else "native"
+    tools = parsers.tools(config.tool_specs) if shape == "native" else None
+    return OutputReader(shape, call_prefix, tools=tools, reasoning=parsers.reasoning())
+
+
 def read_step(
-    config: SessionConfig, text: str, call_prefix: str, *, last: bool
+    config: SessionConfig, reader: OutputReader, text: str, *, last: bool
 ) -> tuple[list[ToolCall], str | None, str | None]:
-    """(tool calls, answer, error) from a step's output, in the session's tool format."""
+    """(tool calls, answer, error) from a step's output, in the session's tool format (its reasoning left out)."""
+    read = reader.read(text)
     if not config.tools:
-        return [], text, None
-    parse = parse_output if config.format == "schema" else parse_native_output
-    calls, answer, error = parse(text, call_prefix=call_prefix)
-    if last and answer is None:  # the step bound: whatever the last step said is the answer; no calls run
-        return [], text.strip(), None
-    return calls, answer, error
+        return [], read.content if reader.reasoning is not None else text, None
+    if last and read.answer is None:  # the step bound: whatever the last step said is the answer; no calls run
+        return [], read.content.strip(), None
+    return read.calls, read.answer, read.error
 
 
 def _tool_message(config: SessionConfig, result: ToolResult) -> str:

@@ -134,6 +134,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--max-sessions", type=int, default=64, help="sessions kept; least recently used closed first")
     serve.add_argument("--idle-ttl-s", type=float, default=600.0, help="a session idle this long is closed")
     serve.add_argument("--max-tokens", type=int, default=256, help="answer length when a request names none")
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="read the model's own tool calls with this vLLM tool parser (as vllm serve's: hermes, llama3_json, "
+        "mistral...); without it tool calls are forced to JSON by a schema (docs/tools.md)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split a reasoning model's thinking from its answer with this vLLM reasoning parser (deepseek_r1, "
+        "qwen3...): the reply's reasoning_content (docs/tools.md)",
+    )
     serve.add_argument("--max-request-mb", type=float, default=4.0, help="largest request body (413 above it)")
     serve.add_argument(
         "--max-header-kb", type=float, default=16.0, help="most bytes of request headers, in KiB (431 above it)"
@@ -430,6 +444,7 @@ def _serve_until(args: argparse.Namespace, signals: StopSignals) -> None:
         idle_ttl_s=args.idle_ttl_s,
         max_tokens=args.max_tokens,
         store=sessions,
+        **_parsers(args),
         **_engine(args),
     )
     with responses, sessions or contextlib.nullcontext(), pool:
@@ -454,6 +469,16 @@ def _serve_until(args: argparse.Namespace, signals: StopSignals) -> None:
         )
         signals.serving()
         door.run(until=signals.requested)
+
+
+def _parsers(args: argparse.Namespace) -> dict[str, Any]:
+    """The pool's session options of ``--tool-call-parser`` (native tool calls) and ``--reasoning-parser``."""
+    options: dict[str, Any] = {}
+    if args.tool_call_parser is not None:
+        options |= {"tool_format": "native", "tool_call_parser": args.tool_call_parser}
+    if args.reasoning_parser is not None:
+        options["reasoning_parser"] = args.reasoning_parser
+    return options
 
 
 def _smoke(args: argparse.Namespace) -> int:

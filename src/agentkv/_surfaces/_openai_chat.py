@@ -11,47 +11,88 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .._conversation._tools import ToolCall
+from .._engines._sampling import SamplingOptions, response_format_outputs
 from .._errors import UserError
 from .._session._message_step import StepOptions
-from .._session._results import StepReply
+from .._session._results import StepReply, ToolCallDelta
+from ._request_fields import CHAT_FIELDS, FieldRule, check_fields
 
-__all__ = ["ChatRequest", "CompletionIds", "chunk", "completion", "read_body", "read_request"]
+__all__ = ["ChatRequest", "CompletionIds", "StreamedCalls", "chunk", "completion", "read_body", "read_request"]
 
 Body = TypeVar("Body", bound=BaseModel)
 
 
 class _StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
-class ChatRequest(BaseModel):
-    """A ``POST /v1/chat/completions`` body: the fields agentkv serves (others are refused by name)."""
+class SamplingFields(BaseModel):
+    """The `SamplingOptions` fields that both request bodies (chat and Responses) take under their own names."""
+
+    structured_outputs: dict[str, Any] | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+
+class ChatRequest(SamplingFields):
+    """A ``POST /v1/chat/completions`` body: the fields agentkv honours, typed; every other field of vLLM's request
+    is refused by name or accepted with no effect, as `CHAT_FIELDS` says (docs/serve.md lists each)."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = ""
+    model: str | None = None
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     """Up to 4 stop strings: the answer ends before the first (`Session.step`'s ``stop``)."""
-    stream: bool = False
+    stream: bool | None = False
     stream_options: _StreamOptions | None = None
     user: str | None = None
     session_id: str | None = None
-    """agentkv's extension: the conversation's id (as the ``x-session-id`` header)."""
-    n: int = 1
-    top_p: float = 1.0
-    parallel_tool_calls: bool | None = None
+    """The conversation's id (as the ``x-session-id`` header)."""
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    response_format: dict[str, Any] | None = None
+    min_tokens: int | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+
+    def choice_reply(self, reply: StepReply) -> StepReply:
+        """``reply`` as this request's choice reports it, as vLLM's server does: a call forced by name ends with
+        ``stop`` (``tool_calls`` is for calls the model chose to make); with ``parallel_tool_calls: false``, only
+        the first call is given (the session's history keeps what the model wrote)."""
+        if self.parallel_tool_calls is False and len(reply.tool_calls) > 1:
+            message = reply.message.model_copy(update={"tool_calls": reply.message.tool_calls[:1]})
+            reply = reply.model_copy(update={"message": message})
+        if isinstance(self.tool_choice, dict) and reply.tool_calls:
+            return reply.model_copy(update={"finish_reason": "stop"})
+        return reply
 
     def step_options(self) -> StepOptions:
         """The `Session.step` arguments of this request."""
@@ -62,40 +103,85 @@ class ChatRequest(BaseModel):
             "temperature": self.temperature,
             "seed": self.seed,
             "stop": self.stop,
+            "sampling": self.sampling_options(),
         }
 
+    def top(self) -> int | None:
+        """How many alternatives per output token the reply's logprobs list (None: the request asks for none)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
-_REFUSED = {
-    "response_format": "response_format is not supported (tool calls are schema-forced; answers are text)",
-    "logprobs": "logprobs are not supported",
-    "top_logprobs": "logprobs are not supported",
-    "audio": "audio is not supported",
-    "modalities": "only text is supported",
-    "prediction": "predicted outputs are not supported",
-}
+    def sampling_options(self) -> SamplingOptions | None:
+        """The request's `SamplingOptions`, read as vLLM's ``ChatCompletionRequest.to_sampling_params`` reads them:
+        only the fields it sets (the others stay the pool's); ``logprobs: true`` with ``top_logprobs``; the
+        ``response_format`` over ``structured_outputs``."""
+        if self.top_logprobs and not self.logprobs:
+            raise UserError("top_logprobs: when using top_logprobs, logprobs must be set to true")
+        options = given_options(self)
+        if self.logprobs:
+            options["logprobs"] = self.top_logprobs or 0
+        structured = structured_outputs(self.structured_outputs, self.response_format)
+        if structured is not None:
+            options["structured_outputs"] = structured
+        return sampling_options(options, {"logprobs": "top_logprobs"}) if options else None
 
 
-def read_body(model: type[Body], body: bytes, refused: dict[str, str]) -> Body:
-    """A request body of ``model``, checked: a field agentkv cannot honour is a `UserError` saying why."""
+_OPTION_FIELDS = frozenset(SamplingOptions.model_fields) - {"logprobs", "structured_outputs"}
+"""The request fields that are `SamplingOptions` fields of the same name."""
+
+
+def given_options(request: BaseModel) -> dict[str, Any]:
+    """The `SamplingOptions` fields of the same name that ``request`` sets (not null)."""
+    given = {name: getattr(request, name) for name in _OPTION_FIELDS & request.model_fields_set}
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def structured_outputs(given: dict[str, Any] | None, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``structured_outputs`` with ``response_format``'s constraint put over it, as vLLM's server does."""
+    if response_format is not None and response_format.get("type") == "structural_tag":
+        raise UserError("response_format: type structural_tag is not supported; use structured_outputs.structural_tag")
     try:
-        request = model.model_validate_json(body)
+        formatted = response_format_outputs(response_format)
+    except ValueError as exc:
+        raise UserError(f"response_format: {exc}") from None
+    merged = {**(given or {}), **(formatted or {})}
+    return merged or None
+
+
+def sampling_options(options: dict[str, Any], names: Mapping[str, str]) -> SamplingOptions:
+    """`SamplingOptions` of a request's fields; a bad value is a `UserError` naming the request's field."""
+    try:
+        return SamplingOptions.model_validate(options)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "sampling"
+        raise UserError(f"{names.get(field, field)}: {first['msg']}") from None
+
+
+def read_body(model: type[Body], body: bytes, table: Mapping[str, FieldRule]) -> Body:
+    """A request body of ``model``, checked: a field the table refuses is a `UserError` saying why."""
+    try:
+        raw = json.loads(body)
+    except ValueError:
+        raw = None  # pydantic names the error
+    if isinstance(raw, dict):
+        check_fields(raw, table)
+    try:
+        return model.model_validate_json(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
         raise UserError(f"{where}: {first['msg']}") from None
-    for name, why in refused.items():
-        if (request.model_extra or {}).get(name) not in (None, False, [], {}):
-            raise UserError(why)
-    return request
 
 
 def read_request(body: bytes) -> ChatRequest:
     """The request, checked; anything agentkv cannot honour is a `UserError` naming it."""
-    request = read_body(ChatRequest, body, _REFUSED)
-    if request.n != 1:
-        raise UserError("n must be 1: one choice per request")
-    if request.top_p != 1.0:
-        raise UserError("top_p is not supported (sampling is by temperature)")
+    request = read_body(ChatRequest, body, CHAT_FIELDS)
+    options = request.stream_options
+    if options is not None and not request.stream:
+        raise UserError("stream_options: stream options can only be defined when stream is true")
+    if options is not None and options.continuous_usage_stats:
+        raise UserError("stream_options.continuous_usage_stats is not supported: usage comes once, at the end")
+    request.sampling_options()  # checked now: a bad option is a 400 before the step
     return request
 
 
@@ -111,7 +197,7 @@ def _usage(reply: StepReply) -> dict[str, Any]:
 
 def _tool_calls(reply: StepReply) -> list[dict[str, Any]]:
     return [
-        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
         for call in reply.tool_calls
     ]
 
@@ -129,43 +215,119 @@ class CompletionIds:
     model: str
 
     @classmethod
-    def new(cls, model: str) -> CompletionIds:
-        return cls(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model)
+    def new(cls, model: str, request_id: str | None = None) -> CompletionIds:
+        """New ids; ``request_id``: the request's own (the completion is ``chatcmpl-<request_id>``, as vLLM's)."""
+        return cls(f"chatcmpl-{request_id or uuid.uuid4().hex}", int(time.time()), model)
 
     def head(self, kind: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
 
-def completion(reply: StepReply, ids: CompletionIds) -> dict[str, Any]:
-    """A ``chat.completion`` object."""
+def completion(reply: StepReply, ids: CompletionIds, *, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A ``chat.completion`` object (with a reasoning parser, the message's ``reasoning_content`` is the reasoning;
+    ``logprobs``: the choice's ``logprobs.content``, when the request asked for them)."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.text if not reply.tool_calls else None}
+    if reply.reasoning is not None:
+        message["reasoning_content"] = reply.reasoning
     if reply.tool_calls:
         message["tool_calls"] = _tool_calls(reply)
     return ids.head("chat.completion") | {
-        "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": None}],
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": _logprobs(logprobs)}
+        ],
         "usage": _usage(reply),
         "agentkv": _extension(reply),
     }
 
 
-ChunkKind = Literal["role", "text", "end", "usage"]
+class StreamedCalls:
+    """What a stream sent of each tool call while the model wrote it: the call's id and name, its arguments' text."""
+
+    def __init__(self) -> None:
+        self.announced: dict[int, ToolCallDelta] = {}
+        """Each call's first delta (its id and name), by index."""
+        self.arguments: dict[int, str] = {}
+        """Each call's arguments' text streamed so far, by index."""
+
+    def add(self, delta: ToolCallDelta) -> None:
+        self.announced.setdefault(delta.index, delta)
+        self.arguments[delta.index] = self.arguments.get(delta.index, "") + delta.arguments
+
+    def rest(self, index: int, call: ToolCall) -> str:
+        """The arguments' text left to send for the finished ``call`` (all of it if none was streamed), so that the
+        pieces sent, joined, are JSON for ``call.arguments``."""
+        full = call.arguments_json
+        streamed = self.arguments.get(index, "")
+        if not streamed:
+            return full
+        try:
+            if json.loads(streamed) == call.arguments:
+                return ""
+        except json.JSONDecodeError:
+            pass
+        return full[len(streamed) :] if full.startswith(streamed) else ""
 
 
-def chunk(kind: ChunkKind, ids: CompletionIds, *, text: str = "", reply: StepReply | None = None) -> dict[str, Any]:
-    """A ``chat.completion.chunk``: the role, a piece of text, the end (tool calls and finish reason), or usage."""
-    choice: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": None, "logprobs": None}
+ChunkKind = Literal["role", "text", "reasoning", "tool_call", "end", "usage"]
+
+
+def chunk(
+    kind: ChunkKind,
+    ids: CompletionIds,
+    *,
+    text: str = "",
+    reply: StepReply | None = None,
+    call: ToolCallDelta | None = None,
+    streamed: StreamedCalls | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk``: the role, a piece of text, of reasoning (``reasoning_content``) or of a tool call
+    (``call``: its index, id and name first, then its arguments piece by piece, as OpenAI streams them), the end
+    (the tool calls' parts not ``streamed`` yet, and the finish reason), or usage. ``logprobs``: the
+    ``logprobs.content`` of the chunk's tokens, when the request asked for them."""
+    choice: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": None, "logprobs": _logprobs(logprobs)}
     body = ids.head("chat.completion.chunk")
     if kind == "role":
         choice["delta"] = {"role": "assistant", "content": ""}
     elif kind == "text":
         choice["delta"] = {"content": text}
+    elif kind == "reasoning":
+        choice["delta"] = {"reasoning_content": text}
+    elif kind == "tool_call":
+        assert call is not None
+        choice["delta"] = {"tool_calls": [_call_delta(call)]}
     elif kind == "end":
         assert reply is not None
-        if reply.tool_calls:
-            choice["delta"] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(_tool_calls(reply))]}
+        calls = _rest_of_calls(reply, streamed or StreamedCalls())
+        if calls:
+            choice["delta"] = {"tool_calls": calls}
         choice["finish_reason"] = reply.finish_reason
     else:
         assert reply is not None
         body |= {"choices": [], "usage": _usage(reply), "agentkv": _extension(reply)}
         return body
     return body | {"choices": [choice]}
+
+
+def _logprobs(content: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    return None if content is None else {"content": content}
+
+
+def _call_delta(call: ToolCallDelta) -> dict[str, Any]:
+    if call.name is not None:
+        function = {"name": call.name, "arguments": call.arguments}
+        return {"index": call.index, "id": call.id, "type": "function", "function": function}
+    return {"index": call.index, "function": {"arguments": call.arguments}}
+
+
+def _rest_of_calls(reply: StepReply, streamed: StreamedCalls) -> list[dict[str, Any]]:
+    """The end chunk's tool calls: whole for a call not streamed, the arguments' rest (if any) for one that was."""
+    calls: list[dict[str, Any]] = []
+    for index, call in enumerate(reply.tool_calls):
+        rest = streamed.rest(index, call)
+        if index not in streamed.announced:
+            function = {"name": call.name, "arguments": rest}
+            calls.append({"index": index, "id": call.id, "type": "function", "function": function})
+        elif rest:
+            calls.append({"index": index, "function": {"arguments": rest}})
+    return calls

@@ -23,25 +23,32 @@ import json
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from .._conversation._conversation import Message
+from .._engines._sampling import SamplingOptions
 from .._errors import UserError
 from .._session._message_step import StepOptions
 from .._session._results import StepReply
-from ._openai_chat import read_body
+from ._openai_chat import SamplingFields, given_options, read_body, sampling_options
+from ._request_fields import RESPONSES_FIELDS
 from ._response_store import StoredResponse
 
 __all__ = [
     "PreviousResponseNotFoundError",
-    "ResponseEvents",
     "ResponseNotFoundError",
     "ResponseTurn",
     "ResponsesRequest",
+    "call_item",
     "deleted_response",
+    "message_item",
+    "new_id",
+    "reasoning_item",
+    "status_of",
+    "text_part",
     "read_responses_request",
     "refuse_retrieve_options",
 ]
@@ -76,22 +83,23 @@ def refuse_retrieve_options(query: Mapping[str, str]) -> None:
         raise UserError("include is not supported (there is nothing extra to include)")
 
 
-class ResponsesRequest(BaseModel):
-    """A ``POST /v1/responses`` body: the fields agentkv serves (others it cannot honour are refused by name)."""
+class ResponsesRequest(SamplingFields):
+    """A ``POST /v1/responses`` body: the fields agentkv honours, typed; every other field of vLLM's request is
+    refused by name or accepted with no effect, as `RESPONSES_FIELDS` says (docs/serve.md lists each)."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = ""
+    model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0)
     seed: int | None = None
-    stream: bool = False
+    stop: str | list[str] | None = None
+    stream: bool | None = False
     previous_response_id: str | None = None
     store: bool | None = None
     """Whether the response is kept for ``previous_response_id`` (default: yes)."""
@@ -99,6 +107,8 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
+    session_id: str | None = None
+    request_id: str | None = None
 
     @property
     def keeps(self) -> bool:
@@ -113,7 +123,31 @@ class ResponsesRequest(BaseModel):
             "max_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "seed": self.seed,
+            "stop": self.stop,
+            "sampling": self.sampling_options(),
         }
+
+    def sampling_options(self) -> SamplingOptions | None:
+        """The request's `SamplingOptions`, read as vLLM's ``ResponsesRequest.to_sampling_params`` reads them: only
+        the fields it sets; ``text.format`` (json_schema, json_object) as structured outputs, never with
+        ``structured_outputs`` too."""
+        options = given_options(self)
+        text_format = self.text_format()
+        structured = self.structured_outputs or None
+        if text_format is not None:
+            if structured is not None:
+                raise UserError("structured_outputs: cannot specify both structured_outputs and text.format")
+            structured = _format_outputs(text_format)
+        if structured is not None:
+            options["structured_outputs"] = structured
+        return sampling_options(options, {}) if options else None
+
+    def text_format(self) -> dict[str, Any] | None:
+        """``text.format`` as given (None: not given)."""
+        text_format = (self.text or {}).get("format")
+        if text_format is not None and not isinstance(text_format, dict):
+            raise UserError("text.format: must be an object (type text, json_schema or json_object)")
+        return text_format
 
     def new_messages(self) -> list[dict[str, Any]]:
         """The input items as chat messages."""
@@ -122,28 +156,23 @@ class ResponsesRequest(BaseModel):
         return _chat_messages(self.input)
 
 
-_REFUSED = {
-    "reasoning": "reasoning is not supported",
-    "include": "include is not supported (there is nothing extra to include)",
-    "background": "background responses are not supported",
-    "conversation": "conversation objects are not supported: chain responses with previous_response_id",
-    "prompt": "prompt templates are not supported",
-    "top_logprobs": "logprobs are not supported",
-    "max_tool_calls": "max_tool_calls is not supported",
-}
+def _format_outputs(text_format: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``text.format`` as structured outputs, as vLLM's Responses server maps it."""
+    kind = text_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = text_format.get("schema")
+        return {"json": schema} if schema is not None else None  # vLLM: no schema, no constraint
+    raise UserError(f"text.format: type {kind!r} is not supported (text, json_schema or json_object)")
 
 
 def read_responses_request(body: bytes) -> ResponsesRequest:
     """The request, checked; anything agentkv cannot honour is a `UserError` naming it."""
-    request = read_body(ResponsesRequest, body, _REFUSED)
-    text_format = (request.text or {}).get("format") or {"type": "text"}
-    if not isinstance(text_format, Mapping) or text_format.get("type") != "text":
-        raise UserError("text.format: only text is supported (tool calls are schema-forced; answers are text)")
-    if request.truncation not in (None, "disabled"):
-        raise UserError("truncation must be 'disabled': a conversation over the context is refused, not cut")
-    if request.top_p not in (None, 1.0):
-        raise UserError("top_p is not supported (sampling is by temperature)")
-    request.step_options()  # tools and tool_choice are checked now
+    request = read_body(ResponsesRequest, body, RESPONSES_FIELDS)
+    request.step_options()  # tools, tool_choice and the sampling options are checked now
     request.new_messages()  # and the input items
     return request
 
@@ -244,7 +273,7 @@ def _as_chat_dict(message: Message) -> dict[str, Any]:
     return written
 
 
-def _new_id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -259,7 +288,7 @@ class ResponseTurn:
     conversation_id: str | None
     """The pool conversation: the ``x-session-id`` header, else the name the chain was given; None for an unnamed
     chain (the pool then matches the messages to the session whose history they extend, as for chat completions)."""
-    response_id: str = field(default_factory=lambda: _new_id("resp"))
+    response_id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -267,8 +296,11 @@ class ResponseTurn:
         cls, request: ResponsesRequest, previous: StoredResponse | None, *, session_header: str | None, model: str
     ) -> ResponseTurn:
         earlier = previous.messages if previous is not None else ()
-        conversation_id = session_header or (previous.conversation_id if previous is not None else None)
-        return cls(request, model, (*earlier, *request.new_messages()), conversation_id)
+        conversation_id = session_header or request.session_id
+        if conversation_id is None and previous is not None:
+            conversation_id = previous.conversation_id
+        turn = cls(request, model, (*earlier, *request.new_messages()), conversation_id)
+        return turn if request.request_id is None else replace(turn, response_id=request.request_id)
 
     def messages(self) -> list[dict[str, Any]]:
         """What the pool steps on: the instructions as the system message, then the conversation."""
@@ -289,7 +321,7 @@ class ResponseTurn:
     def response(self, reply: StepReply | None, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The ``response`` object: in progress (no reply yet), or completed with ``reply`` (``output``: its items)."""
         request = self.request
-        status = _status(reply)
+        status = status_of(reply)
         body: dict[str, Any] = {
             "id": self.response_id,
             "object": "response",
@@ -304,11 +336,11 @@ class ResponseTurn:
             "tool_choice": request.tool_choice,
             "tools": request.tools or [],
             "temperature": request.temperature,
-            "top_p": 1.0,
+            "top_p": request.top_p if request.top_p is not None else 1.0,
             "max_output_tokens": request.max_output_tokens,
             "previous_response_id": request.previous_response_id,
             "store": request.keeps,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": request.text_format() or {"type": "text"}},
             "truncation": "disabled",
             "user": request.user,
             "metadata": request.metadata or {},
@@ -323,7 +355,7 @@ class ResponseTurn:
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
-def _status(reply: StepReply | None) -> ItemStatus:
+def status_of(reply: StepReply | None) -> ItemStatus:
     if reply is None:
         return "in_progress"
     return "incomplete" if reply.finish_reason == "length" else "completed"
@@ -340,16 +372,16 @@ def _usage(reply: StepReply) -> dict[str, Any]:
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
+def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _message_item(item_id: str, status: ItemStatus, text: str | None) -> dict[str, Any]:
-    content = [] if text is None else [_text_part(text)]
+def message_item(item_id: str, status: ItemStatus, text: str | None) -> dict[str, Any]:
+    content = [] if text is None else [text_part(text)]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def _call_item(item_id: str, status: ItemStatus, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+def call_item(item_id: str, status: ItemStatus, call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {
         "id": item_id,
         "type": "function_call",
@@ -360,92 +392,17 @@ def _call_item(item_id: str, status: ItemStatus, call_id: str, name: str, argume
     }
 
 
+def reasoning_item(item_id: str, status: ItemStatus, text: str | None) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
+
+
 def _output_items(reply: StepReply) -> list[dict[str, Any]]:
-    """The reply as output items: its function calls, else one message."""
+    """The reply as output items: its reasoning (with a reasoning parser), then its function calls, else one
+    message."""
+    items = [] if reply.reasoning is None else [reasoning_item(new_id("rs"), "completed", reply.reasoning)]
     if reply.tool_calls:
-        return [
-            _call_item(_new_id("fc"), "completed", call.id, call.name, json.dumps(call.arguments))
-            for call in reply.tool_calls
+        return items + [
+            call_item(new_id("fc"), "completed", call.id, call.name, call.arguments_json) for call in reply.tool_calls
         ]
-    return [_message_item(_new_id("msg"), _status(reply), reply.text)]
-
-
-class ResponseEvents:
-    """The stream events of one response, numbered in order: the opening, the answer's text as it comes,
-    then its items and ``response.completed`` (``response.incomplete`` when cut at ``max_output_tokens``)."""
-
-    def __init__(self, turn: ResponseTurn) -> None:
-        self._turn = turn
-        self._sequence = 0
-        self._output: list[dict[str, Any]] = []
-        self._message_id: str | None = None
-        self._streamed = ""
-
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self._sequence, **fields}
-        self._sequence += 1
-        return event
-
-    def opening(self) -> list[dict[str, Any]]:
-        in_progress = self._turn.response(None)
-        return [
-            self._event("response.created", response=in_progress),
-            self._event("response.in_progress", response=in_progress),
-        ]
-
-    def text(self, piece: str) -> list[dict[str, Any]]:
-        """A piece of the answer (the message item opens with the first)."""
-        events = self._open_message() if self._message_id is None else []
-        self._streamed += piece
-        if piece:
-            events.append(self._event("response.output_text.delta", delta=piece, logprobs=[], **self._at_text()))
-        return events
-
-    def _open_message(self) -> list[dict[str, Any]]:
-        self._message_id = _new_id("msg")
-        item = _message_item(self._message_id, "in_progress", None)
-        return [
-            self._event("response.output_item.added", item=item, output_index=len(self._output)),
-            self._event("response.content_part.added", part=_text_part(""), **self._at_text()),
-        ]
-
-    def _at_text(self) -> dict[str, Any]:
-        return {"item_id": self._message_id, "output_index": len(self._output), "content_index": 0}
-
-    def closing(self, reply: StepReply) -> list[dict[str, Any]]:
-        """The rest of the answer, the message's and the calls' items, then the full response."""
-        events: list[dict[str, Any]] = []
-        if not reply.tool_calls:
-            rest = reply.text[len(self._streamed) :] if reply.text.startswith(self._streamed) else ""
-            events += self.text(rest)  # what was not streamed (or an empty answer's message)
-        if self._message_id is not None:
-            text = self._streamed if reply.tool_calls else reply.text
-            item = _message_item(self._message_id, _status(reply), text)
-            events += [
-                self._event("response.output_text.done", text=text, logprobs=[], **self._at_text()),
-                self._event("response.content_part.done", part=_text_part(text), **self._at_text()),
-                self._event("response.output_item.done", item=item, output_index=len(self._output)),
-            ]
-            self._output.append(item)
-        for call in reply.tool_calls:
-            item_id, arguments, at = _new_id("fc"), json.dumps(call.arguments), len(self._output)
-            added = _call_item(item_id, "in_progress", call.id, call.name, "")
-            done = _call_item(item_id, "completed", call.id, call.name, arguments)
-            events += [
-                self._event("response.output_item.added", item=added, output_index=at),
-                self._event(
-                    "response.function_call_arguments.delta", item_id=item_id, output_index=at, delta=arguments
-                ),
-                self._event(
-                    "response.function_call_arguments.done", item_id=item_id, output_index=at, arguments=arguments
-                ),
-                self._event("response.output_item.done", item=done, output_index=at),
-            ]
-            self._output.append(done)
-        response = self._turn.response(reply, self._output)
-        events.append(self._event(f"response.{response['status']}", response=response))
-        return events
-
-    def error(self, error: Mapping[str, Any]) -> dict[str, Any]:
-        """The ``error`` event of a failure after the stream began (``error``: OpenAI's error body's object)."""
-        return self._event("error", code=error.get("code"), message=error.get("message", ""), param=error.get("param"))
+    return [*items, message_item(new_id("msg"), status_of(reply), reply.text)]

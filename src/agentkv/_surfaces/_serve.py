@@ -40,7 +40,7 @@ from .._errors import (
 )
 from .._model import model_name as served_name
 from .._session._pool import SessionPool
-from .._session._results import StepReply
+from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
 from ._in_flight import ClientGoneError, InFlight, ServerStoppingError
 from ._limits import (
     Admission,
@@ -53,17 +53,18 @@ from ._limits import (
     parser_bound,
     read_body,
 )
+from ._logprobs import logprob_writer
 from ._metrics import ServeMetrics
-from ._openai_chat import ChatRequest, CompletionIds, chunk, completion, read_request
+from ._openai_chat import ChatRequest, CompletionIds, StreamedCalls, chunk, completion, read_request
 from ._openai_responses import (
     PreviousResponseNotFoundError,
-    ResponseEvents,
     ResponseNotFoundError,
     ResponseTurn,
     deleted_response,
     read_responses_request,
     refuse_retrieve_options,
 )
+from ._response_events import ResponseEvents
 from ._response_store import MemoryResponseStore, ResponseStore, StoredResponse
 from ._signals import StopSignals
 
@@ -124,6 +125,7 @@ def create_app(
                 return await admission.stream(
                     lambda: _stream(pool, parsed, conversation_id, settings, metrics, headers, request, steps)
                 )
+            writer = await logprob_writer(pool, parsed.top(), as_token_ids=parsed.return_tokens_as_token_ids)
             with anyio.fail_after(settings.timeout_s), admission.admit():
                 reply = await steps.call(
                     request,
@@ -132,7 +134,11 @@ def create_app(
         except Exception as exc:
             return _failure(exc, metrics)
         metrics.step(reply.stats)
-        return JSONResponse(completion(reply, CompletionIds.new(settings.model_name)), headers=headers)
+        reply = parsed.choice_reply(reply)
+        ids = CompletionIds.new(settings.model_name, parsed.request_id)
+        return JSONResponse(
+            completion(reply, ids, logprobs=None if writer is None else writer.rest(reply)), headers=headers
+        )
 
     async def responses(request: Request) -> Response:
         try:
@@ -228,27 +234,40 @@ async def _stream(
     """Server-sent chunks. The first item is awaited before answering, so that a request refused
     at once (bad input, a busy conversation, a prompt over the context) gets its HTTP status. The
     step runs in ``steps``: a stop of the door ends the stream with an error chunk."""
-    items = pool.stream(parsed.messages, conversation_id=conversation_id, first_token=True, **parsed.step_options())
+    items = pool.stream(
+        parsed.messages, conversation_id=conversation_id, first_token=True, deltas=True, **parsed.step_options()
+    )
     with anyio.fail_after(settings.timeout_s):
         first = await steps.call(request, lambda: anext(items))
-    ids = CompletionIds.new(settings.model_name)
+    ids = CompletionIds.new(settings.model_name, parsed.request_id)
+    writer = await logprob_writer(pool, parsed.top(), as_token_ids=parsed.return_tokens_as_token_ids)
     include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
 
     async def events() -> AsyncIterator[str]:
         streamed = ""
+        calls = StreamedCalls()
         try:
             yield _sse(chunk("role", ids))
             with anyio.fail_after(settings.timeout_s):
-                item: str | StepReply = first
-                while isinstance(item, str):
-                    if item:  # the first item, at the first token, is empty: the role chunk went out for it
+                item: str | ToolCallDelta | ReasoningDelta | StepReply = first
+                while not isinstance(item, StepReply):
+                    if isinstance(item, ToolCallDelta):
+                        calls.add(item)
+                        yield _sse(chunk("tool_call", ids, call=item))
+                    elif isinstance(item, ReasoningDelta):
+                        yield _sse(chunk("reasoning", ids, text=item.text))
+                    elif item:  # the first item, at the first token, is empty: the role chunk went out for it
                         streamed += item
-                        yield _sse(chunk("text", ids, text=item))
+                        yield _sse(
+                            chunk("text", ids, text=item, logprobs=None if writer is None else writer.piece(item))
+                        )
                     item = await steps.next(items)
-            reply = item
+            reply = parsed.choice_reply(item)
             if not reply.tool_calls and reply.text != streamed and reply.text.startswith(streamed):
                 yield _sse(chunk("text", ids, text=reply.text[len(streamed) :]))  # what was not streamed (raw output)
-            yield _sse(chunk("end", ids, reply=reply))
+            yield _sse(
+                chunk("end", ids, reply=reply, streamed=calls, logprobs=None if writer is None else writer.rest(reply))
+            )
             if include_usage:
                 yield _sse(chunk("usage", ids, reply=reply))
             metrics.step(reply.stats)
@@ -293,7 +312,11 @@ async def _stream_response(
     """Responses stream events. As for chat, the first item is awaited before answering (a refused
     request gets its HTTP status); a failure after that (a stop of the door too) is an ``error`` event."""
     items = pool.stream(
-        turn.messages(), conversation_id=turn.conversation_id, first_token=True, **turn.request.step_options()
+        turn.messages(),
+        conversation_id=turn.conversation_id,
+        first_token=True,
+        deltas=True,
+        **turn.request.step_options(),
     )
     with anyio.fail_after(settings.timeout_s):
         first = await steps.call(request, lambda: anext(items))
@@ -304,9 +327,9 @@ async def _stream_response(
             for event in stream.opening():
                 yield _event_sse(event)
             with anyio.fail_after(settings.timeout_s):
-                item: str | StepReply = first
-                while isinstance(item, str):
-                    for event in stream.text(item) if item else ():  # the first, empty item marks the first token
+                item: str | ToolCallDelta | ReasoningDelta | StepReply = first
+                while not isinstance(item, StepReply):
+                    for event in stream.piece(item):  # the first, empty item marks the first token: no event
                         yield _event_sse(event)
                     item = await steps.next(items)
                 closing = stream.closing(item)

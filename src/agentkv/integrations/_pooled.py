@@ -11,12 +11,22 @@ import anyio.to_thread
 
 from .._conversation._conversation import Message
 from .._engines import Engine
+from .._engines._sampling import SamplingOptions
 from .._errors import SessionClosedError, UserError
 from .._session._pool import SessionPool
-from .._session._results import StepReply
+from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
 from .._stats._stats import StepStats
 
-__all__ = ["PooledAccess", "PooledModel"]
+__all__ = ["SAMPLING_NAMES", "PooledAccess", "PooledModel", "sampling_of"]
+
+SAMPLING_NAMES = frozenset(SamplingOptions.model_fields)
+"""The settings adapters pass on under vLLM's names (`SamplingOptions`' fields)."""
+
+
+def sampling_of(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The `SamplingOptions` fields among a framework's settings that are set (not None), for ``sampling=``; the
+    pool checks them (a bad value is a `UserError` naming ``sampling.<field>``)."""
+    return {name: value for name, value in values.items() if name in SAMPLING_NAMES and value is not None}
 
 
 class PooledModel:
@@ -69,11 +79,17 @@ class PooledModel:
         return reply
 
     async def stream(
-        self, messages: Sequence[Message | Mapping[str, Any]], *, conversation_id: str | None = None, **options: Any
-    ) -> AsyncGenerator[str | StepReply]:
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        *,
+        conversation_id: str | None = None,
+        deltas: bool = False,
+        **options: Any,
+    ) -> AsyncGenerator[str | ToolCallDelta | ReasoningDelta | StepReply]:
         """`call`, as the answer's text pieces while they are generated, then the `StepReply`
-        (see `SessionPool.stream`); closing it early cancels the step."""
-        async with aclosing(self.pool.stream(messages, conversation_id=conversation_id, **options)) as items:
+        (see `SessionPool.stream`; ``deltas``: tool-call and reasoning pieces too); closing it early cancels the step."""
+        stream = self.pool.stream(messages, conversation_id=conversation_id, deltas=deltas, **options)  # type: ignore[call-overload]
+        async with aclosing(stream) as items:
             async for item in items:
                 if isinstance(item, StepReply):
                     self.last_reply = item

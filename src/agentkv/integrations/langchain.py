@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -33,6 +32,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, PrivateAttr
 
 from .._engines import Engine
+from .._engines._sampling import SamplingOptions
 from .._errors import (
     AgentKVError,
     ContextLengthError,
@@ -42,13 +42,19 @@ from .._errors import (
     UserError,
 )
 from .._session._pool import SessionPool
-from .._session._results import StepReply
+from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
 from .._stats._stats import StepStats
-from ._pooled import PooledAccess, PooledModel
+from .._surfaces._openai_chat import StreamedCalls
+from ._pooled import SAMPLING_NAMES, PooledAccess, PooledModel, sampling_of
 
 __all__ = ["ChatAgentKV"]
 
-_CALL_OPTIONS = ("tools", "tool_choice", "max_tokens", "temperature", "seed")
+_Item = str | ToolCallDelta | ReasoningDelta | StepReply
+"""What the pool streams (``deltas=True``): answer text, tool-call and reasoning pieces, then the reply."""
+
+_CALL_OPTIONS = ("tools", "tool_choice", "max_tokens", "temperature", "seed", "sampling")
+_SAMPLING_OPTIONS = SAMPLING_NAMES - {"logprobs"}
+"""Call options passed on as `SamplingOptions` under vLLM's names (``logprobs``: LangChain's own meaning, refused)."""
 """What a call may carry besides the messages (``bind_tools`` binds the first two)."""
 
 _LANGCHAIN_ERRORS: tuple[tuple[type[AgentKVError], type[ModelError]], ...] = (
@@ -95,9 +101,11 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
             `SessionPool`'s (``max_sessions``, ``idle_ttl_s``) and `BaseChatModel`'s fields.
 
     Stop sequences (``invoke(..., stop=[...])``) end the answer before the first one (`Session.step`'s
-    ``stop``). Not supported (a clear error): images and other non-text content, structured output
-    other than by tool calling, and call options other than tools, ``tool_choice``, ``max_tokens``,
-    ``temperature``, ``seed`` and ``stop``.
+    ``stop``). Bound or call options under vLLM's names (``model.bind(top_p=0.9, top_k=20)``: every
+    `agentkv.SamplingOptions` field but ``logprobs``), or ``sampling={...}``, set the call's sampling
+    over the session's (``sampling=`` of the model: every call's). Not supported (a clear error): images
+    and other non-text content, structured output other than by tool calling, ``logprobs``, and other
+    call options.
     """
 
     max_tokens: int | None = None
@@ -189,7 +197,7 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         chat, options = _openai_messages(messages), self._call_options(stop, kwargs)
         with self._conversation(run_manager) as conversation_id, _langchain_errors():
-            items = self._pooled.stream(chat, conversation_id=conversation_id, **options)
+            items = self._pooled.stream(chat, conversation_id=conversation_id, deltas=True, **options)
             yield from _chunks(_iterate_blocking(items))
 
     async def _astream(
@@ -201,8 +209,8 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         chat, options = _openai_messages(messages), self._call_options(stop, kwargs)
         with self._conversation(run_manager) as conversation_id, _langchain_errors():
-            streamed: list[str] = []
-            async for item in self._pooled.stream(chat, conversation_id=conversation_id, **options):
+            streamed = _Streamed()
+            async for item in self._pooled.stream(chat, conversation_id=conversation_id, deltas=True, **options):
                 yield _chunk(item, streamed)
 
     # ----------------------------------------------------------------- helpers
@@ -210,11 +218,16 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
     def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The pool's step options from the model's fields and the call's (bound) options."""
         kwargs.pop("stream", None)  # LangChain's own switch, already acted on
-        unknown = sorted(set(kwargs) - set(_CALL_OPTIONS))
+        unknown = sorted(set(kwargs) - set(_CALL_OPTIONS) - _SAMPLING_OPTIONS)
         if unknown:
             raise NotImplementedError(f"ChatAgentKV does not support the call options {', '.join(unknown)}")
+        sampling = sampling_of({name: kwargs.pop(name) for name in list(kwargs) if name in _SAMPLING_OPTIONS})
         options: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed}
         options.update(kwargs)
+        if sampling:  # over a bound sampling=, field by field
+            given = options.get("sampling")
+            base = given.model_dump(exclude_unset=True) if isinstance(given, SamplingOptions) else dict(given or {})
+            options["sampling"] = base | sampling
         if stop:
             options["stop"] = stop
         choice = options.get("tool_choice")
@@ -306,6 +319,7 @@ def _text(index: int, message: BaseMessage) -> str:
 def _result(reply: StepReply) -> ChatResult:
     message = AIMessage(
         content=reply.text,
+        additional_kwargs={"reasoning_content": reply.reasoning} if reply.reasoning is not None else {},
         tool_calls=[tool_call(name=call.name, args=call.arguments, id=call.id) for call in reply.tool_calls],
         usage_metadata=_usage(reply.stats),
         response_metadata=_response_metadata(reply),
@@ -313,23 +327,45 @@ def _result(reply: StepReply) -> ChatResult:
     return ChatResult(generations=[ChatGeneration(message=message)])
 
 
-def _chunks(items: Iterator[str | StepReply]) -> Iterator[ChatGenerationChunk]:
-    streamed: list[str] = []
+class _Streamed:
+    """What a stream gave so far: the answer's pieces, and the tool calls' (LangChain joins chunks by call index)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.calls = StreamedCalls()
+
+
+def _chunks(items: Iterator[_Item]) -> Iterator[ChatGenerationChunk]:
+    streamed = _Streamed()
     for item in items:
         yield _chunk(item, streamed)
 
 
-def _chunk(item: str | StepReply, streamed: list[str]) -> ChatGenerationChunk:
-    """A text piece, or the last chunk: the rest of the text, the tool calls, usage and stats."""
+def _chunk(item: _Item, streamed: _Streamed) -> ChatGenerationChunk:
+    """A text, reasoning (``additional_kwargs["reasoning_content"]``) or tool-call piece (its id and name first,
+    then its arguments), or the last chunk: the rest of the text and of the tool calls, usage and stats."""
+    if isinstance(item, ToolCallDelta):
+        streamed.calls.add(item)
+        piece = tool_call_chunk(
+            name=item.name, args=item.arguments, id=item.id if item.name else None, index=item.index
+        )
+        return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[piece]))
+    if isinstance(item, ReasoningDelta):
+        return ChatGenerationChunk(
+            message=AIMessageChunk(content="", additional_kwargs={"reasoning_content": item.text})
+        )
     if isinstance(item, str):
-        streamed.append(item)
+        streamed.text.append(item)
         return ChatGenerationChunk(message=AIMessageChunk(content=item))
-    so_far = "".join(streamed)
+    so_far = "".join(streamed.text)
     rest = item.text[len(so_far) :] if item.text.startswith(so_far) else ""
-    calls = [
-        tool_call_chunk(name=call.name, args=json.dumps(call.arguments), id=call.id, index=index)
-        for index, call in enumerate(item.tool_calls)
-    ]
+    calls = []
+    for index, call in enumerate(item.tool_calls):
+        arguments = streamed.calls.rest(index, call)
+        if index not in streamed.calls.announced:
+            calls.append(tool_call_chunk(name=call.name, args=arguments, id=call.id, index=index))
+        elif arguments:
+            calls.append(tool_call_chunk(name=None, args=arguments, id=None, index=index))
     message = AIMessageChunk(
         content=rest,
         tool_call_chunks=calls,
@@ -368,12 +404,12 @@ def _langchain_errors() -> Iterator[None]:
         raise
 
 
-def _iterate_blocking(items: AsyncIterator[str | StepReply]) -> Iterator[str | StepReply]:
+def _iterate_blocking(items: AsyncIterator[_Item]) -> Iterator[_Item]:
     """An async iterator read from synchronous code, on an event loop in a thread of its own.
 
     Closing early cancels the iteration (and with it the step).
     """
-    received: queue.Queue[str | StepReply | BaseException] = queue.Queue()
+    received: queue.Queue[_Item | BaseException] = queue.Queue()
 
     async def pump() -> None:
         try:

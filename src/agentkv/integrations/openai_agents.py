@@ -28,6 +28,7 @@ from agents.handoffs import Handoff
 from agents.items import ModelResponse, TResponseInputItem, TResponseStreamEvent
 from agents.model_settings import ModelSettings
 from agents.models.chatcmpl_converter import Converter
+from agents.models.chatcmpl_helpers import ChatCmplHelpers
 from agents.models.chatcmpl_stream_handler import ChatCmplStreamHandler
 from agents.models.interface import Model, ModelProvider, ModelTracing
 from agents.retry import ModelRetryAdvice, ModelRetryAdviceRequest
@@ -40,6 +41,7 @@ from openai.types.chat import (
     ChatCompletionMessage,
     ChatCompletionMessageFunctionToolCall,
     ChatCompletionMessageToolCallUnion,
+    ChatCompletionTokenLogprob,
 )
 from openai.types.chat.chat_completion_chunk import (
     Choice,
@@ -49,7 +51,7 @@ from openai.types.chat.chat_completion_chunk import (
 )
 from openai.types.chat.chat_completion_message_function_tool_call import Function
 from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseOutputMessage, ResponseOutputText
 from openai.types.responses.response_prompt_param import ResponsePromptParam
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
@@ -59,9 +61,11 @@ from .._engines import Engine
 from .._errors import EngineUnavailableError
 from .._errors import UserError as AgentKVUserError
 from .._session._pool import SessionPool
-from .._session._results import StepReply
+from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
 from .._stats._stats import StepStats
-from ._pooled import PooledAccess, PooledModel
+from .._surfaces._logprobs import logprob_writer
+from .._surfaces._openai_chat import StreamedCalls
+from ._pooled import SAMPLING_NAMES, PooledAccess, PooledModel, sampling_of
 
 __all__ = ["AgentKVModel", "AgentKVProvider"]
 
@@ -71,10 +75,12 @@ MODEL_NAME = "agentkv"
 REMEMBERED_RESPONSES = 256
 """How many recent responses a model keeps the conversation of, for ``previous_response_id``."""
 
-_UNSUPPORTED_SETTINGS = ("top_p", "frequency_penalty", "presence_penalty", "top_logprobs")
-_ACCEPTED_EXTRA_ARGS = ("seed", "stop", "prompt_cache_key")
-"""``extra_args`` read (``seed``, ``stop``: as the chat-completions ``stop``) or harmless to ignore
-(``prompt_cache_key``: agentkv pins conversations itself)."""
+_SAMPLING_SETTINGS = ("top_p", "frequency_penalty", "presence_penalty")
+"""`ModelSettings` fields that are `SamplingOptions` fields of the same name (``top_logprobs`` is ``logprobs``)."""
+_ACCEPTED_EXTRA_ARGS = ("seed", "stop", "prompt_cache_key", *sorted(SAMPLING_NAMES - {"logprobs"}))
+"""``extra_args`` read (``seed``, ``stop``: as the chat-completions ``stop``; every `SamplingOptions` field under
+vLLM's name but ``logprobs``, which is ``top_logprobs``) or harmless to ignore (``prompt_cache_key``: agentkv pins
+conversations itself)."""
 
 
 class AgentKVModel(PooledAccess, Model):
@@ -110,9 +116,13 @@ class AgentKVModel(PooledAccess, Model):
     it keeps for its last `REMEMBERED_RESPONSES` responses; an id it does not know raises
     `agents.exceptions.UserError`. These conversations live in this object's memory.
 
+    Sampling: ``temperature``, ``max_tokens``, ``top_p``, ``frequency_penalty``, ``presence_penalty`` and
+    ``top_logprobs`` (the output text's ``logprobs``; `get_response` only) apply, and ``extra_args`` takes
+    ``seed``, ``stop`` and every `agentkv.SamplingOptions` field under vLLM's name (``top_k``, ``min_p``,
+    ``repetition_penalty``, ``logit_bias``, ``structured_outputs``...).
     Function tools and handoffs only: hosted tools, structured output (``output_type``),
-    reusable prompts, images and the sampling settings ``top_p``, ``frequency_penalty``,
-    ``presence_penalty`` and ``top_logprobs`` raise `agents.exceptions.UserError`.
+    reusable prompts, images, ``top_logprobs`` when streaming and other ``extra_args`` raise
+    `agents.exceptions.UserError`.
     """
 
     def __init__(self, *, engine: Engine | None = None, pool: SessionPool | None = None, **session_options: Any):
@@ -172,6 +182,8 @@ class AgentKVModel(PooledAccess, Model):
         _check_readable(reply)
         response_id = self._remember([*history, *call.new, reply.message], conversation_id)
         items = Converter.message_to_output_items(_chat_message(reply.message))
+        if model_settings.top_logprobs is not None:
+            await _attach_logprobs(items, reply, self._pooled.pool, model_settings.top_logprobs)
         return ModelResponse(output=items, usage=usage, response_id=response_id)
 
     async def stream_response(
@@ -191,6 +203,8 @@ class AgentKVModel(PooledAccess, Model):
         """`get_response`, as the framework's stream events: the answer's text deltas, then the
         tool calls, then ``response.completed`` with the output items and usage."""
         call = _Call.build(system_instructions, input, model_settings, tools, output_schema, handoffs, prompt)
+        if model_settings.top_logprobs is not None:
+            raise AgentsUserError("AgentKVModel writes top_logprobs in get_response only, not when streaming")
         history = self._history(previous_response_id, conversation_id)
         response_id = _new_response_id()
         response = Response(
@@ -206,15 +220,23 @@ class AgentKVModel(PooledAccess, Model):
 
         async def chunks() -> AsyncGenerator[ChatCompletionChunk]:
             messages = [*call.system, *history, *call.new]
-            stream = self._pooled.stream(messages, conversation_id=conversation_id, **call.options)
+            stream = self._pooled.stream(messages, conversation_id=conversation_id, deltas=True, **call.options)
+            streamed = StreamedCalls()
             async with contextlib.aclosing(stream) as items:
                 async for item in items:
+                    if isinstance(item, ToolCallDelta):  # the handler streams a call's arguments as they come
+                        streamed.add(item)
+                        yield _chunk(response_id, ChoiceDelta(tool_calls=[_call_delta(item)]))
+                        continue
+                    if isinstance(item, ReasoningDelta):  # the handler makes a reasoning item of these
+                        yield _chunk(response_id, ChoiceDelta.model_validate({"reasoning_content": item.text}))
+                        continue
                     if isinstance(item, str):
                         yield _chunk(response_id, ChoiceDelta(content=item))
                         continue
                     _check_readable(item)
                     self._remember([*history, *call.new, item.message], conversation_id, response_id)
-                    yield _last_chunk(response_id, item)
+                    yield _last_chunk(response_id, item, streamed)
 
         with generation_span(model=MODEL_NAME, disabled=tracing.is_disabled()) as span, _framework_errors():
             async with contextlib.aclosing(chunks()) as stream:
@@ -334,11 +356,14 @@ class _Call:
                     f"AgentKVModel runs function tools only; the hosted tool {tool.name!r} "
                     f"({type(tool).__name__}) is not supported"
                 )
-        unsupported = [name for name in _UNSUPPORTED_SETTINGS if getattr(settings, name) is not None]
-        extra = [key for key in settings.extra_args or {} if key not in _ACCEPTED_EXTRA_ARGS]
-        if unsupported or extra:
-            names = ", ".join([*unsupported, *(f"extra_args[{k!r}]" for k in extra)])
+        extra_args = settings.extra_args or {}
+        extra = [key for key in extra_args if key not in _ACCEPTED_EXTRA_ARGS]
+        if extra:
+            names = ", ".join(f"extra_args[{k!r}]" for k in extra)
             raise AgentsUserError(f"AgentKVModel does not support the model settings {names}")
+        sampling = sampling_of(extra_args) | sampling_of({n: getattr(settings, n) for n in _SAMPLING_SETTINGS})
+        if settings.top_logprobs is not None:
+            sampling["logprobs"] = settings.top_logprobs
         chat_tools = [Converter.tool_to_openai(t) for t in tools] + [
             Converter.convert_handoff_tool(h) for h in handoffs
         ]
@@ -348,12 +373,27 @@ class _Call:
             "tool_choice": "auto" if tool_choice is omit else tool_choice,
             "max_tokens": settings.max_tokens,
             "temperature": settings.temperature,
-            "seed": (settings.extra_args or {}).get("seed"),
-            "stop": (settings.extra_args or {}).get("stop"),
+            "seed": extra_args.get("seed"),
+            "stop": extra_args.get("stop"),
+            "sampling": sampling or None,
         }
         new = cast(list[MessageLike], Converter.items_to_messages(input, strict_feature_validation=True))
         system: list[MessageLike] = [{"role": "system", "content": system_instructions}] if system_instructions else []
         return cls(system, new, options)
+
+
+async def _attach_logprobs(items: list[Any], reply: StepReply, pool: SessionPool, top: int) -> None:
+    """The reply's token logprobs on its output text, as the framework's chat-completions model attaches them
+    (token strings as vLLM's server writes them: `agentkv._surfaces._logprobs`)."""
+    writer = await logprob_writer(pool, top, as_token_ids=False)
+    assert writer is not None
+    tokens = [ChatCompletionTokenLogprob.model_validate(entry) for entry in writer.rest(reply)]
+    logprobs = ChatCmplHelpers.convert_logprobs_for_output_text(tokens)
+    for item in items:
+        if isinstance(item, ResponseOutputMessage):
+            for part in item.content:
+                if isinstance(part, ResponseOutputText):
+                    part.logprobs = logprobs
 
 
 def _new_response_id() -> str:
@@ -423,16 +463,23 @@ def _chunk(
     )
 
 
-def _last_chunk(response_id: str, reply: StepReply) -> ChatCompletionChunk:
-    """The reply's tool calls (whole), its finish reason and its usage."""
-    calls = [
-        ChoiceDeltaToolCall(
-            index=index,
-            id=call.id,
-            type="function",
-            function=ChoiceDeltaToolCallFunction(name=call.name, arguments=json.dumps(call.arguments)),
-        )
-        for index, call in enumerate(reply.tool_calls)
-    ]
+def _call_delta(delta: ToolCallDelta) -> ChoiceDeltaToolCall:
+    """A piece of a tool call as a Chat Completions chunk carries it (id, type and name on the first only)."""
+    if delta.name is None:
+        return ChoiceDeltaToolCall(index=delta.index, function=ChoiceDeltaToolCallFunction(arguments=delta.arguments))
+    function = ChoiceDeltaToolCallFunction(name=delta.name, arguments=delta.arguments)
+    return ChoiceDeltaToolCall(index=delta.index, id=delta.id, type="function", function=function)
+
+
+def _last_chunk(response_id: str, reply: StepReply, streamed: StreamedCalls) -> ChatCompletionChunk:
+    """The reply's tool calls (what of them was not streamed), its finish reason and its usage."""
+    calls: list[ChoiceDeltaToolCall] = []
+    for index, call in enumerate(reply.tool_calls):
+        rest = streamed.rest(index, call)
+        if index not in streamed.announced:
+            function = ChoiceDeltaToolCallFunction(name=call.name, arguments=rest)
+            calls.append(ChoiceDeltaToolCall(index=index, id=call.id, type="function", function=function))
+        elif rest:
+            calls.append(ChoiceDeltaToolCall(index=index, function=ChoiceDeltaToolCallFunction(arguments=rest)))
     delta = ChoiceDelta(tool_calls=calls or None)
     return _chunk(response_id, delta, reply.finish_reason, _completion_usage(reply.stats))

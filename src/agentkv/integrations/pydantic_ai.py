@@ -7,7 +7,7 @@ Every model call of an agent run goes to the `agentkv.Session` that holds the co
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Self
@@ -30,6 +30,7 @@ from pydantic_ai.messages import (
     SystemPromptPart,
     TextContent,
     TextPart,
+    ThinkingPart,
     ToolCallPart,
     ToolReturnPart,
     UserPromptPart,
@@ -46,9 +47,9 @@ from .._conversation._tools import ToolCall
 from .._engines import Engine
 from .._errors import ContextLengthError, EngineError, EngineUnavailableError, SessionClosedError, UserError
 from .._session._pool import SessionPool
-from .._session._results import StepReply
+from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
 from .._stats._stats import StepStats
-from ._pooled import PooledAccess, PooledModel
+from ._pooled import SAMPLING_NAMES, PooledAccess, PooledModel, sampling_of
 
 __all__ = ["AgentKVModel", "AgentKVStreamedResponse"]
 
@@ -77,8 +78,10 @@ class AgentKVModel(PooledAccess, Model):
     extends the session's conversation and D's KV of it is pushed back instead of recomputed.
 
     Function tools and output tools (structured ``output_type``) are offered to the model as
-    agentkv tools; ``tool_choice``, ``max_tokens``, ``temperature``, ``seed`` and ``stop_sequences``
-    settings apply.
+    agentkv tools; ``tool_choice``, ``max_tokens``, ``temperature``, ``seed``, ``stop_sequences``, ``top_p``,
+    ``top_k``, ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` settings apply, and ``extra_body``
+    takes every `agentkv.SamplingOptions` field under vLLM's name (``min_p``, ``repetition_penalty``,
+    ``structured_outputs``...; another key raises `pydantic_ai.exceptions.UserError`).
     Builtin (native) tools, native structured output, images, audio, documents and other files
     raise `pydantic_ai.exceptions.UserError`; other generic settings are ignored (pydantic-ai
     warns about those that change what a request guarantees).
@@ -96,18 +99,12 @@ class AgentKVModel(PooledAccess, Model):
 
     unsupported_settings = frozenset(
         {
-            "top_p",
-            "top_k",
             "timeout",
             "max_retries",
             "parallel_tool_calls",
-            "presence_penalty",
-            "frequency_penalty",
-            "logit_bias",
             "extra_headers",
             "citations",
             "service_tier",
-            "extra_body",
         }
     )
     _unsupported_file_inputs = frozenset({"image", "document", "audio", "video"})
@@ -178,7 +175,7 @@ class AgentKVModel(PooledAccess, Model):
         run_context: RunContext[Any] | None = None,
     ) -> AsyncGenerator[StreamedResponse]:
         params, chat, options = self._prepare_call(messages, model_settings, model_request_parameters)
-        items = self._pooled.stream(chat, **options)
+        items = self._pooled.stream(chat, deltas=True, **options)
         try:
             with _pydantic_ai_errors(self._model_name):
                 first = await anext(items)  # the step started (errors before any output raise here)
@@ -210,6 +207,7 @@ class AgentKVModel(PooledAccess, Model):
             "temperature": settings.get("temperature"),
             "seed": settings.get("seed"),
             "stop": settings.get("stop_sequences"),
+            "sampling": _sampling(settings) or None,
         }
         return params, _chat_messages(messages, instructions), options
 
@@ -222,20 +220,38 @@ class AgentKVStreamedResponse(StreamedResponse):
     """A streamed `AgentKVModel` answer: its text as it is generated, then its tool calls and usage."""
 
     _model_name: str
-    _first: str | StepReply
-    _rest: AsyncGenerator[str | StepReply]
+    _first: str | ToolCallDelta | ReasoningDelta | StepReply
+    _rest: AsyncGenerator[str | ToolCallDelta | ReasoningDelta | StepReply]
     _timestamp: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     async def _get_event_iterator(self) -> AsyncIterator[ModelResponseStreamEvent]:
         streamed = ""
         item = self._first
+        thought = False
         with _pydantic_ai_errors(self._model_name):
-            while isinstance(item, str):
-                streamed += item
-                for event in self._parts_manager.handle_text_delta(vendor_part_id="answer", content=item):
-                    yield event
+            while not isinstance(item, StepReply):
+                if isinstance(item, ToolCallDelta):  # its arguments as they are written; the finished call below
+                    args = item.arguments or None
+                    manager = self._parts_manager
+                    called = manager.handle_tool_call_delta(
+                        vendor_part_id=item.id, tool_name=item.name, args=args, tool_call_id=item.id
+                    )
+                    if called is not None:
+                        yield called
+                elif isinstance(item, ReasoningDelta):
+                    thought = True
+                    for event in self._parts_manager.handle_thinking_delta(
+                        vendor_part_id="reasoning", content=item.text
+                    ):
+                        yield event
+                else:
+                    streamed += item
+                    for event in self._parts_manager.handle_text_delta(vendor_part_id="answer", content=item):
+                        yield event
                 item = await anext(self._rest)
         reply = item
+        if reply.reasoning is not None and not thought:
+            yield self._parts_manager.handle_part(vendor_part_id="reasoning", part=ThinkingPart(reply.reasoning))
         if reply.text != streamed:  # the history must hold the answer exactly as the session keeps it
             yield self._parts_manager.handle_part(vendor_part_id="answer", part=TextPart(reply.text))
         for call in reply.tool_calls:
@@ -334,9 +350,25 @@ def _assistant_message(response: ModelResponse) -> Message:
             texts.append(part.content)
         elif isinstance(part, ToolCallPart):
             calls.append(ToolCall(id=part.tool_call_id, name=part.tool_name, arguments=part.args_as_dict()))
+        elif isinstance(part, ThinkingPart):  # the reasoning is not part of the message (the session kept its tokens)
+            continue
         else:
             raise PydanticAIUserError(f"AgentKVModel does not support {type(part).__name__} in the message history")
     return Message(role="assistant", content="".join(texts), tool_calls=tuple(calls))
+
+
+def _sampling(settings: ModelSettings) -> dict[str, Any]:
+    """The settings that are `SamplingOptions` (pydantic-ai's names are vLLM's), and ``extra_body``'s (vLLM's names;
+    ``logprobs``, whose output pydantic-ai has no place for, and any other key are refused by name)."""
+    extra = settings.get("extra_body") or {}
+    if not isinstance(extra, Mapping):
+        raise PydanticAIUserError("AgentKVModel takes extra_body as a mapping of vLLM sampling parameters")
+    unknown = sorted(str(key) for key in extra if key not in SAMPLING_NAMES or key == "logprobs")
+    if unknown:
+        raise PydanticAIUserError(f"AgentKVModel does not support extra_body {', '.join(unknown)}")
+    return sampling_of(extra) | sampling_of(
+        {name: settings.get(name) for name in ("top_p", "top_k", "presence_penalty", "frequency_penalty", "logit_bias")}
+    )
 
 
 def _tools_and_choice(
@@ -370,7 +402,8 @@ def _conversation_id(messages: Sequence[ModelMessage]) -> str | None:
 
 
 def _response_parts(reply: StepReply) -> list[ModelResponsePart]:
-    parts: list[ModelResponsePart] = [TextPart(reply.text)] if reply.text else []
+    parts: list[ModelResponsePart] = [ThinkingPart(reply.reasoning)] if reply.reasoning is not None else []
+    parts += [TextPart(reply.text)] if reply.text else []
     parts += [ToolCallPart(c.name, dict(c.arguments), tool_call_id=c.id) for c in reply.tool_calls]
     return parts
 

@@ -1,0 +1,86 @@
+"""Stock vLLM API servers for tests: started as a user starts them, stopped with their process group, ports checked."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from agentkv._engines._start_log import record_engine_start
+from agentkv._engines._system import alive, descendants
+from freed import assert_ports_freed, running_pids
+
+
+def healthy(url: str) -> bool:
+    """Whether a vLLM server answers ``/health`` with 200."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def with_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Send ``sig`` to the process group ``process`` leads (its engine core included)."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop_servers(
+    processes: Sequence[subprocess.Popen[bytes]], pids: set[int], ports: set[int], running_before: set[int]
+) -> None:
+    """SIGTERM each server's group (SIGKILL after 60 s); then no process and no port of theirs is left."""
+    for process in processes:
+        with_group(process, signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with_group(process, signal.SIGKILL)
+            process.wait()
+    stop = time.monotonic() + 30
+    while alive(pids) and time.monotonic() < stop:
+        time.sleep(0.5)
+    assert alive(pids) == set()
+    assert_ports_freed(ports, running_before=running_before)
+
+
+@contextlib.contextmanager
+def stock_vllm_server(model: Path, port: int, args: Sequence[str], log: Path) -> Iterator[str]:
+    """``python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT ARGS`` with vLLM's own defaults
+    otherwise (no agentkv variable set; 1 GiB of KV cache on CPU); its URL once healthy."""
+    running_before = running_pids()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("AGENTKV_")}
+    record_engine_start(kind="stock-server", role="colocated")  # counted in the suite's engine summary (conftest)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [*command, *args],
+            env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    pids = {process.pid}
+    try:
+        deadline = time.monotonic() + 600
+        while not healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"stock vLLM server did not start (rc {process.poll()}): {log.read_text()[-3000:]}")
+            time.sleep(2)
+        pids |= descendants(process.pid)
+        yield url
+    finally:
+        pids |= descendants(process.pid)
+        stop_servers([process], pids, {port}, running_before)

@@ -1,0 +1,266 @@
+"""agentkv serve against vLLM's own server as the oracle: the same requests, the same answers.
+
+The bundled model is served three ways: stock ``vllm serve`` (one engine, prefix caching, float32,
+vLLM's defaults otherwise, with vLLM's hermes tool parser for ``tool_choice="auto"``), and agentkv's
+door on the shared real pair and on the shared colocated engine (tests/conftest.py). Every request of
+the matrix (each sampling parameter alone and some together, greedy and seeded, stop strings and stop
+token ids, structured outputs, logprobs, tools, streamed and not, multi-turn with the answers fed
+back) goes to all three; the answers must be identical (log probabilities within a float tolerance).
+Outputs are short and each server starts once, so the module stays within the CI tier's budget.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from agentkv import Colocated, EmbeddedPair, FrontDoor, SessionPool
+from agentkv._engines._system import free_port
+from agentkv._model import prepare_model
+from stock_server import stock_vllm_server
+
+pytestmark = pytest.mark.pair
+
+SYSTEM = "You are a terse assistant. Answer in one short sentence."
+QUESTION = "What is the capital of France, and what river runs through it?"
+LOGPROB_TOLERANCE = 1e-3
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def servers(
+    pair: EmbeddedPair, colocated: Colocated, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, str]]:
+    """Base URLs (``.../v1``) of stock vLLM, agentkv on the pair and agentkv on the colocated engine."""
+    model = prepare_model()
+    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--served-model-name", "smol"]
+    args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    log = tmp_path_factory.mktemp("differential") / "vllm.log"
+    options: dict[str, Any] = {"max_tokens": 16, "tool_format": "native"}
+    with (
+        stock_vllm_server(model, free_port(), args, log) as stock,
+        SessionPool(engine=pair, cache_salt="differential", **options) as on_pair,
+        SessionPool(engine=colocated, cache_salt="differential", **options) as on_colocated,
+        FrontDoor(on_pair, model_name="smol", port=free_port()) as pair_door,
+        FrontDoor(on_colocated, model_name="smol", port=free_port()) as colocated_door,
+    ):
+        yield {"vllm": stock + "/v1", "pair": pair_door.url + "/v1", "colocated": colocated_door.url + "/v1"}
+
+
+def _messages(question: str = QUESTION) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def _token(tokenizer: Any, text: str) -> int:
+    return int(tokenizer.encode(text, add_special_tokens=False)[0])
+
+
+def matrix(tokenizer: Any) -> dict[str, dict[str, Any]]:
+    """Request bodies by name (``messages`` and ``model`` added when sent)."""
+    paris, period, comma = _token(tokenizer, " Paris"), _token(tokenizer, "."), _token(tokenizer, ",")
+    repeat = _messages("Write the word cat ten times, separated by spaces.")
+    seeded = {"temperature": 0.8, "seed": 11}
+    return {
+        "greedy": {"temperature": 0.0},
+        "seeded": seeded,
+        "top_p": {"temperature": 1.0, "seed": 3, "top_p": 0.5},
+        "top_k": {"temperature": 1.0, "seed": 5, "top_k": 5},
+        "min_p": {"temperature": 1.0, "seed": 5, "min_p": 0.2},
+        "presence_penalty": {"temperature": 0.0, "presence_penalty": 1.5, "messages": repeat, "max_tokens": 20},
+        "frequency_penalty": {"temperature": 0.0, "frequency_penalty": 1.5, "messages": repeat, "max_tokens": 20},
+        "repetition_penalty": {"temperature": 0.0, "repetition_penalty": 1.3, "messages": repeat, "max_tokens": 20},
+        "logit_bias": {"temperature": 0.0, "logit_bias": {str(paris): 100}},
+        "min_tokens": {"temperature": 0.0, "min_tokens": 12, "max_tokens": 14},
+        "ignore_eos": {"temperature": 0.0, "ignore_eos": True, "max_tokens": 20},
+        "stop": {"temperature": 0.0, "stop": [" river", ","]},
+        "stop_token_ids": {"temperature": 0.0, "stop_token_ids": [comma]},
+        "include_stop_str_in_output": {"temperature": 0.0, "stop": [","], "include_stop_str_in_output": True},
+        "bad_words": {"temperature": 0.0, "bad_words": ["Paris"]},
+        "allowed_token_ids": {"temperature": 1.0, "seed": 2, "allowed_token_ids": [paris, period, 2, 28, 30, 260]},
+        "skip_special_tokens": {"temperature": 0.0, "skip_special_tokens": False, "ignore_eos": True},
+        "logprobs": {"temperature": 0.0, "logprobs": True, "top_logprobs": 3},
+        "seeded_logprobs": {**seeded, "logprobs": True, "top_logprobs": 2},
+        "json_object": {"temperature": 0.0, "response_format": {"type": "json_object"}, "max_tokens": 24},
+        "json_schema": {
+            "temperature": 0.0,
+            "max_tokens": 24,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "city",
+                    "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                },
+            },
+        },
+        "regex": {"temperature": 0.0, "structured_outputs": {"regex": "[A-Z][a-z]+ is [a-z ]+"}},
+        "choice": {"temperature": 0.0, "structured_outputs": {"choice": ["Paris", "Lyon", "Rome"]}},
+        "together": {
+            "temperature": 0.7,
+            "seed": 9,
+            "top_k": 20,
+            "top_p": 0.9,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.3,
+            "repetition_penalty": 1.1,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        "tools_none": {"temperature": 0.0, "tools": [WEATHER, TIME], "tool_choice": "none"},
+        "tools_auto": {"temperature": 0.0, "tools": [WEATHER, TIME], "tool_choice": "auto"},
+        "tools_required": {"temperature": 0.0, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 64},
+        "tools_named": {
+            "temperature": 0.0,
+            "tools": [WEATHER, TIME],
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "max_tokens": 64,
+        },
+    }
+
+
+STREAMED = ("greedy", "seeded", "stop", "logprobs", "together", "tools_required", "tools_named")
+MULTI_TURN = ("greedy", "seeded", "together")
+
+
+def _answer(completion: Any) -> dict[str, Any]:
+    """What must be equal: text, finish reason, tool calls (names and arguments), logprobs (tokens, values)."""
+    choice = completion.choices[0]
+    message = choice.message
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+    logprobs = None
+    if choice.logprobs is not None and choice.logprobs.content is not None:
+        logprobs = [
+            (item.token, item.logprob, [(top.token, top.logprob) for top in item.top_logprobs])
+            for item in choice.logprobs.content
+        ]
+    return {"text": message.content or "", "finish": choice.finish_reason, "calls": calls, "logprobs": logprobs}
+
+
+def _streamed_answer(chunks: list[Any]) -> dict[str, Any]:
+    text, finish, logprobs = "", None, None
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        text += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            name, args = calls.setdefault(call.index, ["", ""])
+            calls[call.index] = [name + (call.function.name or ""), args + (call.function.arguments or "")]
+        if choice.logprobs is not None and choice.logprobs.content:
+            logprobs = (logprobs or []) + [
+                (item.token, item.logprob, [(top.token, top.logprob) for top in item.top_logprobs])
+                for item in choice.logprobs.content
+            ]
+        finish = choice.finish_reason or finish
+    parsed = [(name, json.loads(args)) for name, args in (calls[i] for i in sorted(calls))]
+    return {"text": text, "finish": finish, "calls": parsed, "logprobs": logprobs}
+
+
+def ask(url: str, body: dict[str, Any], messages: list[dict[str, Any]], *, stream: bool = False) -> dict[str, Any]:
+    known = {"model", "messages", "temperature", "seed", "top_p", "presence_penalty", "frequency_penalty"}
+    known |= {"logit_bias", "logprobs", "top_logprobs", "max_tokens", "stop", "response_format", "tools", "tool_choice"}
+    body = dict(body)
+    messages = body.pop("messages", messages)
+    args = {key: value for key, value in body.items() if key in known}
+    extra = {key: value for key, value in body.items() if key not in known}
+    args.setdefault("max_tokens", 12)
+    with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120) as client:
+        if stream:
+            chunks = client.chat.completions.create(
+                model="smol", messages=messages, stream=True, extra_body=extra or None, **args
+            )
+            return _streamed_answer(list(chunks))
+        return _answer(
+            client.chat.completions.create(model="smol", messages=messages, extra_body=extra or None, **args)
+        )
+
+
+def assert_same(name: str, oracle: dict[str, Any], answer: dict[str, Any], where: str) -> None:
+    for key in ("text", "finish", "calls"):
+        assert answer[key] == oracle[key], f"{name} on {where}: {key} {answer[key]!r} != vLLM's {oracle[key]!r}"
+    if oracle["logprobs"] is None:
+        assert answer["logprobs"] is None, f"{name} on {where}: logprobs nobody asked for"
+        return
+    assert answer["logprobs"] is not None and len(answer["logprobs"]) == len(oracle["logprobs"]), f"{name} on {where}"
+    for position, ((token, value, top), (o_token, o_value, o_top)) in enumerate(
+        zip(answer["logprobs"], oracle["logprobs"], strict=True)
+    ):
+        assert token == o_token, f"{name} on {where}: token {position} {token!r} != {o_token!r}"
+        assert abs(value - o_value) <= LOGPROB_TOLERANCE, f"{name} on {where}: logprob {position} {value} != {o_value}"
+        assert [t for t, _ in top] == [t for t, _ in o_top], f"{name} on {where}: top tokens at {position}"
+        for (_, v), (_, o_v) in zip(top, o_top, strict=True):
+            assert abs(v - o_v) <= LOGPROB_TOLERANCE, f"{name} on {where}: top logprob at {position}"
+
+
+def test_every_request_of_the_matrix_answers_as_vllm_serve(servers: dict[str, str], tokenizer: Any) -> None:
+    """Every request of the matrix is sent; the failure lists every request answered otherwise than vLLM."""
+    differences = []
+    for name, body in matrix(tokenizer).items():
+        oracle = ask(servers["vllm"], body, _messages())
+        for where in ("pair", "colocated"):
+            try:
+                assert_same(name, oracle, ask(servers[where], body, _messages()), where)
+            except (AssertionError, openai.APIError) as exc:
+                differences.append(str(exc).splitlines()[0])
+    assert not differences, "\n".join(differences)
+
+
+@pytest.mark.parametrize("name", STREAMED)
+def test_streamed_answers_equal_vllm_serve_s(servers: dict[str, str], tokenizer: Any, name: str) -> None:
+    body = matrix(tokenizer)[name]
+    oracle = ask(servers["vllm"], body, _messages(), stream=True)
+    assert oracle == ask(servers["vllm"], body, _messages()), f"vLLM's own {name} differs streamed"
+    for where in ("pair", "colocated"):
+        assert_same(name, oracle, ask(servers[where], body, _messages(), stream=True), where)
+
+
+@pytest.mark.parametrize("name", MULTI_TURN)
+def test_conversations_with_the_answers_fed_back_equal_vllm_serve_s(
+    servers: dict[str, str], tokenizer: Any, name: str
+) -> None:
+    """Three turns; each server's own answer goes back into its history; the pair pulls turns 2 and 3 back."""
+    body = matrix(tokenizer)[name]
+    histories = {where: _messages("Name a large city in Europe.") for where in servers}
+    for follow_up in ("Name another one.", "And one more, in Italy."):
+        answers = {where: ask(url, body, histories[where]) for where, url in servers.items()}
+        for where in ("pair", "colocated"):
+            assert_same(name, answers["vllm"], answers[where], where)
+        for where, answer in answers.items():
+            histories[where] += [
+                {"role": "assistant", "content": answer["text"]},
+                {"role": "user", "content": follow_up},
+            ]
+
+
+def _cached_tokens(url: str, messages: list[dict[str, Any]]) -> int:
+    with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120) as client:
+        completion = client.chat.completions.create(model="smol", messages=messages, max_tokens=8, temperature=0.0)
+    details = completion.usage.prompt_tokens_details if completion.usage else None
+    return int(details.cached_tokens or 0) if details else 0
+
+
+def test_the_pair_reuses_the_pinned_kv_while_it_answers_as_vllm(servers: dict[str, str]) -> None:
+    """The equality above is not bought by recomputing: on the pair, turn 2 of a conversation is served from KV."""
+    history = _messages("Name a large city in Spain.")
+    first = ask(servers["pair"], {"temperature": 0.0, "max_tokens": 8}, history)
+    history += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "And in Portugal?"}]
+    assert _cached_tokens(servers["pair"], history) > 0
