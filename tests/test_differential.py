@@ -85,12 +85,12 @@ def matrix(tokenizer: Any) -> dict[str, dict[str, Any]]:
         "top_p": {"temperature": 1.0, "seed": 3, "top_p": 0.5},
         "top_k": {"temperature": 1.0, "seed": 5, "top_k": 5},
         "min_p": {"temperature": 1.0, "seed": 5, "min_p": 0.2},
-        "presence_penalty": {"temperature": 0.0, "presence_penalty": 1.5, "messages": repeat, "max_tokens": 20},
-        "frequency_penalty": {"temperature": 0.0, "frequency_penalty": 1.5, "messages": repeat, "max_tokens": 20},
-        "repetition_penalty": {"temperature": 0.0, "repetition_penalty": 1.3, "messages": repeat, "max_tokens": 20},
+        "presence_penalty": {"temperature": 0.0, "presence_penalty": 1.5, "messages": repeat, "max_tokens": 16},
+        "frequency_penalty": {"temperature": 0.0, "frequency_penalty": 1.5, "messages": repeat, "max_tokens": 16},
+        "repetition_penalty": {"temperature": 0.0, "repetition_penalty": 1.3, "messages": repeat, "max_tokens": 16},
         "logit_bias": {"temperature": 0.0, "logit_bias": {str(paris): 100}},
         "min_tokens": {"temperature": 0.0, "min_tokens": 12, "max_tokens": 14},
-        "ignore_eos": {"temperature": 0.0, "ignore_eos": True, "max_tokens": 20},
+        "ignore_eos": {"temperature": 0.0, "ignore_eos": True, "max_tokens": 12},
         "stop": {"temperature": 0.0, "stop": [" river", ","]},
         "stop_token_ids": {"temperature": 0.0, "stop_token_ids": [comma]},
         "include_stop_str_in_output": {"temperature": 0.0, "stop": [","], "include_stop_str_in_output": True},
@@ -136,8 +136,8 @@ def matrix(tokenizer: Any) -> dict[str, dict[str, Any]]:
     }
 
 
-STREAMED = ("greedy", "seeded", "stop", "logprobs", "together", "tools_required", "tools_named")
-MULTI_TURN = ("greedy", "seeded", "together")
+STREAMED = ("seeded", "stop", "logprobs", "tools_required", "tools_named")
+MULTI_TURN = ("greedy", "together")
 
 
 def _answer(completion: Any) -> dict[str, Any]:
@@ -182,7 +182,7 @@ def ask(url: str, body: dict[str, Any], messages: list[dict[str, Any]], *, strea
     messages = body.pop("messages", messages)
     args = {key: value for key, value in body.items() if key in known}
     extra = {key: value for key, value in body.items() if key not in known}
-    args.setdefault("max_tokens", 12)
+    args.setdefault("max_tokens", 8)
     with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120) as client:
         if stream:
             chunks = client.chat.completions.create(

@@ -146,6 +146,7 @@ CASES: dict[str, Case] = {
 }
 
 
+@pytest.mark.nightly  # the CI tier's tests/test_differential.py holds the pair to vllm serve on each option
 def test_every_option_samples_on_the_pair_as_on_one_engine(
     pair: EmbeddedPair, colocated: Colocated, turns: Turns, tokenizer: Any
 ) -> None:
