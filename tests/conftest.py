@@ -86,6 +86,34 @@ def launched() -> Iterator[LaunchedPair]:
     assert_ports_freed(ports, running_before=running_before)
 
 
+# ----------------------------------------------------------------- the order of the real-engine tiers
+# A shared engine stays open from its first user to the session's end. An engine on the bundled model
+# holds about 3.3 GiB here (its worker 2.6, with 1 GiB of KV; its core 0.7); the launched pair's two
+# API servers add about 1 GiB each. With the pair, the colocated engine and the launched pair open,
+# a test's own pair pushed a 24-GiB machine out of memory (page cache thrashing; the tier ran 2.5
+# times slower). So test files run in three groups, each file whole and in its order otherwise:
+# those on no shared engine (they start their own), those on the shared pair or colocated engine,
+# then those on the shared launched pair too; the peak is the three shared engines alone.
+
+SHARED_ENGINES = ("pair", "colocated", "launched")
+
+
+def _group(item: pytest.Item) -> int:
+    """0: no shared engine, 1: the pair or colocated engine, 2: the launched pair (by fixture or `uses_shared`)."""
+    names = set(getattr(item, "fixturenames", ()))
+    for mark in item.iter_markers("uses_shared"):
+        names.update(mark.args)
+    return 2 if "launched" in names else 1 if names & set(SHARED_ENGINES) else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    groups: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        groups[path] = max(groups.get(path, 0), _group(item))
+    items.sort(key=lambda item: groups[item.nodeid.split("::")[0]])  # stable: each group in collection order
+
+
 # ----------------------------------------------------------------- engine starts, counted per test file
 # Every vLLM engine agentkv starts, in this process or a child, appends a line to AGENTKV_ENGINE_LOG
 # (src/agentkv/_engines/_start_log.py); tests/test_stock_vllm.py logs the stock servers it starts.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,8 +43,13 @@ _SHARED_BY_MARK = {"launched": "LaunchedPair(", "colocated": "olocated"}
 """The shared engines beside the pair, by what a page's code says when it uses them (each starts once, when first asked for)."""
 
 
+def _with_its_engines(page: Path) -> Any:
+    code = "".join(_snippets(page))
+    return pytest.param(page, marks=pytest.mark.uses_shared(*(n for n, m in _SHARED_BY_MARK.items() if m in code)))
+
+
 @pytest.mark.pair
-@pytest.mark.parametrize("page", [p for p in PAGES if _snippets(p)], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [_with_its_engines(p) for p in PAGES if _snippets(p)], ids=lambda p: p.name)
 def test_every_snippet_runs(
     page: Path,
     tmp_path: Path,

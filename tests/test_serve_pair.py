@@ -114,15 +114,24 @@ def _said(messages: list[Any]) -> list[tuple[str, str | None, list[tuple[str, st
 
 
 def _streamed(client: openai.OpenAI, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    text, calls, stats = "", [], {}
+    """The streamed message, each call's pieces joined by their index (its id and name come first, then its
+    arguments piece by piece), and the stats of the usage chunk."""
+    text, calls, stats = "", dict[int, dict[str, Any]](), {}
     for part in client.chat.completions.create(**options, stream=True, stream_options={"include_usage": True}):
         if not part.choices:
             stats = part.model_extra["agentkv"]["stats"]  # type: ignore[index]
             continue
         delta = part.choices[0].delta
         text += delta.content or ""
-        calls += [c.model_dump(exclude_none=True, exclude={"index"}) for c in delta.tool_calls or []]
-    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}, stats
+        for piece in delta.tool_calls or []:
+            assert piece.function is not None
+            if piece.index not in calls:
+                assert piece.id and piece.function.name, piece  # the first piece names the call
+                calls[piece.index] = {"id": piece.id, "type": "function", "function": {"name": piece.function.name}}
+                calls[piece.index]["function"]["arguments"] = ""
+            calls[piece.index]["function"]["arguments"] += piece.function.arguments or ""
+    joined = [calls[index] for index in sorted(calls)]
+    return {"role": "assistant", "content": text or None, **({"tool_calls": joined} if joined else {})}, stats
 
 
 def test_four_tool_turns_pull_back_and_streaming_changes_nothing(urls: tuple[str, str]) -> None:

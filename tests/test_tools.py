@@ -10,7 +10,8 @@ import pytest
 from pydantic import BaseModel
 
 from agentkv import Session, StepRequest, Tool, UserError, tool
-from agentkv._conversation._tools import output_schema, parse_output
+from agentkv._conversation._call_stream import parse_output
+from agentkv._conversation._tools import output_schema
 from agentkv.testing import ScriptedEngine
 
 

@@ -67,8 +67,9 @@ def test_an_untested_vllm_is_warned_of_once_not_refused(
 
 
 def test_the_environment_marks_agentkvs_engines_and_names_both_intervals() -> None:
-    assert engine_env(None) == {ENGINE_ENV: "1"}
-    assert engine_env(50) == {ENGINE_ENV: "1", NIXL_DELAY_ENV: "50000", PARKED_POLL_ENV: "50"}
+    exit_s = {_patches.WORKER_EXIT_ENV: "30"}
+    assert engine_env(None) == {ENGINE_ENV: "1", **exit_s}
+    assert engine_env(50) == {ENGINE_ENV: "1", **exit_s, NIXL_DELAY_ENV: "50000", PARKED_POLL_ENV: "50"}
     assert engine_features(engine_env(None)) == [CLEAN_SHUTDOWN, AUTO_PLACEMENT, OWN_GROUP]
     assert engine_features({**engine_env(50), _patches.CORE_TABLE_ENV: "/t:0"}) == [
         CLEAN_SHUTDOWN,

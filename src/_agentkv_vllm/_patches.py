@@ -94,6 +94,11 @@ TESTED_VLLM = "0.32"
 ENGINE_ENV = "AGENTKV_ENGINE"
 NIXL_DELAY_ENV = "AGENTKV_NIXL_PROGRESS_DELAY_US"
 PARKED_POLL_ENV = "AGENTKV_PARKED_KV_POLL_MS"
+WORKER_EXIT_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+WORKER_EXIT_S = 30
+"""How long an engine core waits for its workers to exit before it kills them (vLLM's default: 5 s). A worker on
+the bundled model took 4-5 s on 2 cores, most of it the interpreter's last collection of its heap (py-spy:
+``gc_collect_main``); killed, it leaves the shared memory it made behind."""
 CORE_TABLE_ENV = "AGENTKV_CORE_TABLE"
 """``<path>:<slot>``: the host's core table and the engine's slot in it (elastic cores)."""
 WARNED_ENV = "AGENTKV_PLUGIN_WARNED"
@@ -555,9 +560,9 @@ def installed_vllm() -> str:
 
 
 def engine_env(idle_poll_ms: int | None) -> dict[str, str]:
-    """The environment of an engine agentkv starts: it marks it as agentkv's, and makes it poll every
-    ``idle_poll_ms`` when idle (None: vLLM's and NIXL's busy loops)."""
-    env = {ENGINE_ENV: "1"}
+    """The environment of an engine agentkv starts: it marks it as agentkv's, gives its workers `WORKER_EXIT_S`
+    to exit, and makes it poll every ``idle_poll_ms`` when idle (None: vLLM's and NIXL's busy loops)."""
+    env = {ENGINE_ENV: "1", WORKER_EXIT_ENV: str(WORKER_EXIT_S)}
     if idle_poll_ms is not None:
         env |= {NIXL_DELAY_ENV: str(idle_poll_ms * 1000), PARKED_POLL_ENV: str(idle_poll_ms)}
     return env

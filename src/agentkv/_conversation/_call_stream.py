@@ -4,6 +4,8 @@ The schema format forces the output to ``{"tool_calls": [{"name": ..., "argument
 ``{"answer": ...}`` (`agentkv._conversation._tools.output_schema`). `SchemaCallStream` follows the JSON as it
 grows, without parsing it again, and gives each call's name once it is complete, then the text of its
 ``arguments`` value as it is written: the pieces, joined, are that value's JSON text exactly as generated.
+`parse_output` reads a finished output; each call keeps that same text (`ToolCall.raw_arguments`), so a client
+joining the streamed pieces gets what a client of the whole reply gets.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import json
 from dataclasses import dataclass, field
 
 from ._parsers import CallPiece, call_id
+from ._tools import ToolCall
 
-__all__ = ["SchemaCallStream"]
+__all__ = ["SchemaCallStream", "parse_output"]
 
 _WHITESPACE = " \t\r\n"
 
@@ -156,3 +159,43 @@ class SchemaCallStream:
                 pieces.append(CallPiece(index, call_id(self.call_prefix, index), arguments=text[call.sent :]))
                 call.sent = len(text)
         return pieces
+
+
+def parse_output(text: str, *, call_prefix: str) -> tuple[list[ToolCall], str | None, str | None]:
+    """(tool calls, answer, error) from the model's finished JSON output; each call's arguments keep their text
+    as the model wrote it (what `SchemaCallStream` streamed)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return [], None, f"the output is not valid JSON ({exc.msg} at character {exc.pos})"
+    if isinstance(data, dict) and isinstance(data.get("answer"), str):
+        return [], data["answer"], None
+    found = data.get("tool_calls") if isinstance(data, dict) else None
+    if not isinstance(found, list) or not found:
+        return [], None, 'the output has neither "answer" nor a list of "tool_calls"'
+    written = _arguments_as_written(text)
+    calls: list[ToolCall] = []
+    for index, call in enumerate(found):
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return [], None, f"tool call {index} has no name"
+        arguments = call.get("arguments", {})
+        calls.append(
+            ToolCall(
+                id=call_id(call_prefix, index),
+                name=call["name"],
+                arguments=arguments if isinstance(arguments, dict) else {"value": arguments},
+                raw_arguments=written.get(index) if isinstance(arguments, dict) else None,
+            )
+        )
+    return calls, None, None
+
+
+def _arguments_as_written(text: str) -> dict[int, str]:
+    """Each call's ``arguments`` text in a complete output, by the call's index."""
+    reader = SchemaCallStream("")
+    reader.feed(text)
+    return {
+        index: text[call.start : call.end]
+        for index, call in reader._calls.items()
+        if call.start is not None and call.end is not None
+    }

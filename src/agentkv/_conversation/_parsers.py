@@ -150,7 +150,14 @@ class NativeToolParser:
             arguments = _arguments(found.function.arguments)
             if not found.function.name or arguments is None:
                 return [], None, f"tool call {index} needs a name and an arguments object"
-            calls.append(ToolCall(id=call_id(call_prefix, index), name=found.function.name, arguments=arguments))
+            calls.append(
+                ToolCall(
+                    id=call_id(call_prefix, index),
+                    name=found.function.name,
+                    arguments=arguments,
+                    raw_arguments=found.function.arguments,
+                )
+            )
         return calls, None, None
 
     def _forced(self, choice: str) -> tuple[Any, Any]:
@@ -177,7 +184,7 @@ class NativeToolParser:
 
     def read_forced(self, text: str, choice: str, *, call_prefix: str) -> tuple[list[ToolCall], str | None]:
         """(calls, error) of a forced step's finished output, read as vLLM's server reads it (its parser's
-        ``parse``); arguments that are no JSON object are kept as written (`ToolCall.raw_arguments`)."""
+        ``parse``); each call keeps the parser's arguments text (`ToolCall.raw_arguments`), an object or not."""
         parser, request = self._forced(choice)
         _, _, found = parser.parse(text, request, enable_auto_tools=True)
         calls: list[ToolCall] = []
@@ -186,8 +193,8 @@ class NativeToolParser:
                 value = json.loads(function.arguments or "{}")
             except json.JSONDecodeError:
                 value = None
-            raw = None if isinstance(value, dict) else function.arguments or ""
             arguments = value if isinstance(value, dict) else {}
+            raw = function.arguments or ""
             calls.append(
                 ToolCall(id=call_id(call_prefix, index), name=function.name, arguments=arguments, raw_arguments=raw)
             )

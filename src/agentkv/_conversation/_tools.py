@@ -57,8 +57,28 @@ class ToolCall(BaseModel):
     name: str
     arguments: dict[str, Any]
     raw_arguments: str | None = Field(default=None, repr=False)
-    """The arguments' JSON as the model wrote it when it is no JSON object (a model not trained for tools may write
-    a string where vLLM's grammar lets it): `arguments` is then ``{}``. None otherwise."""
+    """The arguments' JSON text as it was read from the model's output: the model's own text in the schema format,
+    the text of vLLM's tool parser for native calls, as ``vllm serve`` returns it (a model not trained for tools
+    may write no JSON object where vLLM's grammar lets it: `arguments` is then ``{}``). What OpenAI's
+    ``function.arguments`` carries, streamed or not; None for a call made from a dict (`arguments_json`)."""
+
+    def __eq__(self, other: object) -> bool:
+        """Equal by id, name and the arguments' value: the same call written with other spacing is the same call
+        (a client may send the arguments back re-serialized, and vLLM's server reads them as a value too)."""
+        if not isinstance(other, ToolCall):
+            return NotImplemented
+        return (self.id, self.name, self._value()) == (other.id, other.name, other._value())
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.name))
+
+    def _value(self) -> object:
+        if self.raw_arguments is None:
+            return self.arguments
+        try:
+            return json.loads(self.raw_arguments)
+        except json.JSONDecodeError:
+            return self.raw_arguments
 
     @property
     def arguments_json(self) -> str:
@@ -316,32 +336,6 @@ def output_schema(tools: Mapping[str, ToolSpec], choice: ToolChoice) -> dict[str
     }
     schema = {"anyOf": [calls, answer]} if choice == "auto" else calls
     return {**schema, "$defs": definitions} if definitions else schema
-
-
-def parse_output(text: str, *, call_prefix: str) -> tuple[list[ToolCall], str | None, str | None]:
-    """(tool calls, answer, error) from the model's JSON output."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return [], None, f"the output is not valid JSON ({exc.msg} at character {exc.pos})"
-    if isinstance(data, dict) and isinstance(data.get("answer"), str):
-        return [], data["answer"], None
-    raw_calls = data.get("tool_calls") if isinstance(data, dict) else None
-    if not isinstance(raw_calls, list) or not raw_calls:
-        return [], None, 'the output has neither "answer" nor a list of "tool_calls"'
-    calls: list[ToolCall] = []
-    for index, raw in enumerate(raw_calls):
-        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-            return [], None, f"tool call {index} has no name"
-        arguments = raw.get("arguments", {})
-        calls.append(
-            ToolCall(
-                id=f"{call_prefix}-{index}",
-                name=raw["name"],
-                arguments=arguments if isinstance(arguments, dict) else {"value": arguments},
-            )
-        )
-    return calls, None, None
 
 
 async def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool]) -> list[ToolResult]:

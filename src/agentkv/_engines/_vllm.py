@@ -67,11 +67,22 @@ _SHUTDOWN_TIMEOUT_S = 30.0
 _RUNNING: weakref.WeakSet[AsyncLLMRunner] = weakref.WeakSet()
 
 
-@atexit.register
 def _at_exit() -> None:
     for engine in list(_RUNNING):
         engine.shutdown()
     stop_watching()
+
+
+def _stop_first_at_exit() -> None:
+    """Make `_at_exit` the first exit hook to run (hooks run last-registered first). vLLM's engine client
+    registers its own clean-up (a ``weakref.finalize``) when it is built; had it run first, it would stop the
+    engine core with vLLM's 5-s timeout, not `_SHUTDOWN_TIMEOUT_S`: a script that ended with its pair open
+    had its engine cores and workers killed mid-exit, and their shared memory left behind."""
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
+
+
+_stop_first_at_exit()
 
 
 @dataclass
@@ -143,6 +154,7 @@ class AsyncLLMRunner:
             finally:
                 self.pids = {pid for pid in descendants(os.getpid()) - before if not is_helper(pid)}
         _RUNNING.add(self)
+        _stop_first_at_exit()
         watch_pids(self.pids)
         self.keeps_prefill_stats = keep_prefill_stats(self.llm, self._readouts.prefill_stats)
         self.repin()

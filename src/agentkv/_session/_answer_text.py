@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .._conversation._call_stream import SchemaCallStream
+from .._conversation._call_stream import SchemaCallStream, parse_output
 from .._conversation._parsers import (
     CallPiece,
     NativeToolParser,
@@ -22,7 +22,7 @@ from .._conversation._parsers import (
     ReasoningSplitter,
     ReasoningStream,
 )
-from .._conversation._tools import ToolCall, parse_output
+from .._conversation._tools import ToolCall
 from ._results import ReasoningDelta, ToolCallDelta
 
 __all__ = [

@@ -19,7 +19,6 @@ tokens whose KV was not computed, and an ``agentkv`` object carries the step's `
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -265,7 +264,7 @@ def _as_chat_dict(message: Message) -> dict[str, Any]:
     written: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.tool_calls:
         written["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
             for c in message.tool_calls
         ]
     if message.tool_call_id is not None:

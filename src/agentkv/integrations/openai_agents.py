@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections import OrderedDict
@@ -420,7 +419,7 @@ def _chat_message(message: Message) -> ChatCompletionMessage:
     """An agentkv assistant message as a Chat Completions message (arguments as JSON text)."""
     calls: list[ChatCompletionMessageToolCallUnion] = [
         ChatCompletionMessageFunctionToolCall(
-            id=call.id, type="function", function=Function(name=call.name, arguments=json.dumps(call.arguments))
+            id=call.id, type="function", function=Function(name=call.name, arguments=call.arguments_json)
         )
         for call in message.tool_calls
     ]
