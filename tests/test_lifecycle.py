@@ -59,6 +59,13 @@ def test_a_process_that_ends_without_closing_leaves_no_engine(ending: str) -> No
     assert alive(pids) == set()
 
 
+def _as_a_shell_starts_it() -> None:
+    """In the child, before it runs Python: SIGINT unblocked and at its default, as a shell starts a script (a child
+    inherits its parent's blocked signals and ignored ones, and a test of the suite may leave either behind)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _in_own_process(request: pytest.FixtureRequest) -> bool:
     """Run the calling test again in a fresh interpreter, unless this is that run (True: go on here).
 
@@ -67,6 +74,8 @@ def _in_own_process(request: pytest.FixtureRequest) -> bool:
     found; alone, these tests pass). In a fresh process each sees SIGINT as a user's script does.
     """
     if os.environ.get("AGENTKV_OWN_PROCESS") == request.node.nodeid:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "SIGINT came blocked"
         return True
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
@@ -74,6 +83,7 @@ def _in_own_process(request: pytest.FixtureRequest) -> bool:
         capture_output=True,
         text=True,
         timeout=300,
+        preexec_fn=_as_a_shell_starts_it,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return False

@@ -116,6 +116,7 @@ def test_cpu_settings_are_unchanged() -> None:
     assert p.env == {
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "AGENTKV_ENGINE": "1",
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30",
         "AGENTKV_NIXL_PROGRESS_DELAY_US": "20000",
         "AGENTKV_PARKED_KV_POLL_MS": "20",
         "VLLM_CPU_OMP_THREADS_BIND": "0-1",
@@ -141,6 +142,7 @@ def test_cpu_settings_are_unchanged() -> None:
     assert d.env == {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "AGENTKV_ENGINE": "1",
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30",
         "AGENTKV_NIXL_PROGRESS_DELAY_US": "50000",
         "AGENTKV_PARKED_KV_POLL_MS": "50",
         "VLLM_CPU_OMP_THREADS_BIND": "2",
@@ -156,6 +158,7 @@ def test_cpu_settings_are_unchanged() -> None:
     assert raw.env == {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "AGENTKV_ENGINE": "1",
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600",
     }
@@ -180,7 +183,12 @@ def test_cpu_settings_are_unchanged() -> None:
         "enforce_eager": True,
         "enable_prefix_caching": True,
     }
-    assert colocated.env == {"VLLM_CPU_KVCACHE_SPACE": "3", "AGENTKV_ENGINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert colocated.env == {
+        "VLLM_CPU_KVCACHE_SPACE": "3",
+        "AGENTKV_ENGINE": "1",
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    }
 
 
 def test_cpu_server_command_line_is_unchanged() -> None:

@@ -234,9 +234,12 @@ class EmbeddedPair(PairLayer):
             engine.repin()  # threads that NIXL started during the handshakes
 
     async def _stop(self) -> None:
-        engines = [e for e in (self._d, self._p) if e is not None]
-        for engine in engines:
-            await engine.shutdown_async()
+        """Both engines at once: each takes seconds to exit (docs/vllm-patches.md section 1), and neither waits
+        for the other."""
+        async with anyio.create_task_group() as group:
+            for engine in (self._d, self._p):
+                if engine is not None:
+                    group.start_soon(engine.shutdown_async)
 
     # ----------------------------------------------------------------- one step
 

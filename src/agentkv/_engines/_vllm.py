@@ -68,8 +68,11 @@ _RUNNING: weakref.WeakSet[AsyncLLMRunner] = weakref.WeakSet()
 
 
 def _at_exit() -> None:
-    for engine in list(_RUNNING):
-        engine.shutdown()
+    stopping = [threading.Thread(target=e.shutdown, name=f"agentkv-stop-{e.name}") for e in list(_RUNNING)]
+    for thread in stopping:  # all at once: each engine takes seconds to exit
+        thread.start()
+    for thread in stopping:
+        thread.join()
     stop_watching()
 
 
