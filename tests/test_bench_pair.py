@@ -9,7 +9,7 @@ import pytest
 from agentkv import EmbeddedPair
 from agentkv._bench import make_workload, plot, run_bench
 
-pytestmark = [pytest.mark.pair, pytest.mark.anyio]
+pytestmark = [pytest.mark.pair, pytest.mark.nightly, pytest.mark.anyio]
 
 
 async def test_the_bench_measures_each_mode_on_the_same_conversation(pair: EmbeddedPair, tmp_path: Path) -> None:

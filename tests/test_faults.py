@@ -144,6 +144,7 @@ def _killing_generate(engine: Any) -> Callable[..., AsyncIterator[Any]]:
 
 
 @pytest.mark.pair
+@pytest.mark.nightly
 def test_stalled_and_dying_engines_fail_the_step_clearly_and_the_session_goes_on(
     pair: EmbeddedPair, monkeypatch: pytest.MonkeyPatch
 ) -> None:

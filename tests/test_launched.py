@@ -101,6 +101,7 @@ def test_a_step_on_d_alone_over_http(launched: LaunchedPair) -> None:
     launched.home.call(steps_on_d_and_p, launched)
 
 
+@pytest.mark.nightly
 def test_a_server_that_dies_mid_step_is_restarted_and_the_conversation_kept(launched: LaunchedPair) -> None:
     with Session(engine=launched, system=SYSTEM, max_tokens=48) as session:
         session.run_sync(QUESTIONS[0])

@@ -115,6 +115,7 @@ def test_ctrl_c_during_a_turn_cancels_it_and_keeps_the_conversation(request: pyt
 
 
 @pytest.mark.pair
+@pytest.mark.nightly
 def test_launched_servers_do_not_outlive_a_killed_parent() -> None:
     """The servers of a LaunchedPair run in their own sessions; the watchdog still stops them."""
     running_before = running_pids()

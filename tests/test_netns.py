@@ -36,6 +36,7 @@ def _run(session: Session) -> list[TurnResult]:
     return [session.run_sync(question) for question in QUESTIONS]
 
 
+@pytest.mark.nightly
 def test_a_launched_push_pair_across_the_link_and_a_remote_one_on_its_servers_push_back_and_agree(
     hosts: TwoHosts, pair: EmbeddedPair
 ) -> None:

@@ -211,6 +211,7 @@ class InFlight:
         assert self.plain[0].json()["error"]["code"] == "server_stopping"
 
 
+@pytest.mark.nightly
 def test_ctrl_c_to_the_group_while_streaming_stops_everything_in_order(start_serving: Callable[..., Serving]) -> None:
     _signal_while_streaming(start_serving(), signal.SIGINT)
 

@@ -33,7 +33,7 @@ from agentkv._model import prepare_model
 from freed import running_pids
 from stock_server import healthy, stop_servers
 
-pytestmark = pytest.mark.pair
+pytestmark = [pytest.mark.pair, pytest.mark.nightly]
 
 SYSTEM = "You are a terse assistant for a Python project. " + " ".join(
     f"Fact {i}: module m{i} exports function f{i}." for i in range(60)
