@@ -158,8 +158,7 @@ class EmbeddedPair(PairLayer):
             runner = AsyncLLMRunner(launch, core_slot=slot)
             runners.append(runner)
         self._p, self._d = runners
-        for runner in runners:
-            await runner.start_async(self._progress)
+        await self._start_both()
         self._know_started(
             model_path, {"prefill_cores": p_cores, "decode_cores": d_cores, "core_policy": self._core_policy}
         )
@@ -192,8 +191,7 @@ class EmbeddedPair(PairLayer):
             )
             for role in roles
         )
-        for runner in (self._p, self._d):
-            await runner.start_async(self._progress)
+        await self._start_both()
         self._know_started(
             model_path,
             {
@@ -202,6 +200,25 @@ class EmbeddedPair(PairLayer):
                 "decode_devices": list(devices.decode),
             },
         )
+
+    async def _start_both(self) -> None:
+        """P and D at once: each waits tens of seconds for its processes, which need not wait for the other's
+        (`spawn_turn` in `src/agentkv/_engines/_spawn.py`). The first failure is raised once both have ended;
+        close stops whichever started."""
+        failed: list[Exception] = []
+
+        async def start(runner: AsyncLLMRunner) -> None:
+            try:
+                await runner.start_async(self._progress)
+            except Exception as exc:
+                failed.append(exc)
+
+        async with anyio.create_task_group() as group:
+            for runner in (self._p, self._d):
+                assert runner is not None
+                group.start_soon(start, runner)
+        if failed:
+            raise failed[0]
 
     def _know_started(self, model_path: Path, placement: dict[str, Any]) -> None:
         """The pair's `EngineInfo`, once both engines run: ``placement`` says where each computes."""

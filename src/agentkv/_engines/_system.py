@@ -20,6 +20,7 @@ __all__ = [
     "free_port",
     "is_helper",
     "kill_and_reap",
+    "parent_of",
     "listening_ports",
     "port_holders",
     "repin_threads",
@@ -90,7 +91,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _parent_of(pid: int) -> int | None:
+def parent_of(pid: int) -> int | None:
+    """The parent of ``pid`` (None once it is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as file:
             stat = file.read()
@@ -105,7 +107,7 @@ def descendants(pid: int) -> set[int]:
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            parent = _parent_of(int(entry))
+            parent = parent_of(int(entry))
             if parent is not None:
                 parents[int(entry)] = parent
     found: set[int] = set()

@@ -12,14 +12,11 @@ import atexit
 import contextlib
 import gc
 import logging
-import os
-import signal
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -31,8 +28,9 @@ from _agentkv_vllm._patches import keep_prefill_stats, stop_output_handler
 from .._errors import EngineDeadError, EngineError, EngineStartError, UserError
 from ._base import TokenDelta, TokenLogprob
 from ._pair_config import EngineLaunch
+from ._spawn import SpawnTurn, spawn_turn, stop_signals_blocked
 from ._start_log import record_engine_start
-from ._system import descendants, is_helper, kill_and_reap, repin_threads
+from ._system import descendants, kill_and_reap, repin_threads
 from ._vllm_features import check_vllm_version, warn_engine_features
 from ._vllm_sampling import could_stop, first_token_of_prefill, refused, vllm_logprobs, vllm_sampling
 from ._watchdog import forget_pids, stop_watching, watch_pids
@@ -51,10 +49,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("agentkv")
-
-# Engines are configured through process-wide environment variables that their child
-# processes inherit at spawn time, so engines in one process start one at a time.
-_START_LOCK = threading.Lock()
 
 # How long an engine core may take to stop before vLLM kills it (vLLM's default: 5 s). Its
 # workers alone took 2-3 s to exit on a loaded 2-core machine, and a core killed before it
@@ -133,29 +127,28 @@ class AsyncLLMRunner:
         """Start the engine (blocking, ~20 s on CPU): call it from a worker thread.
 
         The engine's environment (``launch.env``: its cores or its GPUs, its NIXL side-channel port, the
-        plugin's settings) is set in this process only while ``AsyncLLM`` is built, one engine at a time.
-        That is where it takes effect: building it starts vLLM's engine-core process (forked or spawned,
-        it inherits this process's environment as it is at that moment) and waits for it to be ready; the
-        engine core starts the workers (one per GPU with tensor parallelism), which inherit its environment
-        in turn. So an engine given ``CUDA_VISIBLE_DEVICES=2,3`` computes on devices 2 and 3 only (its
-        workers see them as ``cuda:0`` and ``cuda:1``), and the next engine, built after the variable is
-        restored, sees its own. The checks vLLM makes in this process while building (e.g. the
-        tensor-parallel size against the device count) see the engine's devices too: vLLM counts them
-        through NVML, cached per value of the variable, without initialising CUDA here. Were CUDA already
-        initialised in this process (by the caller), vLLM spawns its processes instead of forking them;
-        they inherit the environment all the same.
+        plugin's settings) is set in this process while ``AsyncLLM`` is built, until its engine-core process
+        exists (`spawn_turn`: engines of one process take turns for that part, then wait for their cores at
+        the same time). That is where it takes effect: vLLM's checks in this process read it, and the
+        engine-core process (forked or spawned) inherits it as it is at that moment; the engine core starts
+        the workers (one per GPU with tensor parallelism), which inherit its environment in turn. So an
+        engine given ``CUDA_VISIBLE_DEVICES=2,3`` computes on devices 2 and 3 only (its workers see them as
+        ``cuda:0`` and ``cuda:1``), and the next engine, built after the variable is restored, sees its own.
+        The checks vLLM makes in this process while building (e.g. the tensor-parallel size against the
+        device count) see the engine's devices too: vLLM counts them through NVML, cached per value of the
+        variable, without initialising CUDA here. Were CUDA already initialised in this process (by the
+        caller), vLLM spawns its processes instead of forking them; they inherit the environment all the same.
         """
         warn_engine_features(self.launch.env)  # an untested vLLM, a feature whose targets moved: one warning each
         record_engine_start(kind="in-process", role=self.name)
-        with _START_LOCK:
-            before = descendants(os.getpid())
-            try:
-                with _environ(self.launch.env), _stop_signals_blocked():
-                    self._llm = self._build()
-            except Exception as exc:
-                raise EngineStartError(f"the {self.name} engine did not start: {exc}") from exc
-            finally:
-                self.pids = {pid for pid in descendants(os.getpid()) - before if not is_helper(pid)}
+        turn = SpawnTurn()
+        try:
+            with spawn_turn(self.launch.env) as turn, stop_signals_blocked():
+                self._llm = self._build()
+        except Exception as exc:
+            raise EngineStartError(f"the {self.name} engine did not start: {exc}") from exc
+        finally:
+            self.pids = turn.processes()
         _RUNNING.add(self)
         _stop_first_at_exit()
         watch_pids(self.pids)
@@ -432,40 +425,6 @@ def engine_seconds(output: RequestOutput) -> tuple[float | None, float, float | 
     wait = max(0.0, metrics.scheduled_ts - metrics.queued_ts)
     decode = metrics.last_token_ts - metrics.first_token_ts if metrics.first_token_ts else None
     return prefill, wait, decode
-
-
-@contextlib.contextmanager
-def _stop_signals_blocked() -> Iterator[None]:
-    """Block SIGINT and SIGTERM in this thread (a worker thread: the main one still gets them) while it starts
-    an engine. The engine-core process it makes is born with them blocked, forked or spawned: a Ctrl-C to this
-    process's group while that process starts, still in this group, stays pending there until it has moved to a
-    group of its own and drops it (``run_engine_core_in_own_group`` in ``src/_agentkv_vllm/_patches.py``)."""
-    if threading.current_thread() is threading.main_thread():
-        yield  # blocked here, they would keep a Ctrl-C from the caller for the whole start
-        return
-    # Python's resource tracker, started by the first process multiprocessing spawns, unblocks both signals in
-    # the thread that starts it (multiprocessing/resource_tracker.py): started first, it leaves this block alone.
-    resource_tracker.ensure_running()
-    stops = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Any:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 class DecodeStream:

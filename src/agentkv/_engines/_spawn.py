@@ -1,0 +1,106 @@
+"""An engine's turn to start its engine-core process with its own environment.
+
+vLLM takes an engine's settings that agentkv passes by environment (its cores or GPUs, its NIXL
+side-channel port, the plugin's switches) from the environment of the process that builds the
+``AsyncLLM``: its checks read them there, and the engine-core process inherits them when it is made,
+forked or spawned; its workers inherit them from the core. So two engines in one process must not build
+at the same moment. They need not *wait* one at a time, though: most of an engine's start (a spawned
+process importing vLLM, then its worker doing the same, loading the model and sizing the KV cache) comes
+after its core exists. `spawn_turn` holds the turn, with the environment set, only until the core exists
+(a watcher thread sees the new child process), so a pair's P and D start side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from multiprocessing import resource_tracker
+
+from ._system import descendants, is_helper, parent_of
+
+__all__ = ["SpawnTurn", "spawn_turn", "stop_signals_blocked"]
+
+_TURN = threading.Lock()
+"""Held by one engine of this process from the start of its build until its engine-core process exists."""
+
+_POLL_S = 0.05
+"""How often the watcher looks for the new engine core (a build takes seconds before it makes one)."""
+
+
+class SpawnTurn:
+    """The engine-core processes an engine's build made: known once its turn has ended."""
+
+    def __init__(self) -> None:
+        self.cores: set[int] = set()
+
+    def processes(self) -> set[int]:
+        """The engine's processes now: its cores and everything below them (workers)."""
+        return self.cores | {pid for core in self.cores for pid in descendants(core)}
+
+
+def _new_children(before: set[int]) -> set[int]:
+    me = os.getpid()
+    return {pid for pid in descendants(me) - before if parent_of(pid) == me and not is_helper(pid)}
+
+
+@contextlib.contextmanager
+def spawn_turn(env: dict[str, str]) -> Iterator[SpawnTurn]:
+    """Wait for this process's turn, set ``env``, and hand the turn on as soon as a new child process
+    (the engine core the caller's build makes) exists, or when the block ends, whichever comes first."""
+    turn = SpawnTurn()
+    _TURN.acquire()
+    before = descendants(os.getpid())
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    handed = threading.Event()
+    handing = threading.Lock()
+
+    def hand_on(found: set[int]) -> None:
+        with handing:
+            if handed.is_set():
+                return
+            turn.cores = found
+            for key, old in saved.items():
+                if old is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = old
+            handed.set()
+            _TURN.release()  # a Lock, not an RLock: the watcher thread may release it
+
+    def watch() -> None:
+        while not handed.wait(_POLL_S):
+            if found := _new_children(before):
+                hand_on(found)
+
+    watcher = threading.Thread(target=watch, name="agentkv-spawn-watch", daemon=True)
+    watcher.start()
+    try:
+        yield turn
+    finally:
+        if not handed.is_set():
+            hand_on(_new_children(before))
+        watcher.join()
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block SIGINT and SIGTERM in this thread (a worker thread: the main one still gets them) while it starts
+    an engine. The engine-core process it makes is born with them blocked, forked or spawned: a Ctrl-C to this
+    process's group while that process starts, still in this group, stays pending there until it has moved to a
+    group of its own and drops it (``run_engine_core_in_own_group`` in ``src/_agentkv_vllm/_patches.py``)."""
+    if threading.current_thread() is threading.main_thread():
+        yield  # blocked here, they would keep a Ctrl-C from the caller for the whole start
+        return
+    # Python's resource tracker, started by the first process multiprocessing spawns, unblocks both signals in
+    # the thread that starts it (multiprocessing/resource_tracker.py): started first, it leaves this block alone.
+    resource_tracker.ensure_running()
+    stops = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
