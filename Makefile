@@ -26,9 +26,10 @@ typecheck:
 docs:
 	$(VENV)/mkdocs build --strict --site-dir .site
 
-# Tests that need no engine (a few minutes).
+# Tests that need no engine (3 minutes on 2 cores), one worker per core (at most 4): they share nothing but
+# the model's cache, which is prepared under a file lock. The real-engine tier runs in one process.
 unit: setup
-	$(PYTEST) -m "not pair and not nightly"
+	$(PYTEST) -m "not pair and not nightly" -n logical --maxprocesses=4
 
 # Tests on real engines: the shared pair, colocated engine and launched pair, and the few that own theirs.
 pair: setup

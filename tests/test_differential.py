@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -194,6 +195,26 @@ def ask(url: str, body: dict[str, Any], messages: list[dict[str, Any]], *, strea
         )
 
 
+def ask_all(
+    servers: dict[str, str], body: dict[str, Any], histories: dict[str, list[dict[str, Any]]], *, stream: bool = False
+) -> dict[str, dict[str, Any] | Exception]:
+    """The same request to every server at once (each its own engines; answered alike, sent together or not),
+    each with its own history: the answers, or the error a server raised."""
+
+    def one(where: str) -> dict[str, Any] | Exception:
+        try:
+            return ask(servers[where], body, histories[where], stream=stream)
+        except openai.APIError as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(servers)) as pool:
+        return dict(zip(servers, pool.map(one, servers), strict=True))
+
+
+def _each(servers: dict[str, str], messages: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    return dict.fromkeys(servers, messages)
+
+
 def assert_same(name: str, oracle: dict[str, Any], answer: dict[str, Any], where: str) -> None:
     for key in ("text", "finish", "calls"):
         assert answer[key] == oracle[key], f"{name} on {where}: {key} {answer[key]!r} != vLLM's {oracle[key]!r}"
@@ -215,10 +236,15 @@ def test_every_request_of_the_matrix_answers_as_vllm_serve(servers: dict[str, st
     """Every request of the matrix is sent; the failure lists every request answered otherwise than vLLM."""
     differences = []
     for name, body in matrix(tokenizer).items():
-        oracle = ask(servers["vllm"], body, _messages())
+        answers = ask_all(servers, body, _each(servers, _messages()))
+        oracle = answers["vllm"]
+        assert not isinstance(oracle, Exception), f"vLLM's own server refused {name}: {oracle}"
         for where in ("pair", "colocated"):
             try:
-                assert_same(name, oracle, ask(servers[where], body, _messages()), where)
+                answer = answers[where]
+                if isinstance(answer, Exception):
+                    raise answer
+                assert_same(name, oracle, answer, where)
             except (AssertionError, openai.APIError) as exc:
                 differences.append(str(exc).splitlines()[0])
     assert not differences, "\n".join(differences)
@@ -227,10 +253,13 @@ def test_every_request_of_the_matrix_answers_as_vllm_serve(servers: dict[str, st
 @pytest.mark.parametrize("name", STREAMED)
 def test_streamed_answers_equal_vllm_serve_s(servers: dict[str, str], tokenizer: Any, name: str) -> None:
     body = matrix(tokenizer)[name]
-    oracle = ask(servers["vllm"], body, _messages(), stream=True)
+    answers = ask_all(servers, body, _each(servers, _messages()), stream=True)
+    oracle = answers["vllm"]
     assert oracle == ask(servers["vllm"], body, _messages()), f"vLLM's own {name} differs streamed"
     for where in ("pair", "colocated"):
-        assert_same(name, oracle, ask(servers[where], body, _messages(), stream=True), where)
+        answer = answers[where]
+        assert not isinstance(answer, Exception), f"{name} on {where}: {answer}"
+        assert_same(name, oracle, answer, where)
 
 
 @pytest.mark.parametrize("name", MULTI_TURN)
@@ -241,10 +270,12 @@ def test_conversations_with_the_answers_fed_back_equal_vllm_serve_s(
     body = matrix(tokenizer)[name]
     histories = {where: _messages("Name a large city in Europe.") for where in servers}
     for follow_up in ("Name another one.", "And one more, in Italy."):
-        answers = {where: ask(url, body, histories[where]) for where, url in servers.items()}
+        answers = ask_all(servers, body, histories)
+        replies = {where: answer for where, answer in answers.items() if not isinstance(answer, Exception)}
+        assert replies.keys() == answers.keys(), answers
         for where in ("pair", "colocated"):
-            assert_same(name, answers["vllm"], answers[where], where)
-        for where, answer in answers.items():
+            assert_same(name, replies["vllm"], replies[where], where)
+        for where, answer in replies.items():
             histories[where] += [
                 {"role": "assistant", "content": answer["text"]},
                 {"role": "user", "content": follow_up},

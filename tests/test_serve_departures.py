@@ -195,6 +195,7 @@ def test_a_hundred_dropped_connections_leave_nothing_behind(
     dropped mid-step (chat and Responses, named and unnamed conversations): nothing logged, nothing left."""
     engine, pool = served
     httpx.post(door.url + path("chat"), json=body("chat", "Warm up", stream=False), timeout=30)  # its first use
+    wait_for(lambda: _counts(door, pool)["connections"] == 0, what="the warm-up's connection closed at the door")
     before = _counts(door, pool)
     port = int(door.url.rsplit(":", 1)[1])
     for number in range(100):

@@ -413,9 +413,9 @@ _STARTING = """
             file.write("ran\\n")
 
     def start(report, block, started):  # agentkv's owner makes the core from a worker thread
-        from agentkv._engines._vllm import _stop_signals_blocked
+        from agentkv._engines._spawn import stop_signals_blocked
 
-        with _stop_signals_blocked() if block else open(os.devnull):
+        with stop_signals_blocked() if block else open(os.devnull):
             core = multiprocessing.get_context("spawn").Process(target=engine_core, args=(report, block))
             core.start()
         started.set()

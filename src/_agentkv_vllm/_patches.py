@@ -815,8 +815,8 @@ def _leave_the_owners_group() -> None:
 
 
 def _drop_what_came_to_the_owners_group() -> None:
-    """agentkv's owner makes an engine core with SIGINT and SIGTERM blocked (``_stop_signals_blocked`` in
-    ``src/agentkv/_engines/_vllm.py``): one sent to the owner's group while this process started (importing
+    """agentkv's owner makes an engine core with SIGINT and SIGTERM blocked (``stop_signals_blocked`` in
+    ``src/agentkv/_engines/_spawn.py``): one sent to the owner's group while this process started (importing
     Python, multiprocessing, this plugin) waits, pending. It was not for this process: drop it (an ignored signal
     is discarded), then take them again."""
     import signal
