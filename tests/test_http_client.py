@@ -285,7 +285,7 @@ def test_an_unreachable_server_is_a_clear_error() -> None:
 
 
 def test_a_server_that_returns_no_token_ids_is_refused() -> None:
-    """Text alone cannot extend the token history exactly (DESIGN.md section 6): the pair refuses at open."""
+    """Text alone cannot extend the token history exactly (docs/concepts.md, "The token-exact rule"): the pair refuses at open."""
     with ScriptedServer("prefill") as p, ScriptedServer("decode", token_ids=False) as d:
         pair = RemotePair(p.url, d.url, warmup=False)
         with pytest.raises(EngineError, match="no token ids"):

@@ -1,4 +1,4 @@
-"""The real pair: two vLLM engines joined by NIXL, on the bundled model (DESIGN.md sections 5-6)."""
+"""The real pair: two vLLM engines joined by NIXL, on the bundled model (docs/concepts.md)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_disaggregated_mode_never_pulls(pair: EmbeddedPair) -> None:
 
 
 def test_greedy_output_is_the_same_with_and_without_push_back(pair: EmbeddedPair) -> None:
-    """DESIGN.md section 6: pulling D's KV back must not change greedy output.
+    """docs/concepts.md, "The token-exact rule": pulling D's KV back must not change greedy output.
 
     KV that D computed while decoding and KV that P computes in a prefill could in principle
     differ in the last bits (different kernels); with the same CPU kernels on both engines

@@ -1,4 +1,4 @@
-"""The conversation as token ids, exactly as the model saw and produced them (DESIGN.md section 6).
+"""The conversation as token ids, exactly as the model saw and produced them (docs/concepts.md, "The token-exact rule").
 
 The next prompt is always: the previous prompt + the generated tokens exactly as generated
 + the tokens of what was appended. Nothing is re-tokenized on the step path: appended

@@ -105,7 +105,7 @@ class StepTimings:
     """NIXL transfer time, same attribution as `kv_bytes`."""
     prefill_engine: PrefillEngine | None = None
     """The engine of a pair that computed the new prompt tokens: ``"prefill"`` (P, the protocol of
-    DESIGN.md section 5) or ``"decode"`` (D alone, from its own cache of the pinned conversation);
+    docs/concepts.md, "Turns, steps, P and D") or ``"decode"`` (D alone, from its own cache of the pinned conversation);
     None for a single engine."""
     placement_reason: str | None = None
     """Why the step was prefilled where it was (``auto`` placement: the estimates compared)."""

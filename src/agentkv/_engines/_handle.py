@@ -1,7 +1,7 @@
 """The KV transfer dicts that travel between the engines of a pair, validated.
 
 vLLM's NIXL connector trusts whatever ``kv_transfer_params`` it is given: a dict missing
-one key killed a decode engine on this machine (DESIGN.md section 4). So every dict that
+one key killed a decode engine on this machine (docs/transfer.md, "Failure handling"). So every dict that
 agentkv receives from an engine is parsed here before it is kept or forwarded, and every
 dict agentkv sends is built from the parsed fields only.
 
@@ -93,7 +93,7 @@ class PushSource(BaseModel):
 
     D registers the blocks it lacks with P under ``remote_request_id``; P, given the same external
     request id, writes into them when its prefill is done. All fields are required: D's engine died
-    on push parameters missing ``remote_request_id`` (DESIGN.md section 4).
+    on push parameters missing ``remote_request_id`` (docs/transfer.md, "Failure handling").
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)

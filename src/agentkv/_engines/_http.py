@@ -1,7 +1,7 @@
 """The HTTP pair engine: one step as two ``/v1/completions`` calls, P's then D's.
 
 Shared by `LaunchedPair` (servers agentkv starts) and `RemotePair` (servers someone else
-runs). The protocol is the embedded pair's (DESIGN.md section 5), over HTTP: P gets the
+runs). The protocol is the embedded pair's (docs/concepts.md, "Turns, steps, P and D"), over HTTP: P gets the
 prompt as token ids with ``max_tokens=1`` and D's handle, D streams the output (token ids
 and text) and, at the end, its new handle.
 

@@ -1,6 +1,6 @@
 """`EmbeddedPair`: a prefill engine P and a decode engine D in this process, joined by NIXL.
 
-One step (DESIGN.md section 5): P prefills the prompt with ``max_tokens=1``, pulling the
+One step (docs/concepts.md, "Turns, steps, P and D"): P prefills the prompt with ``max_tokens=1``, pulling the
 conversation's earlier KV back from D when given D's handle; D pulls from P what it lacks,
 decodes, pins its blocks and returns a new handle.
 """

@@ -1,4 +1,4 @@
-"""The pin: D's handle on a conversation's KV, and the rule for pushing it back (DESIGN.md section 6).
+"""The pin: D's handle on a conversation's KV, and the rule for pushing it back (docs/concepts.md, "The token-exact rule").
 
 vLLM never checks that a new prompt continues the tokens D holds; if it does not, P pulls
 KV for the wrong tokens and its output (and prefix cache) are silently wrong. So a handle
