@@ -13,9 +13,39 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from agentkv._engines._system import listening_ports, port_holders, running_pids
+import psutil
 
-__all__ = ["assert_ports_freed", "running_pids"]
+__all__ = ["assert_ports_freed", "listening_ports", "port_holders", "running_pids"]
+
+
+def running_pids() -> set[int]:
+    """Every process on this host."""
+    return set(psutil.pids())
+
+
+def _listening() -> list[tuple[int, int | None]]:
+    """(port, holder pid or None where this user cannot see it) for each TCP socket in LISTEN state on this host."""
+    return [
+        (connection.laddr.port, connection.pid)
+        for connection in psutil.net_connections(kind="tcp")
+        if connection.status == psutil.CONN_LISTEN and connection.laddr
+    ]
+
+
+def listening_ports(*, held_by: Iterable[int] | None = None) -> set[int]:
+    """TCP ports in LISTEN state on this host; with ``held_by``, only those whose socket one of these pids holds."""
+    holders = None if held_by is None else set(held_by)
+    return {port for port, pid in _listening() if holders is None or pid in holders}
+
+
+def port_holders(ports: Iterable[int]) -> dict[int, set[int]]:
+    """For each of ``ports`` in LISTEN state, the processes holding its socket (an empty set: none this user can see)."""
+    wanted = set(ports)
+    holders: dict[int, set[int]] = {}
+    for port, pid in _listening():
+        if port in wanted:
+            holders.setdefault(port, set()).update({pid} if pid is not None else set())
+    return holders
 
 
 def assert_ports_freed(ports: Iterable[int], *, running_before: set[int], wait_s: float = 5.0) -> None:

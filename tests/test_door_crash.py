@@ -34,10 +34,10 @@ import pytest
 
 from agentkv import SqliteSessionStore
 from agentkv._engines._pair_config import resolve_dtype
-from agentkv._engines._system import alive, descendants, free_port, listening_ports, running_pids
+from agentkv._engines._system import alive, descendants, free_port
 from agentkv._engines._watchdog import _WATCHDOG
 from agentkv._session._session_store import conversation_key
-from freed import assert_ports_freed
+from freed import assert_ports_freed, listening_ports, running_pids
 
 pytestmark = [pytest.mark.pair, pytest.mark.nightly]
 

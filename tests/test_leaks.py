@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import pytest
 
 from agentkv import EmbeddedPair, Session
-from agentkv._engines._system import descendants, is_helper, listening_ports
+from agentkv._engines._system import descendants, is_helper
+from freed import listening_ports
 
 pytestmark = pytest.mark.pair
 

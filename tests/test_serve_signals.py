@@ -30,8 +30,8 @@ import httpx
 import psutil
 import pytest
 
-from agentkv._engines._system import alive, free_port, listening_ports, running_pids
-from freed import assert_ports_freed
+from agentkv._engines._system import alive, free_port
+from freed import assert_ports_freed, listening_ports, running_pids
 from test_serve_pair import RECORD  # a tool whose forced arguments keep D decoding
 
 pytestmark = pytest.mark.pair

@@ -13,6 +13,7 @@ after its core exists. `spawn_turn` holds the turn, with the environment set, on
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -21,13 +22,27 @@ from multiprocessing import resource_tracker
 
 from ._system import descendants, is_helper, parent_of
 
-__all__ = ["SpawnTurn", "spawn_turn", "stop_signals_blocked"]
+__all__ = ["QUIET", "SpawnTurn", "quiet_env", "spawn_turn", "stop_signals_blocked"]
 
 _TURN = threading.Lock()
 """Held by one engine of this process from the start of its build until its engine-core process exists."""
 
 _POLL_S = 0.05
 """How often the watcher looks for the new engine core (a build takes seconds before it makes one)."""
+
+
+QUIET = {"VLLM_LOGGING_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN"}
+"""The log levels of the engines agentkv runs in its caller's process: warnings and errors only. vLLM and NIXL
+log at INFO by default, a few hundred lines per engine start, into the caller's terminal."""
+
+
+def quiet_env() -> dict[str, str]:
+    """`QUIET` for the variables the caller has not set (``VLLM_LOGGING_LEVEL=INFO`` brings vLLM's start-up log
+    back), and vLLM's logger in this process set to match (configured when vLLM was first imported)."""
+    quiet = {key: value for key, value in QUIET.items() if key not in os.environ}
+    if "VLLM_LOGGING_LEVEL" in quiet:
+        logging.getLogger("vllm").setLevel(logging.WARNING)
+    return quiet
 
 
 class SpawnTurn:

@@ -10,6 +10,8 @@ import socket
 import time
 from collections.abc import Iterable
 
+import psutil
+
 __all__ = [
     "bind_order",
     "cpu_list",
@@ -21,10 +23,7 @@ __all__ = [
     "is_helper",
     "kill_and_reap",
     "parent_of",
-    "listening_ports",
-    "port_holders",
     "repin_threads",
-    "running_pids",
     "split_cores",
 ]
 
@@ -94,28 +93,17 @@ def free_port() -> int:
 def parent_of(pid: int) -> int | None:
     """The parent of ``pid`` (None once it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as file:
-            stat = file.read()
-    except OSError:
+        return int(psutil.Process(pid).ppid())
+    except psutil.Error:
         return None
-    # the command name may hold spaces or parentheses: fields start after the last ")"
-    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (children, their children, ...)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            parent = parent_of(int(entry))
-            if parent is not None:
-                parents[int(entry)] = parent
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
+    """Every process below ``pid`` (children, their children, ...; zombies not yet collected too)."""
+    try:
+        return {child.pid for child in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
 
 
 def is_helper(pid: int) -> bool:
@@ -125,11 +113,10 @@ def is_helper(pid: int) -> bool:
     it: it is not an engine process.
     """
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as file:
-            cmdline = file.read()
-    except OSError:
+        command = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return False
-    return b"resource_tracker" in cmdline or b"forkserver" in cmdline
+    return "resource_tracker" in command or "forkserver" in command
 
 
 def repin_threads(pids: Iterable[int], cores: Iterable[int]) -> int:
@@ -156,13 +143,9 @@ def alive(pids: Iterable[int]) -> set[int]:
     """The processes of ``pids`` that still run (zombies count as gone)."""
     running: set[int] = set()
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as file:
-                state = file.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state not in ("Z", "X"):
-            running.add(pid)
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                running.add(pid)
     return running
 
 
@@ -196,52 +179,3 @@ def _reap(pids: Iterable[int], *, until: float) -> None:
                 waiting.discard(pid)
         if waiting:
             time.sleep(0.05)
-
-
-def _listening_sockets() -> dict[str, int]:
-    """Socket inode -> port, for the TCP sockets in LISTEN state on this host (/proc/net/tcp and tcp6)."""
-    sockets: dict[str, int] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as file:
-            for line in file.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A":  # TCP_LISTEN
-                    sockets[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
-    return sockets
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    """The inodes of the sockets ``pid`` holds open (empty if it is gone or not ours to read)."""
-    inodes: set[str] = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-    return inodes
-
-
-def listening_ports(*, held_by: Iterable[int] | None = None) -> set[int]:
-    """TCP ports in LISTEN state on this host; with ``held_by``, only those whose socket one of these pids holds."""
-    sockets = _listening_sockets()
-    if held_by is None:
-        return set(sockets.values())
-    held = set().union(*(_socket_inodes(pid) for pid in held_by))
-    return {port for inode, port in sockets.items() if inode in held}
-
-
-def port_holders(ports: Iterable[int]) -> dict[int, set[int]]:
-    """For each of ``ports`` in LISTEN state, the processes holding its socket (an empty set: none this user can see)."""
-    wanted = set(ports)
-    by_inode = {inode: port for inode, port in _listening_sockets().items() if port in wanted}
-    holders: dict[int, set[int]] = {port: set() for port in by_inode.values()}
-    for pid in running_pids():
-        for inode in _socket_inodes(pid) & by_inode.keys():
-            holders[by_inode[inode]].add(pid)
-    return holders
-
-
-def running_pids() -> set[int]:
-    """Every process on this host (that /proc lists)."""
-    return {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}

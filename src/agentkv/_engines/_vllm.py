@@ -28,7 +28,7 @@ from _agentkv_vllm._patches import keep_prefill_stats, stop_output_handler
 from .._errors import EngineDeadError, EngineError, EngineStartError, UserError
 from ._base import TokenDelta, TokenLogprob
 from ._pair_config import EngineLaunch
-from ._spawn import SpawnTurn, spawn_turn, stop_signals_blocked
+from ._spawn import SpawnTurn, quiet_env, spawn_turn, stop_signals_blocked
 from ._start_log import record_engine_start
 from ._system import descendants, kill_and_reap, repin_threads
 from ._vllm_features import check_vllm_version, warn_engine_features
@@ -143,7 +143,7 @@ class AsyncLLMRunner:
         record_engine_start(kind="in-process", role=self.name)
         turn = SpawnTurn()
         try:
-            with spawn_turn(self.launch.env) as turn, stop_signals_blocked():
+            with spawn_turn({**quiet_env(), **self.launch.env}) as turn, stop_signals_blocked():
                 self._llm = self._build()
         except Exception as exc:
             raise EngineStartError(f"the {self.name} engine did not start: {exc}") from exc
@@ -161,7 +161,7 @@ class AsyncLLMRunner:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        settings = dict(self.launch.engine_args)
+        settings = {"use_tqdm_on_load": False, **self.launch.engine_args}  # no progress bars in the caller's terminal
         if (kv_transfer := settings.pop("kv_transfer_config", None)) is not None:
             settings["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
         # request metrics (RequestStateStats) need stats on
