@@ -117,38 +117,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ----------------------------------------------------------------- engine starts, counted per test file
 # Every vLLM engine agentkv starts, in this process or a child, appends a line to AGENTKV_ENGINE_LOG
 # (src/agentkv/_engines/_start_log.py); tests/test_stock_vllm.py logs the stock servers it starts.
-# The summary counts, per test file, the engines opened (a pair once: its D follows its P from the
-# same process within a pair's start-up; a colocated engine once; a pair of stock servers once) and,
-# apart, the servers a launched pair restarted on its own (a lone P or D).
+# The summary counts, per test file, the engines opened (a pair once: its P and D start from the same
+# process within a pair's start-up, at once, in either order; a colocated engine once; a pair of stock
+# servers once) and, apart, the servers a launched pair restarted on its own (a lone P or D).
 
 PAIR_START_S = 180.0
-"""D's start follows P's by at most this much within one pair's start (P starts fully first in-process)."""
+"""A pair's P and D start within this much of each other (at once in-process: src/agentkv/_engines/_spawn.py)."""
+
+_OTHER_HALF = {"prefill": "decode", "decode": "prefill"}
 
 
 def count_engine_starts(lines: list[dict[str, Any]]) -> tuple[collections.Counter[str], collections.Counter[str]]:
     """Engines opened and servers restarted, per test file, from the engine log's lines (in the order written)."""
     opened: collections.Counter[str] = collections.Counter()
     restarted: collections.Counter[str] = collections.Counter()
-    waiting_for_d: dict[tuple[int, str], list[tuple[float, str]]] = collections.defaultdict(list)
+    halves: dict[tuple[int, str], list[tuple[float, str, str]]] = collections.defaultdict(list)
 
     def where(line: dict[str, Any]) -> str:
         return str(line.get("test") or "outside a test").split("::")[0]
 
     for line in lines:
-        key = (line["pid"], str(line.get("test")))
-        pending = waiting_for_d[key]
-        while pending and line["time"] - pending[0][0] > PAIR_START_S:  # a P that no D followed: a restart
-            restarted[pending.pop(0)[1]] += 1
-        if line["role"] == "prefill":
-            pending.append((line["time"], where(line)))
-        elif line["role"] == "decode" and pending:
-            opened[pending.pop(0)[1]] += 1  # the second engine of a pair's start
-        elif line["role"] == "decode":
-            restarted[where(line)] += 1
-        else:
+        role = line["role"]
+        if role not in _OTHER_HALF:
             opened[where(line)] += 1
-    for pending in waiting_for_d.values():
-        for _, test_file in pending:
+            continue
+        pending = halves[(line["pid"], str(line.get("test")))]
+        while pending and line["time"] - pending[0][0] > PAIR_START_S:  # a half no other half followed: a restart
+            restarted[pending.pop(0)[2]] += 1
+        match = next((half for half in pending if half[1] == _OTHER_HALF[role]), None)
+        if match is not None:
+            pending.remove(match)
+            opened[match[2]] += 1  # the other half of a pair's start
+        else:
+            pending.append((line["time"], role, where(line)))
+    for pending in halves.values():
+        for _, _, test_file in pending:
             restarted[test_file] += 1
     return opened, restarted
 

@@ -37,6 +37,8 @@ def test_a_pair_counts_once_a_colocated_engine_once_a_lone_server_as_a_restart()
     assert restarted == {"tests/test_a.py": 1}
     lone_p = [_line("prefill", at=0.0), _line("prefill", at=1000.0), _line("decode", at=1001.0)]
     assert count_engine_starts(lone_p) == ({"tests/test_a.py": 1}, {"tests/test_a.py": 1})
+    d_first = [_line("decode", at=0.0), _line("prefill", at=0.01)]  # a pair's halves start at once, in either order
+    assert count_engine_starts(d_first) == ({"tests/test_a.py": 1}, {})
 
 
 def test_engine_starts_are_logged_only_where_asked(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
