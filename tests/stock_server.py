@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -56,9 +56,10 @@ def stop_servers(
 
 
 @contextlib.contextmanager
-def stock_vllm_server(model: Path, port: int, args: Sequence[str], log: Path) -> Iterator[str]:
+def stock_vllm_starting(model: Path, port: int, args: Sequence[str], log: Path) -> Iterator[Callable[[], str]]:
     """``python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT ARGS`` with vLLM's own defaults
-    otherwise (no agentkv variable set; 1 GiB of KV cache on CPU); its URL once healthy."""
+    otherwise (no agentkv variable set; 1 GiB of KV cache on CPU), started at once; yields the function that
+    waits until it is healthy and returns its URL. Stopped when the block ends."""
     running_before = running_pids()
     env = {key: value for key, value in os.environ.items() if not key.startswith("AGENTKV_")}
     record_engine_start(kind="stock-server", role="colocated")  # counted in the suite's engine summary (conftest)
@@ -73,14 +74,25 @@ def stock_vllm_server(model: Path, port: int, args: Sequence[str], log: Path) ->
         )
     url = f"http://127.0.0.1:{port}"
     pids = {process.pid}
-    try:
+
+    def ready() -> str:
         deadline = time.monotonic() + 600
         while not healthy(url):
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"stock vLLM server did not start (rc {process.poll()}): {log.read_text()[-3000:]}")
-            time.sleep(2)
-        pids |= descendants(process.pid)
-        yield url
+            time.sleep(1)
+        pids.update(descendants(process.pid))
+        return url
+
+    try:
+        yield ready
     finally:
-        pids |= descendants(process.pid)
+        pids.update(descendants(process.pid))
         stop_servers([process], pids, {port}, running_before)
+
+
+@contextlib.contextmanager
+def stock_vllm_server(model: Path, port: int, args: Sequence[str], log: Path) -> Iterator[str]:
+    """`stock_vllm_starting`, once healthy: its URL."""
+    with stock_vllm_starting(model, port, args, log) as ready:
+        yield ready()

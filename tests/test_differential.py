@@ -11,6 +11,7 @@ Outputs are short and each server starts once, so the module stays within the CI
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ import pytest
 from agentkv import Colocated, EmbeddedPair, FrontDoor, SessionPool
 from agentkv._engines._system import free_port
 from agentkv._model import prepare_model
-from stock_server import stock_vllm_server
+from stock_server import stock_vllm_starting
 
 pytestmark = pytest.mark.pair
 
@@ -47,24 +48,44 @@ TIME = {
 }
 
 
+class _StockStart:
+    """Stock ``vllm serve``, started before the suite's shared engines so that it starts beside them (a start is
+    mostly processes importing vLLM, and two cores run two at once), stopped when this module ends: beside the
+    shared launched pair of later modules it would not fit in memory (tests/conftest.py)."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._stack = contextlib.ExitStack()
+        args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--served-model-name", "smol"]
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        log = tmp_path_factory.mktemp("differential") / "vllm.log"
+        self.ready = self._stack.enter_context(stock_vllm_starting(prepare_model(), free_port(), args, log))
+
+    def stop(self) -> None:
+        self._stack.close()
+
+
+@pytest.fixture(scope="session")
+def stock_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_StockStart]:
+    start = _StockStart(tmp_path_factory)
+    yield start
+    start.stop()  # again at the session's end: a no-op unless the module's end did not come
+
+
 @pytest.fixture(scope="module")
-def servers(
-    pair: EmbeddedPair, colocated: Colocated, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, str]]:
+def servers(stock_start: _StockStart, pair: EmbeddedPair, colocated: Colocated) -> Iterator[dict[str, str]]:
     """Base URLs (``.../v1``) of stock vLLM, agentkv on the pair and agentkv on the colocated engine."""
-    model = prepare_model()
-    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--served-model-name", "smol"]
-    args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    log = tmp_path_factory.mktemp("differential") / "vllm.log"
     options: dict[str, Any] = {"max_tokens": 16, "tool_format": "native"}
-    with (
-        stock_vllm_server(model, free_port(), args, log) as stock,
-        SessionPool(engine=pair, cache_salt="differential", **options) as on_pair,
-        SessionPool(engine=colocated, cache_salt="differential", **options) as on_colocated,
-        FrontDoor(on_pair, model_name="smol", port=free_port()) as pair_door,
-        FrontDoor(on_colocated, model_name="smol", port=free_port()) as colocated_door,
-    ):
-        yield {"vllm": stock + "/v1", "pair": pair_door.url + "/v1", "colocated": colocated_door.url + "/v1"}
+    try:
+        stock = stock_start.ready()
+        with (
+            SessionPool(engine=pair, cache_salt="differential", **options) as on_pair,
+            SessionPool(engine=colocated, cache_salt="differential", **options) as on_colocated,
+            FrontDoor(on_pair, model_name="smol", port=free_port()) as pair_door,
+            FrontDoor(on_colocated, model_name="smol", port=free_port()) as colocated_door,
+        ):
+            yield {"vllm": stock + "/v1", "pair": pair_door.url + "/v1", "colocated": colocated_door.url + "/v1"}
+    finally:
+        stock_start.stop()
 
 
 def _messages(question: str = QUESTION) -> list[dict[str, Any]]:
