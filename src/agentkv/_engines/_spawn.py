@@ -66,6 +66,9 @@ def spawn_turn(env: dict[str, str]) -> Iterator[SpawnTurn]:
     """Wait for this process's turn, set ``env``, and hand the turn on as soon as a new child process
     (the engine core the caller's build makes) exists, or when the block ends, whichever comes first."""
     turn = SpawnTurn()
+    # Python's resource tracker is the first process multiprocessing makes: made during the turn, it could be taken
+    # for the engine core in the instant between its fork and its exec (when it still has this process's command).
+    resource_tracker.ensure_running()
     _TURN.acquire()
     before = descendants(os.getpid())
     saved = {key: os.environ.get(key) for key in env}
