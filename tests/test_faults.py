@@ -20,8 +20,8 @@ import pytest
 
 from agentkv import EmbeddedPair, EngineDeadError, EngineError, EngineState, Session, TextDelta
 from agentkv._engines._pair_layer import run_warmup_steps
+from agentkv._engines._pinning import Pin
 from agentkv._engines._system import alive
-from agentkv._session._pinning import Pin
 from agentkv.testing import HonestPairEngine
 from freed import assert_ports_freed, running_pids
 from test_lifecycle import _engine_core_pid

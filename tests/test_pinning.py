@@ -8,7 +8,7 @@ import pytest
 
 from agentkv import EngineError, KVHandle
 from agentkv._engines._handle import parse_handle, parse_prefill_result, prefill_params
-from agentkv._session._pinning import Pin, choose_handle, miss_after_step
+from agentkv._engines._pinning import Pin, choose_handle, miss_after_step
 
 NOW = 1000.0
 

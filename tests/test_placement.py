@@ -30,9 +30,9 @@ from agentkv import (
 from agentkv._engines import Placement
 from agentkv._engines._base import pair_modes
 from agentkv._engines._pair_layer import PairLayer
+from agentkv._engines._pinning import miss_after_step
 from agentkv._engines._placement import PlacementChoice, PlacementCosts
 from agentkv._engines._vllm import first_token_of_prefill
-from agentkv._session._pinning import miss_after_step
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 
 BLOCK = 128

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from agentkv import ReasoningDelta, Session, StepRequest, UserError
-from agentkv._session._pinning import Pin, choose_handle
+from agentkv._engines._pinning import Pin, choose_handle
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 from streamed import TokenByToken, served, thinking_model
 

@@ -70,8 +70,7 @@ from ._session._results import (
 from ._session._session import Mode, Session
 from ._session._session_store import SessionStore, SqliteSessionStore
 from ._session._snapshot import SavedSegment, SavedTranscript, SessionSnapshot
-from ._stats._plots import plot_stats
-from ._stats._stats import MissReason, SessionStats, StepStats, TurnStats
+from ._stats._stats import MissReason, SessionStats, StepStats, TurnStats, plot_stats
 from ._surfaces._response_store import MemoryResponseStore, ResponseStore, SqliteResponseStore, StoredResponse
 from ._surfaces._serve import FrontDoor
 

@@ -33,6 +33,7 @@ from .._errors import UserError
 from ._base import Engine, Sampling, StepDone, StepEvent, StepRequest
 from ._handle import KVHandle
 from ._pin_budget import PinBudget
+from ._pinning import Pin, choose_handle
 from ._placement import Placement, PlacementChoice, PlacementCosts
 
 __all__ = ["ON_DECODE_PARAMS", "RELEASE_MARGIN_S", "PairLayer", "run_warmup_steps"]
@@ -222,8 +223,6 @@ async def run_warmup_steps(
     handle goes through `choose_handle`, the rule every session step obeys. The last pin is
     released: nothing of the warm-up stays parked on D.
     """
-    from .._session._pinning import Pin, choose_handle
-
     prompt = [1] + [28] * 300  # two CPU blocks of one repeated token: shapes and handshakes only
     pin: Pin | None = None
     for placement in placements if push_back else placements[:1]:

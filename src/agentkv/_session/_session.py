@@ -26,6 +26,7 @@ from .._conversation._parsers import OutputParsers
 from .._conversation._tools import Tool, ToolChoice, ToolFormat, template_tools
 from .._conversation._transcript import Transcript, TranscriptKey, model_messages, rebuild
 from .._engines import Colocated, EmbeddedPair, Engine, KVHandle
+from .._engines._pinning import Pin
 from .._engines._sampling import SamplingOptions, TokenLogprob
 from .._errors import SessionBusyError, SessionClosedError, UserError
 from .._home import EventLoopHome
@@ -34,7 +35,6 @@ from .._stats._stats import SessionStats, TurnStats
 from ._answer_text import tool_call_delta
 from ._engine_user import EngineUser
 from ._message_step import MessageRequest, StepOptions, ToolsArgument, read_reply
-from ._pinning import Pin
 from ._results import Event, ReasoningDelta, Step, StepReply, TextPiece, ToolCallDelta, TurnEnd, TurnResult
 from ._session_config import Mode, SessionConfig, check_count, check_message
 from ._snapshot import SessionSnapshot, load_transcript, save_transcript

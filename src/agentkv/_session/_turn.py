@@ -26,10 +26,10 @@ from .._conversation._tools import (
     run_tool_calls,
 )
 from .._engines import Engine, KVHandle, Placement, Sampling, StepDone, StepRequest, TokenDelta
+from .._engines._pinning import Pin, choose_handle, miss_after_step
 from .._errors import ContextLengthError
 from .._stats._stats import MissReason, StepStats, TurnStats
 from ._answer_text import OutputReader, OutputShape, stream_events
-from ._pinning import Pin, choose_handle, miss_after_step
 from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
 from ._session_config import SessionConfig
 

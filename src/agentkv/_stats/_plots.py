@@ -1,7 +1,7 @@
 """TTFT and reuse per turn, one line per mode (matplotlib, from the ``plot`` extra).
 
-Plots read stats, never the reverse: this module imports `._stats`; `._stats` imports no
-agentkv module at import time (`SessionStats.plot` loads this one when it is called).
+Plots know points, not stats: `plot_stats` (in `._stats`) turns sessions into points and loads this
+module when it is called, so matplotlib stays optional.
 """
 
 from __future__ import annotations
@@ -9,15 +9,12 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from .._errors import UserError
-from ._stats import SessionStats
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["TurnPoint", "plot_stats", "plot_turns"]
+__all__ = ["TurnPoint", "plot_turns"]
 
 TurnPoint = tuple[int, float, float]
 """(turn, TTFT in seconds, share of the prompt whose KV was reused)."""
@@ -55,20 +52,3 @@ def plot_turns(series: Mapping[str, Sequence[TurnPoint]], *, title: str, path: s
     if path is not None:
         figure.savefig(Path(path), dpi=110)
     return figure
-
-
-def plot_stats(*stats: SessionStats, labels: Sequence[str] | None = None, path: str | Path | None = None) -> Any:
-    """TTFT and reuse per turn of one or more sessions (e.g. the same conversation in each mode).
-
-    Each session is labelled with its mode unless ``labels`` are given. Returns the
-    matplotlib ``Figure`` (a notebook shows it); ``path`` also saves it as PNG.
-    """
-    if not stats:
-        raise UserError("plot_stats needs at least one SessionStats")
-    names = list(labels) if labels is not None else [s.mode for s in stats]
-    if len(names) != len(stats):
-        raise UserError(f"one label per session: {len(stats)} session(s), {len(names)} label(s)")
-    if len(set(names)) != len(names):
-        raise UserError(f"two sessions would share a label ({', '.join(names)}): pass labels=[...], one per session")
-    series = {name: [(t.turn, t.ttft_s, t.reuse_ratio) for t in s.turns] for name, s in zip(names, stats, strict=True)}
-    return plot_turns(series, title="agentkv: " + ", ".join(names), path=path)

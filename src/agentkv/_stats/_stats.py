@@ -1,8 +1,8 @@
 """Per-step, per-turn and per-session statistics (pydantic models).
 
-A leaf: this module imports no other agentkv module at import time; the layers above build
-these models (the session) or read them (plots, the benchmark). `SessionStats.plot` loads the
-drawing module, and matplotlib with it, only when it is called (both are optional).
+Near the bottom of the house: this module imports only the error tree; the layers above build these
+models (the session) or read them (the benchmark). `plot_stats` loads the drawing module
+(``._plots``), and matplotlib with it, only when it is called (both are optional).
 
 Where each number comes from is documented on its field. Invariant on every step:
 ``local_hit_tokens + pulled_tokens + computed_tokens == prompt_tokens``.
@@ -20,7 +20,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 
-__all__ = ["MissReason", "SessionStats", "StepStats", "TurnStats", "text_table"]
+from .._errors import UserError
+
+__all__ = ["MissReason", "SessionStats", "StepStats", "TurnStats", "plot_stats", "text_table"]
 
 MissReason = Literal[
     "no_handle", "push_back_off", "expired", "prefix_mismatch", "declined", "evicted", "below_threshold", "resumed"
@@ -223,8 +225,6 @@ class SessionStats(BaseModel):
         The same as ``agentkv.plot_stats(self)``, which also compares sessions (say, one per mode)
         in one figure: ``agentkv.plot_stats(a.stats, b.stats)``.
         """
-        from ._plots import plot_stats  # on call: plots read stats, and matplotlib is optional
-
         return plot_stats(self, path=path)
 
     def _repr_html_(self) -> str:
@@ -259,3 +259,22 @@ def text_table(header: Sequence[str], rows: Iterable[Sequence[str]], *, left_col
 
     rule = "-" * len(render(lines[0]))
     return "\n".join([render(lines[0]), rule, *(render(line) for line in lines[1:])])
+
+
+def plot_stats(*stats: SessionStats, labels: Sequence[str] | None = None, path: str | Path | None = None) -> Any:
+    """TTFT and reuse per turn of one or more sessions (e.g. the same conversation in each mode).
+
+    Each session is labelled with its mode unless ``labels`` are given. Returns the
+    matplotlib ``Figure`` (a notebook shows it); ``path`` also saves it as PNG.
+    """
+    if not stats:
+        raise UserError("plot_stats needs at least one SessionStats")
+    names = list(labels) if labels is not None else [s.mode for s in stats]
+    if len(names) != len(stats):
+        raise UserError(f"one label per session: {len(stats)} session(s), {len(names)} label(s)")
+    if len(set(names)) != len(names):
+        raise UserError(f"two sessions would share a label ({', '.join(names)}): pass labels=[...], one per session")
+    from ._plots import plot_turns  # on call: matplotlib is optional
+
+    series = {name: [(t.turn, t.ttft_s, t.reuse_ratio) for t in s.turns] for name, s in zip(names, stats, strict=True)}
+    return plot_turns(series, title="agentkv: " + ", ".join(names), path=path)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .._engines import KVHandle
 from .._stats._stats import MissReason
+from ._handle import KVHandle
 
 __all__ = ["Pin", "choose_handle", "miss_after_step"]
 
