@@ -10,7 +10,8 @@ Run: .venv/bin/python examples/tools_agent.py
 
 from typing import Literal
 
-from agentkv import Engine, Session, TurnResult, tool
+from agentkv import Session, TurnResult, tool
+from agentkv.engines import Engine
 
 WORKSPACE = {
     "notes.txt": "Release 2.4 ships on Friday. The release owner is Dana. Freeze starts Wednesday.",

@@ -25,7 +25,8 @@ from types import TracebackType
 from typing import Any, Self
 
 import agentkv
-from agentkv import Colocated, EmbeddedPair, Engine, LaunchedPair, Session, SessionPool
+from agentkv import Colocated, EmbeddedPair, LaunchedPair, Session, SessionPool
+from agentkv.engines import Engine
 
 __all__ = ["Lender", "lending"]
 

@@ -20,9 +20,10 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 
-from agentkv import Engine, LaunchedPair, RemotePair, Session
+from agentkv import LaunchedPair, RemotePair, Session
 from agentkv._engines._system import descendants, free_port, repin_threads, split_cores
 from agentkv._model import prepare_model
+from agentkv.engines import Engine
 from test_stock_vllm import QUESTIONS, SYSTEM, _healthy, stock_server_command  # this script's folder is on sys.path
 
 

@@ -9,7 +9,7 @@ import json
 import warnings
 from typing import Any
 
-from agentkv import StepRequest
+from agentkv.engines import StepRequest
 
 
 def answer(text: str) -> str:
@@ -53,7 +53,8 @@ def with_logprobs(engine_class: Any) -> Any:
     """``engine_class`` (a scripted double) whose steps report log probabilities when asked, as an engine does:
     token ``t`` at position ``i`` has log probability ``-0.5 * i`` and alternatives ``t + 1``, ``t + 2``..."""
 
-    from agentkv import StepDone, TokenDelta, TokenLogprob
+    from agentkv import TokenLogprob
+    from agentkv.engines import StepDone, TokenDelta
 
     def logprobs(request: StepRequest, token_ids: Any, start: int = 0) -> list[TokenLogprob] | None:
         top = request.sampling.options.logprobs

@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from agentkv import FrontDoor, SessionPool, StepEvent, StepRequest, TokenDelta
+from agentkv import SessionPool
 from agentkv._engines._system import free_port
+from agentkv.engines import StepEvent, StepRequest, TokenDelta
+from agentkv.serve import FrontDoor
 from agentkv.testing import ScriptedEngine
 
 THINK_TEMPLATE = """\

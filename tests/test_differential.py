@@ -20,9 +20,10 @@ from typing import Any
 import openai
 import pytest
 
-from agentkv import Colocated, EmbeddedPair, FrontDoor, SessionPool
+from agentkv import Colocated, EmbeddedPair, SessionPool
 from agentkv._engines._system import free_port
 from agentkv._model import prepare_model
+from agentkv.serve import FrontDoor
 from stock_server import stock_vllm_starting
 
 pytestmark = pytest.mark.pair

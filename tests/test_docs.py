@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from agentkv import EmbeddedPair, Engine
+from agentkv import EmbeddedPair
+from agentkv.engines import Engine
 from lending import lending
 from scripted import close_leftover_event_loop
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from agentkv import Engine, EngineDeadError, EngineGroup, Session, SessionPool, UserError
+from agentkv import EngineDeadError, EngineGroup, Session, SessionPool, UserError
+from agentkv.engines import Engine
 from agentkv.testing import HonestPairEngine
 
 

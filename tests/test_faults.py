@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agentkv import EmbeddedPair, EngineDeadError, EngineError, EngineState, Session, TextDelta
+from agentkv import EmbeddedPair, EngineDeadError, EngineError, LifecycleState, Session, TextDelta
 from agentkv._engines._pair_layer import run_warmup_steps
 from agentkv._engines._pinning import Pin
 from agentkv._engines._system import alive
@@ -54,7 +54,7 @@ async def test_a_cancelled_scope_still_closes_the_sessions_own_engine(model_path
             scope.cancel()
             await anyio.sleep(10)
     assert scope.cancelled_caught
-    assert engine.state is EngineState.CLOSED and engine.stopped
+    assert engine.state is LifecycleState.CLOSED and engine.stopped
     assert engine.live_pins == 0  # the session released its pin on the way out
 
 

@@ -27,7 +27,8 @@ from agents.stream_events import RawResponsesStreamEvent
 from openai.types.responses import ResponseOutputText
 from pydantic import BaseModel
 
-from agentkv import EmbeddedPair, InvalidMessageError, Session, StepRequest
+from agentkv import EmbeddedPair, InvalidMessageError, Session
+from agentkv.engines import StepRequest
 from agentkv.integrations.openai_agents import AgentKVModel, AgentKVProvider
 from agentkv.testing import HonestPairEngine
 from scripted import Script, answer, calls, close_leftover_event_loop, with_logprobs

@@ -39,7 +39,8 @@ from pydantic_ai.native_tools import WebSearchTool
 from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import ToolDefinition
 
-from agentkv import EmbeddedPair, Message, Session, SessionPool, StepReply, StepRequest
+from agentkv import EmbeddedPair, Message, Session, SessionPool, StepReply
+from agentkv.engines import StepRequest
 from agentkv.integrations.pydantic_ai import AgentKVModel, _sampling
 from agentkv.testing import HonestPairEngine
 

@@ -14,8 +14,9 @@ import time
 import anyio
 import pytest
 
-from agentkv import EngineState, EventLoopHome, Session, SessionClosedError, UserError
+from agentkv import LifecycleState, Session, SessionClosedError, UserError
 from agentkv._engines._system import alive
+from agentkv.engines import EventLoopHome
 from agentkv.testing import ScriptedEngine
 from freed import assert_ports_freed, running_pids
 
@@ -204,7 +205,7 @@ def test_two_sessions_on_a_users_engine_neither_close_it_nor_take_its_loop() -> 
         assert engine.is_open
         with Session(engine=engine) as third:
             assert third.run_sync("Capital of Spain?").text == "Madrid."
-    assert engine.state is EngineState.CLOSED
+    assert engine.state is LifecycleState.CLOSED
     assert _loop_threads() == threads  # the engine's loop thread ended with it
 
 
@@ -213,7 +214,7 @@ def test_a_session_owns_only_an_engine_it_opened() -> None:
     with Session(engine=engine) as session:  # unopened when the session opened: the session's own
         assert engine.is_open and engine.home is session.home
         session.run_sync("Capital of France?")
-    assert engine.state is EngineState.CLOSED
+    assert engine.state is LifecycleState.CLOSED
     with pytest.raises(SessionClosedError), Session(engine=engine):
         pass  # a closed engine cannot serve a new session
 
@@ -248,7 +249,7 @@ async def test_a_timeout_around_an_opening_session_still_stops_its_engine() -> N
     with anyio.move_on_after(0.2):
         async with Session(engine=engine):
             pass
-    assert engine.stopped and engine.state is EngineState.CLOSED
+    assert engine.stopped and engine.state is LifecycleState.CLOSED
 
 
 @pytest.mark.anyio
@@ -258,7 +259,7 @@ async def test_a_cancelled_scope_around_a_session_still_closes_its_engine() -> N
         async with Session(engine=engine) as session:
             await session.run("Capital of France?")
             await anyio.sleep(30)
-    assert engine.stopped and engine.state is EngineState.CLOSED and not session.is_open
+    assert engine.stopped and engine.state is LifecycleState.CLOSED and not session.is_open
 
 
 def test_ctrl_c_while_an_engine_starts_stops_it_and_its_loop(request: pytest.FixtureRequest) -> None:
@@ -274,7 +275,7 @@ def test_ctrl_c_while_an_engine_starts_stops_it_and_its_loop(request: pytest.Fix
             pass
     finally:
         gc.enable()
-    assert engine.stopped and engine.state is EngineState.CLOSED
+    assert engine.stopped and engine.state is LifecycleState.CLOSED
     assert _loop_threads() == threads
 
 
@@ -305,7 +306,7 @@ def test_a_fork_on_a_shared_engine_outlives_its_parent() -> None:
 def test_close_before_open_and_async_only_objects_say_what_to_do() -> None:
     never = Session(engine=ScriptedEngine([]))
     never.close()
-    assert never.state is EngineState.CLOSED
+    assert never.state is LifecycleState.CLOSED
     with pytest.raises(SessionClosedError):
         never.run_sync("hi")
 

@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 
-from agentkv import EngineError, KVHandle
+from agentkv import EngineError
 from agentkv._engines._handle import parse_handle, parse_prefill_result, prefill_params
 from agentkv._engines._pinning import Pin, choose_handle, miss_after_step
+from agentkv.engines import KVHandle
 
 NOW = 1000.0
 

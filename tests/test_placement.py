@@ -16,23 +16,14 @@ from typing import Any
 import pydantic
 import pytest
 
-from agentkv import (
-    KVHandle,
-    Mode,
-    Sampling,
-    Session,
-    StepDone,
-    StepEvent,
-    StepRequest,
-    StepStats,
-    UserError,
-)
+from agentkv import Mode, Session, StepStats, UserError
 from agentkv._engines import Placement
 from agentkv._engines._base import pair_modes
 from agentkv._engines._pair_layer import PairLayer
 from agentkv._engines._pinning import miss_after_step
 from agentkv._engines._placement import PlacementChoice, PlacementCosts
 from agentkv._engines._vllm import first_token_of_prefill
+from agentkv.engines import KVHandle, Sampling, StepDone, StepEvent, StepRequest
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 
 BLOCK = 128

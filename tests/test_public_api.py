@@ -1,4 +1,8 @@
-"""The public surface: everything in __all__, sorted, importable without vLLM, no private type in it."""
+"""The public surface, per tier: everything in each tier's __all__, sorted, importable without vLLM, in one tier
+only, documented in the API reference; no private type in a public signature.
+
+The tiers: `agentkv` (agent code), `agentkv.engines` (the engine contract), `agentkv.serve` (the front
+door's parts), `agentkv.testing` (test doubles)."""
 
 from __future__ import annotations
 
@@ -13,10 +17,16 @@ from typing import Any
 import pydantic
 import pytest
 
+import re
+from pathlib import Path
+
 import agentkv
+import agentkv.engines
+import agentkv.serve
 import agentkv.testing
 
-PUBLIC_MODULES = (agentkv, agentkv.testing)
+PUBLIC_MODULES = (agentkv, agentkv.engines, agentkv.serve, agentkv.testing)
+REFERENCE = Path(__file__).parent.parent / "docs" / "reference"
 
 
 def _public_objects() -> dict[int, str]:
@@ -48,6 +58,25 @@ def test_all_is_sorted_and_complete(module: types.ModuleType) -> None:
 def test_public_names_report_the_public_module() -> None:
     assert agentkv.Session.__module__ == "agentkv"
     assert agentkv.EmbeddedPair.__module__ == "agentkv"
+    assert agentkv.engines.StepRequest.__module__ == "agentkv.engines"
+    assert agentkv.serve.FrontDoor.__module__ == "agentkv.serve"
+
+
+def test_each_public_object_has_one_public_name() -> None:
+    seen: dict[int, list[str]] = {}
+    for module in PUBLIC_MODULES:
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, type) or inspect.isfunction(value):
+                seen.setdefault(id(value), []).append(f"{module.__name__}.{name}")
+    assert not [names for names in seen.values() if len(names) > 1]
+
+
+def test_the_reference_documents_every_public_name() -> None:
+    documented = {m for page in REFERENCE.glob("*.md") for m in re.findall(r"^::: (\S+)$", page.read_text(), re.M)}
+    public = {f"{module.__name__}.{name}" for module in PUBLIC_MODULES for name in module.__all__ if name != "__version__"}
+    assert public - documented == set(), "public names missing from docs/reference/"
+    assert documented - public == set(), "the reference documents names that are not public"
 
 
 def test_errors_form_one_tree() -> None:
@@ -66,7 +95,7 @@ def test_errors_form_one_tree() -> None:
 
 
 def test_import_does_not_load_vllm() -> None:
-    code = "import sys, agentkv, agentkv.testing; print('vllm' in sys.modules)"
+    code = "import sys, agentkv, agentkv.engines, agentkv.serve, agentkv.testing; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -46,13 +46,13 @@ from agentkv import (
     Session,
     SessionClosedError,
     SessionSnapshot,
-    StepRequest,
     TurnEnd,
     TurnResult,
     UserError,
     tool,
 )
 from agentkv._session._session import load_tokenizer
+from agentkv.engines import StepRequest
 from agentkv.testing import MALFORMATIONS, Fault, HonestPairEngine
 
 BATCHES = 10

@@ -14,8 +14,9 @@ from typing import Any
 import openai
 import pytest
 
-from agentkv import ReasoningDelta, Session, StepRequest, UserError
+from agentkv import ReasoningDelta, Session, UserError
 from agentkv._engines._pinning import Pin, choose_handle
+from agentkv.engines import StepRequest
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 from streamed import TokenByToken, served, thinking_model
 
@@ -108,7 +109,7 @@ def test_the_conversation_keeps_the_reasoning_tokens_and_pushes_back_all_of_them
 
 
 def _handle(tokens: int) -> Any:
-    from agentkv import KVHandle
+    from agentkv.engines import KVHandle
 
     return KVHandle(
         do_remote_decode=True,

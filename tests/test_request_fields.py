@@ -16,13 +16,14 @@ import pytest
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from agentkv import EmbeddedPair, FrontDoor, SamplingOptions, SessionPool, UserError
+from agentkv import EmbeddedPair, SamplingOptions, SessionPool, UserError
 from agentkv._engines._system import free_port
 from agentkv._session._session import load_tokenizer
 from agentkv._surfaces._logprobs import LogprobWriter
 from agentkv._surfaces._openai_chat import ChatRequest, read_request
 from agentkv._surfaces._openai_responses import ResponsesRequest, read_responses_request
 from agentkv._surfaces._request_fields import CHAT_FIELDS, RESPONSES_FIELDS, FieldRule, check_fields
+from agentkv.serve import FrontDoor
 from agentkv.testing import ScriptedEngine
 from scripted import with_logprobs
 

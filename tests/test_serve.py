@@ -13,8 +13,10 @@ import httpx
 import openai
 import pytest
 
-from agentkv import EngineGroup, FrontDoor, SessionPool, SqliteSessionStore, StepRequest
+from agentkv import EngineGroup, SessionPool, SqliteSessionStore
 from agentkv._engines._system import free_port
+from agentkv.engines import StepRequest
+from agentkv.serve import FrontDoor
 from agentkv.testing import HonestPairEngine
 
 WEATHER = {

@@ -24,8 +24,10 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkv import FrontDoor, SessionPool, StepRequest
+from agentkv import SessionPool
 from agentkv._engines._system import free_port
+from agentkv.engines import StepRequest
+from agentkv.serve import FrontDoor
 from agentkv.testing import HonestPairEngine
 
 Served = tuple[HonestPairEngine, SessionPool]

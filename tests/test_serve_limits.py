@@ -20,8 +20,10 @@ import anyio
 import httpx
 import pytest
 
-from agentkv import FrontDoor, SessionPool, StepEvent, StepRequest, UserError
+from agentkv import SessionPool, UserError
 from agentkv._engines._system import free_port
+from agentkv.engines import StepEvent, StepRequest
+from agentkv.serve import FrontDoor
 from agentkv.testing import HonestPairEngine
 from serve_cli import serve_with_doubles
 

@@ -14,8 +14,9 @@ import openai
 import psutil
 import pytest
 
-from agentkv import EmbeddedPair, FrontDoor, SessionPool, SqliteSessionStore
+from agentkv import EmbeddedPair, SessionPool, SqliteSessionStore
 from agentkv._engines._system import free_port
+from agentkv.serve import FrontDoor
 
 pytestmark = pytest.mark.pair
 

@@ -18,18 +18,10 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from agentkv import (
-    EmbeddedPair,
-    FrontDoor,
-    MemoryResponseStore,
-    ResponseStore,
-    Session,
-    SessionPool,
-    SqliteResponseStore,
-    StepRequest,
-    StoredResponse,
-)
+from agentkv import EmbeddedPair, Session, SessionPool
 from agentkv._engines._system import free_port
+from agentkv.engines import StepRequest
+from agentkv.serve import FrontDoor, MemoryResponseStore, ResponseStore, SqliteResponseStore, StoredResponse
 from agentkv.testing import HonestPairEngine
 from scripted import Script, answer
 from serve_cli import serve_with_doubles

@@ -17,8 +17,10 @@ from collections.abc import Callable
 
 import httpx
 
-from agentkv import FrontDoor, SessionPool, StepRequest
+from agentkv import SessionPool
 from agentkv._engines._system import free_port
+from agentkv.engines import StepRequest
+from agentkv.serve import FrontDoor
 from agentkv.testing import HonestPairEngine
 
 LONG = ("-" * 63 + "\n") * 80_000

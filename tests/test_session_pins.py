@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from agentkv import ContextLengthError, Event, Session, StepDone, StepRequest
+from agentkv import ContextLengthError, Event, Session
 from agentkv._engines import KVHandle, StepEvent
+from agentkv.engines import StepDone, StepRequest
 from agentkv.testing import ScriptedEngine
 
 

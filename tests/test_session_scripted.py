@@ -10,18 +10,17 @@ import pytest
 from agentkv import (
     ContextLengthError,
     EngineError,
-    EngineInfo,
-    EngineState,
     InvalidMessageError,
+    LifecycleState,
     Session,
     SessionClosedError,
-    StepRequest,
     TextDelta,
     TurnEnd,
     UserError,
 )
 from agentkv._engines._server_process import ServerProcess
 from agentkv._engines._vllm import AsyncLLMRunner
+from agentkv.engines import EngineInfo, StepRequest
 from agentkv.testing import ScriptedEngine, UnconsumedScriptError
 
 
@@ -141,7 +140,7 @@ def test_an_unopened_engine_given_to_a_session_is_the_sessions_own() -> None:
     with Session(engine=engine) as session:
         assert engine.is_open
         assert session.run_sync("Capital of France?").text == "Paris."
-    assert engine.state is EngineState.CLOSED
+    assert engine.state is LifecycleState.CLOSED
 
 
 class _ColocatedDouble(ScriptedEngine):

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from agentkv import Session, SessionPool, SessionSnapshot, SqliteResponseStore, SqliteSessionStore, UserError
+from agentkv import Session, SessionPool, SessionSnapshot, SqliteSessionStore, UserError
 from agentkv._surfaces._cli import main
+from agentkv.serve import SqliteResponseStore
 from agentkv.testing import HonestPairEngine
 
 

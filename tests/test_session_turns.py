@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from agentkv import Event, Session, StepRequest, TextDelta, TurnEnd, UserError, tool
+from agentkv import Event, Session, TextDelta, TurnEnd, UserError, tool
+from agentkv.engines import StepRequest
 from agentkv.testing import ScriptedEngine
 
 

@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 
-from agentkv import EmbeddedPair, StepRequest, StepStats
+from agentkv import EmbeddedPair, StepStats
 from agentkv._engines import _pair_config
 from agentkv._engines._base import EngineInfo, pair_modes
 from agentkv._surfaces import _smoke
 from agentkv._surfaces._cli import main
 from agentkv._surfaces._smoke import SmokeStep, engine_placement, run_smoke, smoke_question
+from agentkv.engines import StepRequest
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 
 # ----------------------------------------------------------------- on the real pair

@@ -13,9 +13,10 @@ import pytest
 from pydantic import ValidationError
 
 import agentkv
-from agentkv import SessionStats, StepStats, StepTimings, TurnStats, UserError, plot_stats
+from agentkv import SessionStats, StepStats, TurnStats, UserError, plot_stats
 from agentkv._bench._records import StepRecord
 from agentkv._stats._stats import text_table
+from agentkv.engines import StepTimings
 
 
 def _step(turn: int, **changes: Any) -> StepStats:

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from agentkv import Session, SessionPool, StepRequest, ToolSpec, UserError
+from agentkv import Session, SessionPool, ToolSpec, UserError
 from agentkv._engines._base import Sampling
 from agentkv._engines._http_transport import completion_body
 from agentkv._engines._vllm import could_stop, vllm_sampling
+from agentkv.engines import StepRequest
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 
 WEATHER = ToolSpec(

@@ -26,19 +26,12 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkv import (
-    FrontDoor,
-    SessionPool,
-    SessionSnapshot,
-    SqliteResponseStore,
-    SqliteSessionStore,
-    StepRequest,
-    StoreUnavailableError,
-    UserError,
-)
+from agentkv import SessionPool, SessionSnapshot, SqliteSessionStore, StoreUnavailableError, UserError
 from agentkv._engines._system import free_port
 from agentkv._session._session_store import conversation_key
 from agentkv._sqlite import SqliteTable
+from agentkv.engines import StepRequest
+from agentkv.serve import FrontDoor, SqliteResponseStore
 from agentkv.testing import HonestPairEngine
 from serve_cli import serve_with_doubles
 

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 import agentkv
-from agentkv import Colocated, EmbeddedPair, EngineInfo, LaunchedPair, Session, SessionPool
+from agentkv import Colocated, EmbeddedPair, LaunchedPair, Session, SessionPool
 from agentkv._engines._start_log import ENGINE_LOG_VARIABLE, record_engine_start
+from agentkv.engines import EngineInfo
 from conftest import count_engine_starts
 from lending import lending
 

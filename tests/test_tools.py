@@ -9,9 +9,10 @@ import anyio
 import pytest
 from pydantic import BaseModel
 
-from agentkv import Session, StepRequest, Tool, UserError, tool
+from agentkv import Session, Tool, UserError, tool
 from agentkv._conversation._call_stream import parse_output
 from agentkv._conversation._tools import output_schema
+from agentkv.engines import StepRequest
 from agentkv.testing import ScriptedEngine
 
 

@@ -1,5 +1,8 @@
 """agentkv: multi-turn agent sessions pinned to their KV on a disaggregated vLLM pair.
 
+This module holds what agent code needs. The engine contract, for those who implement or drive an
+engine, is `agentkv.engines`; the front door's parts, `agentkv.serve`; test doubles, `agentkv.testing`.
+
 from agentkv import Session
 
 with Session(system="You are terse.") as s:
@@ -9,29 +12,7 @@ with Session(system="You are terse.") as s:
 
 from ._conversation._conversation import Message
 from ._conversation._tools import Tool, ToolCall, ToolChoice, ToolFormat, ToolResult, ToolSpec, tool
-from ._engines import (
-    Colocated,
-    CorePolicy,
-    EmbeddedPair,
-    Engine,
-    EngineGroup,
-    EngineInfo,
-    EngineState,
-    KVHandle,
-    LaunchedPair,
-    PairConfig,
-    PairSettings,
-    Placement,
-    PrefillEngine,
-    RemotePair,
-    Sampling,
-    ServerCapabilities,
-    StepDone,
-    StepEvent,
-    StepRequest,
-    StepTimings,
-    TokenDelta,
-)
+from ._engines import Colocated, CorePolicy, EmbeddedPair, EngineGroup, LaunchedPair, PairConfig, RemotePair
 from ._engines._sampling import SamplingOptions, TokenLogprob
 from ._errors import (
     AgentKVError,
@@ -48,9 +29,9 @@ from ._errors import (
     TemplateError,
     UserError,
 )
-from ._home import EventLoopHome
 from ._lifecycle import LifecycleState
 from ._model import DEFAULT_MODEL, prepare_model
+from ._public import present_as as _present_as
 from ._session._message_step import StepOptions
 from ._session._pool import SessionPool
 from ._session._results import (
@@ -69,10 +50,8 @@ from ._session._results import (
 )
 from ._session._session import Mode, Session
 from ._session._session_store import SessionStore, SqliteSessionStore
-from ._session._snapshot import SavedSegment, SavedTranscript, SessionSnapshot
+from ._session._snapshot import SessionSnapshot
 from ._stats._stats import MissReason, SessionStats, StepStats, TurnStats, plot_stats
-from ._surfaces._response_store import MemoryResponseStore, ResponseStore, SqliteResponseStore, StoredResponse
-from ._surfaces._serve import FrontDoor
 
 __version__ = "0.1.0"
 
@@ -83,38 +62,23 @@ __all__ = [
     "ContextLengthError",
     "CorePolicy",
     "EmbeddedPair",
-    "Engine",
     "EngineDeadError",
     "EngineError",
     "EngineGroup",
-    "EngineInfo",
     "EngineStartError",
-    "EngineState",
     "EngineUnavailableError",
     "Event",
-    "EventLoopHome",
-    "FrontDoor",
     "InvalidMessageError",
-    "KVHandle",
     "LaunchedPair",
     "LifecycleState",
-    "MemoryResponseStore",
     "Message",
     "MissReason",
     "Mode",
     "ModelPreparationError",
     "PairConfig",
-    "PairSettings",
-    "Placement",
-    "PrefillEngine",
     "ReasoningDelta",
     "RemotePair",
-    "ResponseStore",
-    "Sampling",
     "SamplingOptions",
-    "SavedSegment",
-    "SavedTranscript",
-    "ServerCapabilities",
     "Session",
     "SessionBusyError",
     "SessionClosedError",
@@ -122,23 +86,16 @@ __all__ = [
     "SessionSnapshot",
     "SessionStats",
     "SessionStore",
-    "SqliteResponseStore",
     "SqliteSessionStore",
     "Step",
-    "StepDone",
     "StepEnd",
-    "StepEvent",
     "StepOptions",
     "StepReply",
-    "StepRequest",
     "StepStats",
-    "StepTimings",
     "StoreUnavailableError",
-    "StoredResponse",
     "TemplateError",
     "TextDelta",
     "TextPiece",
-    "TokenDelta",
     "TokenLogprob",
     "Tool",
     "ToolCall",
@@ -159,11 +116,4 @@ __all__ = [
     "tool",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("agentkv._"):
-        try:
-            _obj.__module__ = "agentkv"
-        except (AttributeError, TypeError):
-            pass
-del _name, _obj
+_present_as(__name__, globals(), __all__)

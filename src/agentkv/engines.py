@@ -1,0 +1,48 @@
+"""The engine contract, for those who implement an engine or drive one step by step.
+
+Agent code does not need this module: `agentkv.Session` and the engines in `agentkv` are enough.
+An engine is anything that implements `Engine`: it is opened and closed, reports `EngineInfo`, and
+runs each `StepRequest` as an async stream of `TokenDelta` events ended by one `StepDone`
+(the contract and its rules: src/agentkv/_engines/_base.py).
+
+    from agentkv.engines import Engine, StepDone, StepRequest
+"""
+
+from __future__ import annotations
+
+from ._engines import (
+    Engine,
+    EngineInfo,
+    KVHandle,
+    PairSettings,
+    Placement,
+    PrefillEngine,
+    Sampling,
+    ServerCapabilities,
+    StepDone,
+    StepEvent,
+    StepRequest,
+    StepTimings,
+    TokenDelta,
+)
+from ._home import EventLoopHome
+from ._public import present_as as _present_as
+
+__all__ = [
+    "Engine",
+    "EngineInfo",
+    "EventLoopHome",
+    "KVHandle",
+    "PairSettings",
+    "Placement",
+    "PrefillEngine",
+    "Sampling",
+    "ServerCapabilities",
+    "StepDone",
+    "StepEvent",
+    "StepRequest",
+    "StepTimings",
+    "TokenDelta",
+]
+
+_present_as(__name__, globals(), __all__)
