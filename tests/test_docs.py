@@ -22,7 +22,7 @@ from lending import lending
 from scripted import close_leftover_event_loop
 
 ROOT = Path(__file__).parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SNIPPET = re.compile(r"^( *)```python\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
 
 

@@ -2,7 +2,7 @@
 
 Installed by `_agentkv_vllm._patches.install` in engines started with ``core_policy="elastic"``, once the
 targets of the feature (``ELASTIC_CORES`` in `_agentkv_vllm._patches.FEATURES`) pass their probes
-(docs/vllm-patches.md section 5, docs/performance.md section 1). Before each forward pass the worker
+(docs/vllm-patches.md section 5, docs/performance.md, "Elastic cores"). Before each forward pass the worker
 uses all the cores of its binding while no other busy engine owns any of them, its own otherwise. In a
 long pass (a prefill of `RECHECK_MIN_TOKENS` or more) it reads the table again before every decoder
 layer, and when the answer changes it changes its thread count there and re-plans the pass's CPU

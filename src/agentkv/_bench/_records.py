@@ -91,7 +91,7 @@ class FloorFit(BaseModel):
 
     ``a_s + b_s_per_token * n + c_s_per_attended * attended(n, context)``: a fixed cost per pass, a
     cost per token (the weights' work), and a cost per pair of (new token, token it attends to): new
-    tokens attend to the whole history before them (docs/performance.md section 5).
+    tokens attend to the whole history before them (docs/performance.md, "TTFT against the floor").
     """
 
     a_s: float
