@@ -100,6 +100,25 @@ def test_pool_arguments_are_checked_at_once() -> None:
         SessionPool(temperature=-1.0)
     with pytest.raises(UserError):
         PooledModel(pool=SessionPool(), max_tokens=3)
+    with pytest.raises(UserError):
+        PooledModel(temperature=-1.0)
+
+
+@pytest.mark.parametrize("name", ["bogus", "stop", "engine_option"])
+def test_a_name_that_is_no_session_option_is_refused_like_an_unknown_keyword(name: str) -> None:
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
+        SessionPool(**{name: 1})
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
+        PooledModel(**{name: 1})
+
+
+def test_the_session_options_the_config_takes_are_the_session_s_keyword_arguments() -> None:
+    import inspect
+
+    from agentkv import Session
+    from agentkv._session._session_config import SESSION_OPTIONS
+
+    assert set(inspect.signature(Session).parameters) - {"engine"} == SESSION_OPTIONS
 
 
 def test_import_agentkv_imports_no_framework() -> None:

@@ -60,51 +60,30 @@ class MessageRequest:
     """This step's tool calls are ``<call_prefix>-<index>`` (known while they stream, kept in the reply)."""
 
     @classmethod
-    def build(
-        cls,
-        config: SessionConfig,
-        messages: Sequence[MessageLike],
-        *,
-        tools: ToolsArgument = None,
-        tool_choice: ToolChoice | Mapping[str, Any] = "auto",
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        sampling: SamplingOptions | Mapping[str, Any] | None = None,
-    ) -> MessageRequest:
+    def build(cls, config: SessionConfig, messages: Sequence[MessageLike], options: StepOptions) -> MessageRequest:
+        """Read `Session.step`'s messages and keyword arguments (its callbacks are not part of the request)."""
         read = read_messages(messages)
+        tools = options.get("tools")
         if tools is None:
             specs = config.tool_specs
         elif isinstance(tools, str | bytes) or not isinstance(tools, Sequence):
             raise UserError(f"tools must be a list, not {type(tools).__name__}")
         else:
             specs = check_tool_specs([dict(t) if isinstance(t, Mapping) else t for t in tools])
-        choice = _choice(tool_choice, specs, config)
+        choice = _choice(options.get("tool_choice", "auto"), specs, config)
         system = read[0].content if read[0].role == "system" else config.system
         if specs and config.format == "schema":
             system = (system or "") + instructions(specs)
         key = TranscriptKey(system=system, tools=tuple(specs.values()), format=config.format)
         step_config = config.with_sampling(
-            max_tokens=max_tokens, temperature=temperature, seed=seed, stop=check_stop(stop), sampling=sampling
-        )
-        check_structured(bool(specs), config.format, step_config.sampling)
-        return cls(read, key, specs, choice, step_config)
-
-    @classmethod
-    def of_options(cls, config: SessionConfig, messages: Sequence[MessageLike], options: StepOptions) -> MessageRequest:
-        """`build` from `Session.step`'s keyword arguments (its callbacks are not part of the request)."""
-        return cls.build(
-            config,
-            messages,
-            tools=options.get("tools"),
-            tool_choice=options.get("tool_choice", "auto"),
             max_tokens=options.get("max_tokens"),
             temperature=options.get("temperature"),
             seed=options.get("seed"),
-            stop=options.get("stop"),
+            stop=check_stop(options.get("stop")),
             sampling=options.get("sampling"),
         )
+        check_structured(bool(specs), config.format, step_config.sampling)
+        return cls(read, key, specs, choice, step_config)
 
     @property
     def shape(self) -> OutputShape:

@@ -27,8 +27,9 @@ from .._errors import SessionBusyError, UserError
 from ._engine_user import EngineUser
 from ._message_step import MessageRequest, StepOptions
 from ._results import ReasoningDelta, StepReply, ToolCallDelta
-from ._session import Session, make_engine
+from ._session import Session
 from ._session_config import SessionConfig
+from ._session_core import make_engine
 from ._session_store import SessionStore, check_session_store, conversation_key, history_key
 
 __all__ = ["SessionPool"]
@@ -84,20 +85,11 @@ class SessionPool(EngineUser):
             raise UserError(f"max_sessions must be a positive int, not {max_sessions!r}")
         if not idle_ttl_s > 0:
             raise UserError(f"idle_ttl_s must be positive, not {idle_ttl_s!r}")
-        engine_options = {k: session_options.pop(k) for k in ("model", "engine_options") if k in session_options}
-        if engine is not None and engine_options:
+        if engine is not None and ("model" in session_options or "engine_options" in session_options):
             raise UserError("model= and engine_options= configure the pool's own engine; not with engine=")
-        self._config = Session(**session_options)._config  # the options are checked now, not at the first step
-        """Every session's configuration (each step's request is read once, with it)."""
+        self._config = SessionConfig.of_options(session_options, owner=type(self).__name__)
+        """Every session's configuration (each step's request is read once, with it), and the pool's own engine's."""
         self.store = check_session_store(store)
-        self._engine_config = SessionConfig.build(
-            tools=(),
-            engine_options=engine_options.get("engine_options"),
-            model=engine_options.get("model"),
-            mode=session_options.get("mode"),
-        )
-        """What the pool's own engine is made from (as a session makes its own)."""
-        self._session_options = session_options
         self._use_engine(engine)
         self._members: list[_Member] = []
         self._reaper: asyncio.Future[None] | None = None
@@ -107,7 +99,7 @@ class SessionPool(EngineUser):
     # ----------------------------------------------------------------- lifecycle
 
     def _make_engine(self) -> Engine:
-        return make_engine(self._engine_config)
+        return make_engine(self._config)
 
     async def _open_resources(self) -> None:
         await self._open_engine()
@@ -247,7 +239,7 @@ class SessionPool(EngineUser):
         self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, options: StepOptions
     ) -> StepReply:
         await self._close_idle()
-        request = MessageRequest.of_options(self._config, messages, options)
+        request = MessageRequest.build(self._config, messages, options)
         member = await self._member_for(request, conversation_id)
         try:
             reply = await member.session._step_request(
@@ -293,7 +285,7 @@ class SessionPool(EngineUser):
             answered = [i for i, m in enumerate(request.messages) if m.role == "assistant"]
             saved = self.store is not None and answered  # the digest only when there is a store to look in
             saved_key = history_key(request.messages[: answered[-1] + 1]) if saved else None
-        member = _Member(Session(engine=self.engine, **self._session_options), conversation_id, busy=True)
+        member = _Member(Session._of_config(self._config, self.engine), conversation_id, busy=True)
         self._members.append(member)  # before opening: a second step of this conversation sees it busy
         try:
             await member.session.open(home=self.home)

@@ -61,12 +61,18 @@ class TurnResult(BaseModel):
     """``max_steps``: the step bound was reached and the last step was made to answer."""
 
 
-class TextDelta(BaseModel):
+class _StepEvent(BaseModel):
+    """What every event of a step in progress says first: its kind, then the turn's and the step's numbers."""
+
+    kind: str
+    turn: int
+    step: int
+
+
+class TextDelta(_StepEvent):
     """New output text of the step in progress."""
 
     kind: Literal["text_delta"] = "text_delta"
-    turn: int
-    step: int
     text: str
     token_ids: list[int] = Field(repr=False)
     logprobs: list[TokenLogprob] | None = Field(default=None, repr=False)
@@ -88,14 +94,12 @@ class TextPiece(str):
         self.logprobs = tuple(logprobs)
 
 
-class ToolCallDelta(BaseModel):
+class ToolCallDelta(_StepEvent):
     """A piece of a tool call while the model writes it: the call's id and name first (once), then its arguments'
     JSON text as it grows. A call's ``arguments`` pieces, joined, are its arguments as written (the finished call's
     `ToolCall.arguments`, parsed)."""
 
     kind: Literal["tool_call_delta"] = "tool_call_delta"
-    turn: int
-    step: int
     index: int
     """The call's position among the step's calls (as in OpenAI's streamed ``tool_calls[].index``)."""
     id: str
@@ -106,12 +110,10 @@ class ToolCallDelta(BaseModel):
     """The next piece of the arguments' text ("" on the first delta)."""
 
 
-class ReasoningDelta(BaseModel):
+class ReasoningDelta(_StepEvent):
     """New reasoning text of the step in progress (with a ``reasoning_parser``; not part of the answer)."""
 
     kind: Literal["reasoning_delta"] = "reasoning_delta"
-    turn: int
-    step: int
     text: str
 
 
@@ -122,21 +124,17 @@ class StepEnd(BaseModel):
     step: Step
 
 
-class ToolCallEvent(BaseModel):
+class ToolCallEvent(_StepEvent):
     """The model asked for a tool call (sent before the tool runs)."""
 
     kind: Literal["tool_call"] = "tool_call"
-    turn: int
-    step: int
     call: ToolCall
 
 
-class ToolResultEvent(BaseModel):
+class ToolResultEvent(_StepEvent):
     """A tool call finished (or failed)."""
 
     kind: Literal["tool_result"] = "tool_result"
-    turn: int
-    step: int
     result: ToolResult
 
 

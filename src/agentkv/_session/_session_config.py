@@ -16,6 +16,7 @@ from .._errors import InvalidMessageError, UserError
 
 __all__ = [
     "MAX_STOP_STRINGS",
+    "SESSION_OPTIONS",
     "Mode",
     "SessionConfig",
     "check_count",
@@ -78,6 +79,16 @@ class SessionConfig(BaseModel):
             raise UserError(_describe(exc)) from None
         check_structured(bool(config.tools), config.tool_format, config.sampling)
         return config
+
+    @classmethod
+    def of_options(cls, options: Mapping[str, Any], *, owner: str) -> SessionConfig:
+        """`build` from a `Session`'s keyword arguments as a mapping (a pool's or an adapter's ``session_options``):
+        a name that is none of them is a `TypeError`, as for an unknown keyword argument of ``owner``'s call."""
+        unknown = sorted(set(options) - SESSION_OPTIONS)
+        if unknown:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+        fields = dict(options)
+        return cls.build(tools=fields.pop("tools", ()), engine_options=fields.pop("engine_options", None), **fields)
 
     def with_sampling(self, **values: Any) -> SessionConfig:
         """This configuration with other sampling settings (``max_tokens``, ``temperature``, ``seed``, ``stop``:
@@ -145,6 +156,10 @@ class SessionConfig(BaseModel):
         if not extra or (system is not None and system.endswith(extra)):
             return system
         return (system or "") + extra
+
+
+SESSION_OPTIONS = frozenset(SessionConfig.model_fields) - {"stop"}
+"""The keyword arguments of `Session` besides ``engine`` (a step's ``stop`` is no session option)."""
 
 
 def _describe(exc: ValidationError) -> str:

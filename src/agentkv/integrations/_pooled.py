@@ -43,11 +43,11 @@ class PooledModel:
     def __init__(self, *, engine: Engine | None = None, pool: SessionPool | None = None, **session_options: Any):
         if pool is not None and (engine is not None or session_options):
             raise UserError("pool= comes with its engine and session options; give either pool= or those")
-        self._pool = pool
         self._owns_pool = pool is None
-        self._pool_arguments: dict[str, Any] = {"engine": engine, **session_options}
-        if self._owns_pool:
-            SessionPool(**self._pool_arguments)  # check the options now, not at the first call
+        self._arguments: dict[str, Any] = {"engine": engine, **session_options}
+        self._pool: SessionPool | None = pool if pool is not None else SessionPool(**self._arguments)
+        """The pool; one the adapter makes (its options checked now, by `SessionPool`) opens at the first call."""
+        self._started = not self._owns_pool
         self._lock = threading.Lock()
         self._closed = False
         self.last_reply: StepReply | None = None
@@ -57,12 +57,15 @@ class PooledModel:
     def pool(self) -> SessionPool:
         """The pool the model calls go to (started on first use)."""
         with self._lock:
-            if self._closed:
+            if self._closed or self._pool is None:
                 raise SessionClosedError("this model was closed; make a new one")
-            if self._pool is None:
-                pool = SessionPool(**self._pool_arguments)
-                pool.__enter__()  # on an event loop thread of its own: frameworks run (and end) their own loops
-                self._pool = pool
+            if not self._started:
+                try:  # on an event loop thread of its own: frameworks run (and end) their own loops
+                    self._pool.__enter__()
+                except BaseException:
+                    self._pool = SessionPool(**self._arguments)  # an open that failed closed it: the next call retries
+                    raise
+                self._started = True
             return self._pool
 
     @property
@@ -112,7 +115,8 @@ class PooledModel:
         `SessionClosedError`."""
         with self._lock:
             pool, self._pool, self._closed = self._pool, None, True
-        if pool is not None and self._owns_pool:
+            started, self._started = self._started, False
+        if pool is not None and self._owns_pool and started:
             pool.close()
 
 

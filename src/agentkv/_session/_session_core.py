@@ -1,0 +1,421 @@
+"""`SessionCore`: one conversation pinned to its KV on an engine, and everything done to it between steps.
+
+It owns the conversation, the pin, the engine and the stats: opening and closing (the engine the
+session made closes with it), replacing a dead engine, giving pins up, editing (rewind,
+replace_message), snapshot/restore and fork. The two APIs over it add the model calls: the SDK's
+tool loop (`agentkv._session._turn_api`: ``run``/``stream``) and the caller-run step
+(`agentkv._session._step_api`: ``step``/``extends``). Both run a `Turn` on a copy of the
+conversation: `_claim` starts it, `_prepare` makes its conversation, `_take` keeps it and `_end_turn`
+drops it (a turn that fails, is cancelled or abandoned never shows in `messages` or `stats`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, Self
+
+import anyio.to_thread
+
+from .._conversation._conversation import ChatRenderer, Conversation, Message
+from .._conversation._parsers import OutputParsers
+from .._conversation._tools import template_tools
+from .._conversation._transcript import Transcript, TranscriptKey
+from .._engines import Colocated, EmbeddedPair, Engine, KVHandle
+from .._engines._pinning import Pin
+from .._errors import SessionClosedError, UserError
+from .._home import EventLoopHome
+from .._lifecycle import LifecycleState
+from .._stats._stats import SessionStats, TurnStats
+from ._engine_user import EngineUser
+from ._session_config import Mode, SessionConfig, check_count, check_message
+from ._snapshot import SessionSnapshot, load_transcript, save_transcript
+from ._turn import StepContext, Turn
+
+__all__ = ["SessionCore", "load_tokenizer", "make_engine"]
+
+logger = logging.getLogger("agentkv")
+
+
+class SessionCore(EngineUser):
+    """A conversation on an engine with its pin and stats; `Session` adds the turn and the step APIs."""
+
+    @classmethod
+    def _of_config(cls, config: SessionConfig, engine: Engine | None) -> Self:
+        """A session made from a configuration already checked (a pool's sessions, a fork)."""
+        session = cls.__new__(cls)
+        session._setup(config, engine)
+        return session
+
+    def _setup(self, config: SessionConfig, engine: Engine | None) -> None:
+        super().__init__()
+        self._config = config
+        self._use_engine(engine)
+        self._conversation: Conversation | None = None
+        self._pin: Pin | None = None
+        self._turns: list[TurnStats] = []
+        """One per turn of the conversation, in order (kept aligned through rewinds and forks)."""
+        self._active: Turn | None = None
+        self._lock = threading.RLock()
+        """Guards the committed state (conversation, pin, stats, active turn, transcript) against other threads.
+
+        The event-loop home alone does not: with ``with Session()`` the steps run on the home's thread while
+        the caller's thread calls the synchronous methods (`rewind`, `replace_message`, `snapshot`, `restore`,
+        `fork`, `extends`, the properties), and a pin is given up (`_discard_pin`) from either. Each of them
+        checks and changes the state in one go (no turn running, then the edit; no turn running, then the
+        claim), which the lock makes atomic. Reentrant: an edit holding it gives its pin up (`_drop_pin`)."""
+        self._releases: list[KVHandle] = []
+        self._forks: weakref.WeakSet[SessionCore] = weakref.WeakSet()
+        """Forks (and forks of forks) that run on this session's own engine: they close with it."""
+        self._engine_owner: SessionCore | None = None
+        """For a fork: the session whose own engine it runs on (None: a shared engine)."""
+        self._tokenizer: Any = None
+        self._parsers = OutputParsers()
+        """The vLLM output parsers the session reads its model's output with (bound to the tokenizer at open)."""
+        self._transcript: Transcript | None = None
+        """What `step` last answered, as the caller sees it (None after `run` or an edit)."""
+        self._renderer: tuple[TranscriptKey, ChatRenderer] | None = None
+        """The renderer made last for caller-kept messages, for its key (a session's key rarely changes)."""
+        self._resumed = False
+        """Restored from a snapshot, and no step since (its first step's miss reason is ``resumed``)."""
+        self.mode: Mode = config.mode or "bidirectional"
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _make_engine(self) -> Engine:
+        return make_engine(self._config)
+
+    async def _open_resources(self) -> None:
+        engine = await self._open_engine()
+        self.mode = self._resolve_mode(engine)
+        tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
+        config = self._config
+        native_tools = template_tools(config.tool_specs) if config.tools and config.format == "native" else None
+        text = config.system_text(config.system)
+        system = Message(role="system", content=text) if text is not None else None
+        renderer = ChatRenderer(tokenizer, system=system, tools=native_tools)
+        self._tokenizer = tokenizer
+        self._parsers = OutputParsers(tokenizer, config.tool_call_parser, config.reasoning_parser)
+        self._parsers.reasoning()  # a reasoning parser that does not fit the model's tokenizer is refused at open
+        if config.format == "native":  # and so is a tool parser
+            self._parsers.tools(config.tool_specs)
+        self._conversation = Conversation(renderer, system=system)
+
+    async def _close_resources(self) -> None:
+        if self._owns_engine:  # the forks run on this session's engine, which closes now
+            for fork in list(self._forks):
+                await fork.aclose()
+        with self._lock:
+            if self._pin is not None:
+                self._releases.append(self._pin.handle)
+                self._pin = None
+        await self._release_pins()
+        await self._close_engine()
+
+    def _resolve_mode(self, engine: Engine) -> Mode:
+        info = engine.info
+        wanted = self._config.mode or info.natural_mode
+        if wanted in ("bidirectional", "auto") and not info.push_back:
+            raise UserError(f"mode={wanted!r} needs an engine with push-back; this one is {info.natural_mode}")
+        if wanted not in info.modes:
+            why = info.extra.get("modes_off", {}).get(wanted)  # a feature the installed vLLM cannot serve
+            raise UserError(
+                f"mode={wanted!r} does not fit this engine (it serves {', '.join(sorted(info.modes))})"
+                + (f": {why}" if why else "")
+            )
+        return wanted
+
+    # ----------------------------------------------------------------- reading
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation so far: finished turns only (readable after close too)."""
+        return self._readable_conversation().messages
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The conversation as the model sees it (a copy; finished turns only; readable after close too)."""
+        return list(self._readable_conversation().tokens)
+
+    @property
+    def pinned_tokens(self) -> int:
+        """Tokens whose KV D holds for this conversation now, for the next step to pull back (0: no pin)."""
+        pin = self._pin
+        return pin.handle.remote_num_tokens if pin is not None else 0
+
+    @property
+    def stats(self) -> SessionStats:
+        """Statistics of every turn of the conversation."""
+        return SessionStats(mode=self.mode, turns=list(self._turns))
+
+    # ----------------------------------------------------------------- turns
+
+    def _claim(self, number: int, consumer: weakref.ref[Any] | None = None) -> Turn:
+        """Start a turn on a copy of the conversation, with the session's pin (called with the lock held,
+        after `_require_idle`)."""
+        assert self._conversation is not None
+        turn = Turn(number, self._conversation.copy(), self._pin, self._pin, consumer)
+        self._pin, self._active = None, turn
+        return turn
+
+    async def _prepare(self, turn: Turn, change: Callable[[Turn], None]) -> None:
+        """Give up the pins let go, replace a dead engine, then make the turn's conversation (``change``).
+        On any failure the turn ends (the session is as before)."""
+        try:
+            await self._release_pins()
+            await self._ensure_engine(turn)
+            change(turn)
+        except BaseException:
+            self._end_turn(turn)
+            raise
+
+    def _step_context(self, config: SessionConfig | None = None) -> StepContext:
+        return StepContext(
+            self.engine,
+            config or self._config,
+            self.mode in ("bidirectional", "auto"),
+            self._discard_pin,
+            placement="auto" if self.mode == "auto" else "prefill",
+            resumed=self._resumed,
+            parsers=self._parsers,
+        )
+
+    def _take(self, turn: Turn) -> None:
+        """Make a finished turn's conversation and pin the session's (called with the lock held)."""
+        if turn.ended or self._active is not turn:
+            raise UserError("this turn was abandoned and cannot be kept")
+        self._conversation = turn.conversation
+        self._pin, turn.pin = turn.pin, None
+        self._resumed = False
+        turn.ended = True
+        self._active = None
+
+    def _end_turn(self, turn: Turn) -> None:
+        """Drop a turn that was not kept (failed, cancelled, abandoned). Safe to call twice."""
+        with self._lock:
+            if turn.ended:
+                return
+            turn.ended = True
+            if self._active is turn:
+                self._active = None
+            pin, turn.pin = turn.pin, None
+            if pin is not None and pin is turn.taken_pin and self._pin is None:
+                self._pin = pin  # never forwarded, and the conversation is unchanged: still good
+            elif pin is not None:
+                self._discard_pin(pin)
+
+    async def _ensure_engine(self, turn: Turn) -> None:
+        """Replace the session's own engine if it died; a shared or given engine is the caller's to replace."""
+        engine = self.engine
+        if not engine.is_dead:
+            return
+        if not self._owns_engine or self._given_engine is not None:  # only an engine the session made is remade
+            engine.check_open()
+        logger.warning("agentkv: the session's engine died; starting a new one (the conversation is kept)")
+        turn.pin = turn.taken_pin = None
+        await engine.aclose()
+        replacement = make_engine(self._config)
+        await replacement.open(home=self.home)
+        self._engine = replacement
+
+    def _renderer_for(self, key: TranscriptKey) -> ChatRenderer:
+        """The renderer of caller-kept messages under ``key`` (`step` rebuilds with it, `restore` loads with it)."""
+        if self._renderer is not None and self._renderer[0] == key:
+            return self._renderer[1]
+        native = template_tools({t.name: t for t in key.tools}) if key.tools and key.format == "native" else None
+        system = Message(role="system", content=key.system) if key.system is not None else None
+        renderer = ChatRenderer(self._tokenizer, system=system, tools=native)
+        self._renderer = (key, renderer)
+        return renderer
+
+    # ----------------------------------------------------------------- pins
+
+    def _discard_pin(self, pin: Pin) -> None:
+        """Give a pin up: D is asked (soon, on the session's loop) to drop its blocks."""
+        with self._lock:
+            self._releases.append(pin.handle)
+        if self.home is not None:
+            self.home.spawn(self._release_pins)
+
+    async def _release_pins(self) -> None:
+        """Ask the engine to drop the pins given up so far (on the engine's loop; best effort)."""
+        home = self.home
+        if home is not None and not home.is_current():  # e.g. `await s.aclose()` from another loop
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await home.call_async(self._release_pins)
+            return
+        with self._lock:
+            handles, self._releases = self._releases, []
+        engine = self._engine
+        if not handles or engine is None or not engine.is_open or engine.is_dead:
+            return
+        with anyio.CancelScope(shield=True):
+            for handle in handles:
+                try:
+                    await engine.release(handle)
+                except Exception:  # best effort: an unreleased pin expires on D
+                    logger.debug("agentkv: releasing a pin failed", exc_info=True)
+
+    def _drop_pin(self) -> None:
+        """Release the session's pin (called with the lock held, after an edit)."""
+        if self._pin is not None:
+            pin, self._pin = self._pin, None
+            self._discard_pin(pin)
+
+    # ----------------------------------------------------------------- editing
+
+    def rewind(self, turns: int = 1) -> None:
+        """Drop the last ``turns`` turns from the conversation (and their stats)."""
+        check_count(turns, "turns")
+        with self._lock:
+            conversation = self._require_idle()
+            conversation.rewind(turns)
+            del self._turns[len(conversation.turn_starts()) :]
+            self._transcript = None
+            self._drop_pin()
+
+    def replace_message(self, index: int, content: str) -> None:
+        """Replace the content of message ``index`` of `messages`; later messages are kept.
+
+        The tokens after the edit are re-rendered, so the next step's prompt no longer
+        extends D's pin: the pin is released. Replacing the system message keeps the
+        instructions that schema-format tools append to it.
+        """
+        check_count(index, "index")
+        check_message(content)
+        with self._lock:
+            conversation = self._require_idle()
+            if index == 0 and conversation.system is not None:
+                content = self._config.system_text(content) or content
+            conversation.replace(index, content)
+            self._transcript = None
+            self._drop_pin()
+
+    def snapshot(self) -> SessionSnapshot:
+        """The conversation so far (finished turns), to `restore` later: after a restart, on another engine.
+
+        The snapshot keeps the token ids (outputs exactly as generated), the messages, what `step`
+        last answered and the stats; not the KV, which a restored session computes once.
+        """
+        with self._lock:
+            conversation = self._readable_conversation()
+            transcript = self._transcript
+            return SessionSnapshot(
+                model=self.engine.info.model_path.name,
+                system=conversation.system,
+                tokens=list(conversation.tokens),
+                segments=conversation.saved(),
+                transcript=save_transcript(transcript) if transcript is not None else None,
+                turns=list(self._turns),
+            )
+
+    def restore(self, snapshot: SessionSnapshot) -> None:
+        """Replace the conversation with a saved one (`snapshot`); the next step extends its tokens exactly.
+
+        No KV comes with it: the next step computes the prompt once (its ``miss_reason`` is
+        ``"resumed"``), later steps push back as usual. A snapshot of another model raises `UserError`.
+        """
+        model = self.engine.info.model_path.name
+        if snapshot.model != model:
+            raise UserError(f"this snapshot was made on model {snapshot.model!r}; the session runs {model!r}")
+        transcript = load_transcript(snapshot.transcript) if snapshot.transcript is not None else None
+        with self._lock:
+            current = self._require_idle()
+            renderer = (
+                self._renderer_for(transcript.key)
+                if transcript is not None
+                else current.renderer.with_system(snapshot.system)
+            )
+            self._conversation = Conversation.loaded(
+                renderer, system=snapshot.system, tokens=snapshot.tokens, segments=snapshot.segments
+            )
+            self._transcript = transcript
+            self._turns = list(snapshot.turns)
+            self._resumed = True
+            self._drop_pin()
+
+    def fork(self) -> Self:
+        """A new open session on the same engine with a copy of this conversation (and its stats).
+
+        The fork has the same configuration and no pin (handles are single-use); its first
+        step reuses the engine's prefix cache. Closing the fork leaves the engine running;
+        closing this session closes the fork too when this session's engine closes with it.
+        """
+        with self._lock:
+            conversation = self._require_idle()
+            twin = self._of_config(self._config, self._engine)
+            twin.mode = self.mode
+            twin._home = self._home
+            twin._conversation = conversation.copy()
+            twin._turns = list(self._turns)
+            twin._tokenizer, twin._transcript, twin._parsers = self._tokenizer, self._transcript, self._parsers
+            twin._state = LifecycleState.OPEN
+            twin._engine_owner = self if self._owns_engine else self._engine_owner
+            if twin._engine_owner is not None:
+                twin._engine_owner._forks.add(twin)
+        return twin
+
+    # ----------------------------------------------------------------- guards
+
+    def _require_conversation(self) -> Conversation:
+        self._require_open()
+        assert self._conversation is not None
+        return self._conversation
+
+    def _readable_conversation(self) -> Conversation:
+        if self._conversation is None:
+            raise SessionClosedError("the session was never opened: it has no conversation")
+        return self._conversation
+
+    def _require_idle(
+        self,
+        running: str = "the conversation cannot change while a turn runs; rewind, edit or fork once it ended",
+        error: type[UserError] = UserError,
+    ) -> Conversation:
+        """The conversation, for an edit or a new turn (called with the lock held): none may be running
+        (else ``error``, saying ``running``). A turn whose `stream` consumer is gone is ended first."""
+        conversation = self._require_conversation()
+        if self._active is not None and self._active.abandoned():
+            logger.debug("agentkv: dropping turn %d, whose stream was abandoned", self._active.number)
+            self._end_turn(self._active)
+        if self._active is not None:
+            raise error(running)
+        return conversation
+
+    def _require_home(self) -> EventLoopHome:
+        self._require_conversation()
+        assert self._home is not None
+        return self._home
+
+
+def make_engine(config: SessionConfig) -> Engine:
+    """The engine a session (or a pool) starts for itself: the embedded pair, or one engine for ``colocated``."""
+    mode = config.mode or "bidirectional"
+    options = dict(config.engine_options)
+    if mode == "colocated":
+        return Colocated(config.model, **options)
+    options.setdefault("bidirectional", mode in ("bidirectional", "auto"))
+    return EmbeddedPair(config.model, **options)
+
+
+_TOKENIZER_LOADING = threading.Lock()
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The model's Hugging Face tokenizer, loaded once per process (sessions only read it).
+
+    One thread at a time: sessions opened at once (a burst at the front door) would otherwise import
+    transformers in several threads together, and its lazy imports then fail (``cannot import name``)."""
+    with _TOKENIZER_LOADING:
+        return _load_tokenizer(model_path)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
