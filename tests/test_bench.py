@@ -33,7 +33,8 @@ from agentkv._engines import Engine, PrefillEngine, StepRequest
 from agentkv._engines._base import StepDone, StepEvent, StepTimings, TokenDelta
 from agentkv._engines._pair_config import EngineLaunch, resolve_dtype
 from agentkv._stats._stats import StepStats
-from agentkv._surfaces._cli import _BenchProgress, main
+from agentkv._surfaces._cli import main
+from agentkv._surfaces._cli_bench import BenchProgress
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 
 
@@ -421,7 +422,7 @@ async def test_the_bench_defaults_to_float32_and_resolves_auto(monkeypatch: pyte
 
 
 def test_the_progress_bar_counts_steps_and_shows_what_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    progress = _BenchProgress()
+    progress = BenchProgress()
     progress("turn 1/2 bidirectional", 0, 4)
     progress.log("a start-up stage")
     progress("turn 2/2 raw", 2, 4)
