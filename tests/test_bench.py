@@ -380,7 +380,7 @@ async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_pl
 ) -> None:
     engines = _Engines()
     for name in ("EmbeddedPair", "Colocated", "LaunchedPair"):
-        monkeypatch.setattr(f"agentkv._bench._runner.{name}", engines.kind(name))
+        monkeypatch.setattr(f"agentkv._bench._modes.{name}", engines.kind(name))
     modes = [*DEFAULT_MODES, "bidirectional-split", "launched", "served", "push", "push-disaggregated"]
     workload = make_workload("chat", turns=2, scale=0.25)
     report = await run_bench(workload, modes=modes, dtype="bfloat16", max_model_len=1024)
@@ -411,7 +411,7 @@ async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_pl
 @pytest.mark.anyio
 async def test_the_bench_defaults_to_float32_and_resolves_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     engines = _Engines()
-    monkeypatch.setattr("agentkv._bench._runner.Colocated", engines.kind("Colocated"))
+    monkeypatch.setattr("agentkv._bench._modes.Colocated", engines.kind("Colocated"))
     workload = make_workload("chat", turns=2, scale=0.25)
     assert (await run_bench(workload, modes=["colocated"])).dtype == DEFAULT_DTYPE == "float32"
     assert (await run_bench(workload, modes=["colocated"], dtype="auto")).dtype == resolve_dtype("auto") != "auto"

@@ -11,7 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .._bench._runner import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
+from .._bench._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
 from .._bench._workloads import WORKLOADS
 from ._cli_options import Commands, add_command
 
