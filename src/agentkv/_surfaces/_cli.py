@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("agentkv").setLevel(logging.INFO)  # start-up progress is shown
     try:
-        args.engine_args = _engine_args_after_dashes(args.command, vllm_words)
+        args.engine_args = _engine_args_after_dashes(args, vllm_words)
         code: int = args.run(args)
         return code
     except UserError as exc:  # a mistake in the command line: say which, like argparse does
@@ -61,12 +61,12 @@ def _split_at_dashes(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
     return words[:cut], words[cut + 1 :]
 
 
-def _engine_args_after_dashes(command: str, words: list[str] | None) -> dict[str, Any]:
-    """The vLLM engine arguments given after ``--`` (``engine``, ``serve`` and ``smoke`` only), checked as
-    `PairConfig` checks its ``engine_args``."""
+def _engine_args_after_dashes(args: argparse.Namespace, words: list[str] | None) -> dict[str, Any]:
+    """The vLLM engine arguments given after ``--`` (only to the commands made by `add_vllm_command`: ``engine``,
+    ``serve`` and ``smoke``), checked as `PairConfig` checks its ``engine_args``."""
     if words is None:
         return {}
-    if command not in ("engine", "serve", "smoke"):
+    if not args.vllm_args:
         raise UserError("only agentkv engine, agentkv serve and agentkv smoke take vLLM engine arguments after --")
     from .._engines._pair_config import check_engine_args
     from .._engines._server_process import parse_vllm_flags

@@ -20,9 +20,7 @@ __all__ = ["BenchProgress", "add_bench_command"]
 
 def add_bench_command(commands: Commands) -> None:
     """``bench``."""
-    bench = add_command(
-        commands, "bench", _bench, help="one multi-turn workload under each mode, side by side, in one run"
-    )
+    bench = add_command(commands, "bench", _bench)
     conversation = bench.add_mutually_exclusive_group()
     conversation.add_argument("--workload", choices=tuple(WORKLOADS), default="agentic", help="(default: agentic)")
     conversation.add_argument(
@@ -84,6 +82,7 @@ class BenchProgress:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    """one multi-turn workload under each mode, side by side, in one run"""
     from .._bench import (
         header,
         load_replay,

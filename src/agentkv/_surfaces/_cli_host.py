@@ -13,7 +13,7 @@ from .._engines._pair_config import Transfer
 from .._engines._platforms import current_platform
 from .._errors import UserError
 from .._model import list_models, prepare_model
-from ._cli_options import AFTER_DASHES, Commands, add_command, add_model_argument, cores, devices
+from ._cli_options import Commands, add_command, add_model_argument, add_vllm_command, cores, devices
 from ._cli_pairs import add_engine_choice
 
 __all__ = ["add_host_commands"]
@@ -21,14 +21,13 @@ __all__ = ["add_host_commands"]
 
 def add_host_commands(commands: Commands) -> None:
     """``engine``, ``smoke`` and ``models``."""
-    engine = add_command(
+    engine = add_vllm_command(
         commands,
         "engine",
         _engine_server,
-        help="run one server of a P/D pair in the foreground (for a pair across hosts: RemotePair)",
-        usage="%(prog)s --role {prefill,decode} --nixl-host NIXL_HOST [options] [-- VLLM_ENGINE_ARGS ...]",
-        epilog=f"{AFTER_DASHES}. On a GPU host the server runs on the GPUs CUDA_VISIBLE_DEVICES leaves it, "
-        "its tensor-parallel size their number",
+        options="--role {prefill,decode} --nixl-host NIXL_HOST [options]",
+        epilog=". On a GPU host the server runs on the GPUs CUDA_VISIBLE_DEVICES leaves it, its tensor-parallel size "
+        "their number",
     )
     engine.add_argument("--role", choices=("prefill", "decode"), required=True)
     add_model_argument(engine)
@@ -48,14 +47,12 @@ def add_host_commands(commands: Commands) -> None:
     )
     engine.add_argument("--no-prefix-cache", action="store_true", help="a prefill server without its own prefix cache")
 
-    smoke = add_command(
+    smoke = add_vllm_command(
         commands,
         "smoke",
         _smoke,
-        help="open a pair on this host (CPU or GPUs) and check 3 turns with a tool: turns 2+ pull KV back from D",
-        usage="%(prog)s [options] [-- VLLM_ENGINE_ARGS ...]",
-        epilog=f"{AFTER_DASHES} (for smoke: of both engines of the pair). Exit status 0 when every check "
-        "passed, 1 when one failed (the report says which). docs/gpu.md",
+        epilog=" (for smoke: of both engines of the pair). Exit status 0 when every check passed, 1 when one "
+        "failed (the report says which). docs/gpu.md",
     )
     add_model_argument(smoke)
     add_engine_choice(smoke)
@@ -77,7 +74,7 @@ def add_host_commands(commands: Commands) -> None:
     )
     smoke.add_argument("--decode-devices", type=devices, default=None, metavar="GPUS", help="D's GPUs, e.g. 2,3")
 
-    models = add_command(commands, "models", _models, help="list the bundled models, or prepare one")
+    models = add_command(commands, "models", _models)
     models.add_argument("action", nargs="?", choices=("list", "prepare"), default="list")
     models.add_argument("name", nargs="?", default=None)
 
@@ -90,6 +87,7 @@ def _smoke_turns(text: str) -> int:
 
 
 def _smoke(args: argparse.Namespace) -> int:
+    """open a pair on this host (CPU or GPUs) and check 3 turns with a tool: turns 2+ pull KV back from D"""
     from ._smoke import smoke_command
 
     return smoke_command(
@@ -105,6 +103,7 @@ def _smoke(args: argparse.Namespace) -> int:
 
 
 def _engine_server(args: argparse.Namespace) -> int:
+    """run one server of a P/D pair in the foreground (for a pair across hosts: RemotePair)"""
     import socket
     import uuid
 
@@ -152,6 +151,7 @@ def _engine_server(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
+    """list the bundled models, or prepare one"""
     if args.action == "prepare":
         print(prepare_model(args.name, progress=print))
         return 0

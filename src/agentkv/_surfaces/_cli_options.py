@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -12,6 +13,7 @@ __all__ = [
     "Commands",
     "add_command",
     "add_model_argument",
+    "add_vllm_command",
     "cores",
     "devices",
     "positive_int",
@@ -31,9 +33,23 @@ AFTER_DASHES = (
 def add_command(
     commands: Commands, name: str, run: Callable[[argparse.Namespace], int], **options: Any
 ) -> argparse.ArgumentParser:
-    """The subcommand ``name`` (``options``: argparse's, ``help``, ``usage``, ``epilog``), run by ``run(args)``."""
-    parser = commands.add_parser(name, **options)
-    parser.set_defaults(run=run)
+    """The subcommand ``name``, run by ``run(args)``; its help is the first paragraph of ``run``'s docstring.
+    ``options``: argparse's (``usage``, ``epilog``, ...)."""
+    summary = (inspect.getdoc(run) or "").split("\n\n")[0]
+    parser = commands.add_parser(name, help=" ".join(summary.split()) or None, **options)
+    parser.set_defaults(run=run, vllm_args=False)
+    return parser
+
+
+def add_vllm_command(
+    commands: Commands, name: str, run: Callable[[argparse.Namespace], int], *, epilog: str, options: str = "[options]"
+) -> argparse.ArgumentParser:
+    """A subcommand that takes vLLM engine arguments after ``--`` (`AFTER_DASHES`, then ``epilog``); ``options``:
+    its usage's words before them."""
+    parser = add_command(
+        commands, name, run, usage=f"%(prog)s {options} [-- VLLM_ENGINE_ARGS ...]", epilog=AFTER_DASHES + epilog
+    )
+    parser.set_defaults(vllm_args=True)
     return parser
 
 

@@ -9,23 +9,30 @@ import os
 import signal
 from typing import Any
 
-from ._cli_options import AFTER_DASHES, Commands, add_command, positive_int, positive_seconds
+from ._cli_options import Commands, add_vllm_command, positive_int, positive_seconds
 from ._cli_pairs import add_session_arguments, engine_options
 from ._signals import StopSignals
 
 __all__ = ["add_serve_command"]
 
+_VLLM_PARSERS = (
+    (
+        "--tool-call-parser",
+        "read the model's own tool calls with this vLLM tool parser (as vllm serve's: hermes, llama3_json, "
+        "mistral...); without it tool calls are forced to JSON by a schema (docs/tools.md)",
+    ),
+    (
+        "--reasoning-parser",
+        "split a reasoning model's thinking from its answer with this vLLM reasoning parser (deepseek_r1, "
+        "qwen3...): the reply's reasoning_content (docs/tools.md)",
+    ),
+)
+"""The options naming a vLLM parser of the model's output (`_parsers` reads them)."""
+
 
 def add_serve_command(commands: Commands) -> None:
     """``serve``."""
-    serve = add_command(
-        commands,
-        "serve",
-        _serve,
-        help="the front door: OpenAI's chat-completions and Responses APIs on pinned sessions (docs/serve.md)",
-        usage="%(prog)s [options] [-- VLLM_ENGINE_ARGS ...]",
-        epilog=f"{AFTER_DASHES} (for serve: of every engine it starts)",
-    )
+    serve = add_vllm_command(commands, "serve", _serve, epilog=" (for serve: of every engine it starts)")
     add_session_arguments(serve)
     serve.add_argument(
         "--pairs",
@@ -49,20 +56,8 @@ def add_serve_command(commands: Commands) -> None:
     serve.add_argument("--max-sessions", type=int, default=64, help="sessions kept; least recently used closed first")
     serve.add_argument("--idle-ttl-s", type=float, default=600.0, help="a session idle this long is closed")
     serve.add_argument("--max-tokens", type=int, default=256, help="answer length when a request names none")
-    serve.add_argument(
-        "--tool-call-parser",
-        default=None,
-        metavar="NAME",
-        help="read the model's own tool calls with this vLLM tool parser (as vllm serve's: hermes, llama3_json, "
-        "mistral...); without it tool calls are forced to JSON by a schema (docs/tools.md)",
-    )
-    serve.add_argument(
-        "--reasoning-parser",
-        default=None,
-        metavar="NAME",
-        help="split a reasoning model's thinking from its answer with this vLLM reasoning parser (deepseek_r1, "
-        "qwen3...): the reply's reasoning_content (docs/tools.md)",
-    )
+    for flag, said in _VLLM_PARSERS:
+        serve.add_argument(flag, default=None, metavar="NAME", help=said)
     serve.add_argument("--max-request-mb", type=float, default=4.0, help="largest request body (413 above it)")
     serve.add_argument(
         "--max-header-kb", type=float, default=16.0, help="most bytes of request headers, in KiB (431 above it)"
@@ -93,7 +88,9 @@ def add_serve_command(commands: Commands) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Start the pool's engines, serve, and stop in order on SIGINT or SIGTERM, whenever it comes (`StopSignals`):
+    """the front door: OpenAI's chat-completions and Responses APIs on pinned sessions (docs/serve.md)
+
+    Start the pool's engines, serve, and stop in order on SIGINT or SIGTERM, whenever it comes (`StopSignals`):
     0 once serving, 128 + the signal's number when it interrupted the start-up."""
     with StopSignals("agentkv serve") as signals:
         try:

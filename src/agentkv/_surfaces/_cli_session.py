@@ -30,9 +30,7 @@ _DEMO_TURNS = (
 
 def add_session_commands(commands: Commands) -> None:
     """``demo`` and ``chat``."""
-    demo = add_command(
-        commands, "demo", _demo, help="a multi-turn agent conversation on the real pair, with a stats table"
-    )
+    demo = add_command(commands, "demo", _demo)
     add_session_arguments(demo)
     demo.add_argument(
         "--turns", type=int, choices=range(1, len(_DEMO_TURNS) + 1), default=len(_DEMO_TURNS), help="number of turns"
@@ -40,7 +38,7 @@ def add_session_commands(commands: Commands) -> None:
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--json", metavar="FILE", help="also write the session stats as JSON to FILE")
 
-    chat = add_command(commands, "chat", _chat, help="chat with the model in the terminal (empty line to quit)")
+    chat = add_command(commands, "chat", _chat)
     add_session_arguments(chat)
     chat.add_argument("--system", default="You are a helpful assistant.")
     chat.add_argument("--max-tokens", type=int, default=128)
@@ -52,6 +50,7 @@ def _session(args: argparse.Namespace, **options: Any) -> Session:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """a multi-turn agent conversation on the real pair, with a stats table"""
     turns = _DEMO_TURNS[: args.turns]
     with _session(args, system=_DEMO_SYSTEM, max_tokens=args.max_tokens) as session:
         for number, message in enumerate(turns, start=1):
@@ -73,6 +72,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    """chat with the model in the terminal (empty line to quit)"""
     with _session(args, system=args.system, max_tokens=args.max_tokens) as session:
         while True:
             try:
