@@ -33,7 +33,8 @@ from agentkv._engines import Engine, PrefillEngine, StepRequest
 from agentkv._engines._base import StepDone, StepEvent, StepTimings, TokenDelta
 from agentkv._engines._pair_config import EngineLaunch, resolve_dtype
 from agentkv._stats._stats import StepStats
-from agentkv._surfaces._cli import _BenchProgress, main
+from agentkv._surfaces._cli import main
+from agentkv._surfaces._cli_bench import BenchProgress
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 
 
@@ -379,7 +380,7 @@ async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_pl
 ) -> None:
     engines = _Engines()
     for name in ("EmbeddedPair", "Colocated", "LaunchedPair"):
-        monkeypatch.setattr(f"agentkv._bench._runner.{name}", engines.kind(name))
+        monkeypatch.setattr(f"agentkv._bench._modes.{name}", engines.kind(name))
     modes = [*DEFAULT_MODES, "bidirectional-split", "launched", "served", "push", "push-disaggregated"]
     workload = make_workload("chat", turns=2, scale=0.25)
     report = await run_bench(workload, modes=modes, dtype="bfloat16", max_model_len=1024)
@@ -410,7 +411,7 @@ async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_pl
 @pytest.mark.anyio
 async def test_the_bench_defaults_to_float32_and_resolves_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     engines = _Engines()
-    monkeypatch.setattr("agentkv._bench._runner.Colocated", engines.kind("Colocated"))
+    monkeypatch.setattr("agentkv._bench._modes.Colocated", engines.kind("Colocated"))
     workload = make_workload("chat", turns=2, scale=0.25)
     assert (await run_bench(workload, modes=["colocated"])).dtype == DEFAULT_DTYPE == "float32"
     assert (await run_bench(workload, modes=["colocated"], dtype="auto")).dtype == resolve_dtype("auto") != "auto"
@@ -421,7 +422,7 @@ async def test_the_bench_defaults_to_float32_and_resolves_auto(monkeypatch: pyte
 
 
 def test_the_progress_bar_counts_steps_and_shows_what_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    progress = _BenchProgress()
+    progress = BenchProgress()
     progress("turn 1/2 bidirectional", 0, 4)
     progress.log("a start-up stage")
     progress("turn 2/2 raw", 2, 4)

@@ -39,7 +39,7 @@ from agentkv._engines._platforms import (
 )
 from agentkv._engines._server_process import ServerSpec, parse_vllm_flags, server_command, server_env, vllm_flags
 from agentkv._engines._vllm import AsyncLLMRunner
-from agentkv._surfaces import _cli
+from agentkv._surfaces import _cli, _cli_pairs, _cli_serve
 from agentkv._surfaces._cli import main
 
 MODEL = Path("/m")
@@ -543,10 +543,10 @@ def _serve_engine(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> dict[str,
     got: dict[str, Any] = {}
 
     def serve(args: argparse.Namespace) -> int:
-        got.update(_cli._engine(args))
+        got.update(_cli_pairs.engine_options(args))
         return 0
 
-    monkeypatch.setattr(_cli, "_serve", serve)
+    monkeypatch.setattr(_cli_serve, "_serve", serve)
     assert main(["serve", *argv]) == 0
     return got
 
@@ -567,7 +567,7 @@ def test_agentkv_serve_refuses_words_after_dashes_for_remote_servers(capsys: pyt
 
 
 def test_agentkv_serve_splits_the_gpus_among_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_cli, "current_platform", lambda: cuda(8))
+    monkeypatch.setattr(_cli_pairs, "current_platform", lambda: cuda(8))
     group = _serve_engine(monkeypatch, ["--pairs", "2"])["engine"]
     configs = [member.engine.config for member in group._members]
     assert [(c.prefill_devices, c.decode_devices, c.cores) for c in configs] == [

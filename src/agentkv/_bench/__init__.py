@@ -14,9 +14,10 @@ import anyio
 from .._engines import Engine
 from .._engines._pair_config import resolve_dtype
 from .._errors import AgentKVError, UserError
+from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
 from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, StepRecord, first_prompt_divergence, summarize
 from ._report import header, plot, push_against_pull, served_overhead, table
-from ._runner import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES, Progress, run_modes
+from ._runner import Progress, run_modes
 from ._workloads import WORKLOADS, Workload, load_replay, make_workload
 
 __all__ = [

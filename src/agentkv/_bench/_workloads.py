@@ -39,7 +39,28 @@ _TOOLS = (
 )
 
 
-def _agentic(turns: int, scale: float, rng: random.Random) -> Workload:
+@dataclass(frozen=True)
+class _Recipe:
+    """How a named workload is made: its conversation, its answer length at a scale, what it stands for."""
+
+    name: str
+    conversation: Callable[[int, float, random.Random], tuple[str, list[str]]]
+    """(turns, scale, rng) -> the system prompt and the user messages."""
+    max_tokens: Callable[[float], int]
+    description: str
+
+    def __call__(self, turns: int, scale: float, rng: random.Random) -> Workload:
+        system, messages = self.conversation(turns, scale, rng)
+        return Workload(
+            name=self.name,
+            system=system,
+            turns=tuple(messages),
+            max_tokens=self.max_tokens(scale),
+            description=self.description,
+        )
+
+
+def _agentic(turns: int, scale: float, rng: random.Random) -> tuple[str, list[str]]:
     schemas = json.dumps(
         [
             {"name": name, "description": text, "parameters": {"type": "object", "properties": props}}
@@ -56,16 +77,10 @@ def _agentic(turns: int, scale: float, rng: random.Random) -> Workload:
             for _ in range(round(20 * scale))
         )
         messages.append(f"Tool result of step {turn} (run_tests):\n{lines}\nWhat next?")
-    return Workload(
-        name="agentic",
-        system=system,
-        turns=tuple(messages),
-        max_tokens=24,
-        description="long system prompt with tool schemas; each turn adds a tool output; short answers",
-    )
+    return system, messages
 
 
-def _coding(turns: int, scale: float, rng: random.Random) -> Workload:
+def _coding(turns: int, scale: float, rng: random.Random) -> tuple[str, list[str]]:
     asks = (
         "Write a Python function that parses an ISO date and returns a datetime.",
         "Add error handling and a docstring to it.",
@@ -77,32 +92,34 @@ def _coding(turns: int, scale: float, rng: random.Random) -> Workload:
     messages = [
         asks[i % len(asks)] + ("" if i < len(asks) else f" (variant {rng.randrange(100)})") for i in range(turns)
     ]
-    return Workload(
-        name="coding",
-        system="You are a senior Python engineer. Answer with complete code.",
-        turns=tuple(messages),
-        max_tokens=round(160 * scale),
-        description="short requests, long generated answers: most of each prompt is the model's own output",
-    )
+    return "You are a senior Python engineer. Answer with complete code.", messages
 
 
-def _chat(turns: int, scale: float, rng: random.Random) -> Workload:
+def _chat(turns: int, scale: float, rng: random.Random) -> tuple[str, list[str]]:
     topics = ("the moon", "bread", "rivers", "chess", "bees", "glass", "trains", "salt", "maps", "tea")
     messages = [f"Tell me one fact about {topics[rng.randrange(len(topics))]}." for _ in range(turns)]
-    return Workload(
-        name="chat",
-        system="You are a friendly assistant. Answer in one sentence.",
-        turns=tuple(messages),
-        max_tokens=round(32 * scale),
-        description="short system prompt, short turns, short answers",
-    )
+    return "You are a friendly assistant. Answer in one sentence.", messages
 
 
 WORKLOADS: dict[str, Callable[[int, float, random.Random], Workload]] = {
-    "agentic": _agentic,
-    "coding": _coding,
-    "chat": _chat,
+    recipe.name: recipe
+    for recipe in (
+        _Recipe(
+            "agentic",
+            _agentic,
+            lambda scale: 24,
+            "long system prompt with tool schemas; each turn adds a tool output; short answers",
+        ),
+        _Recipe(
+            "coding",
+            _coding,
+            lambda scale: round(160 * scale),
+            "short requests, long generated answers: most of each prompt is the model's own output",
+        ),
+        _Recipe("chat", _chat, lambda scale: round(32 * scale), "short system prompt, short turns, short answers"),
+    )
 }
+"""Each named workload's maker: (turns, scale, rng) -> the `Workload`."""
 
 
 def make_workload(name: str, *, turns: int, scale: float = 1.0, seed: int = 0) -> Workload:

@@ -2,8 +2,12 @@
 
 `two_hosts` gives each server of a `LaunchedPair` a namespace of its own (its own address, a
 veth link to a bridge), so NIXL's KV transfers cross a real network path (UCX over TCP) even
-on one machine. The benchmark's ``netns`` mode and the tests use it; it needs root and
-iproute2's ``ip``.
+on one machine. It needs root and iproute2's ``ip``.
+
+It stays in the product, not in tests/, because the bench a user runs needs it: ``agentkv bench
+--modes netns`` (src/agentkv/_bench/_modes.py; docs/benchmarks.md) measures the pair across that
+network path. It is public as ``agentkv.testing.two_hosts`` (src/agentkv/testing.py) for tests of
+pairs across hosts (tests/test_netns.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,136 @@
+"""The bench's modes (src/agentkv/_bench/_runner.py runs them) and the engines each runs on.
+
+Engines: one bidirectional pair (elastic cores) serves ``auto`` (each step placed on P or
+on D alone), ``bidirectional`` (always P), ``disaggregated`` (P's prefix cache on) and ``raw``
+(the protocol driven by hand); ``bidirectional-split`` gets a second pair with each engine
+always on its own half of the cores (the first design's layout: the elastic-cores lever);
+``disaggregated-nocache`` a pair whose P has no prefix cache and no push-back (the source's
+baseline); ``colocated`` one engine with prefix caching; ``launched`` the bidirectional pair
+as two API-server processes over HTTP (`LaunchedPair`); ``netns`` the same with P and D in
+two network namespaces (KV over UCX/TCP; needs root: `two_hosts`); ``served`` sends the conversation
+through the front door (`FrontDoor`) to sessions on the bidirectional pair; ``push`` and ``push-disaggregated``
+get a pair with push transfer (P writes each step's KV into D), with push-back and without. All stay up for the
+whole run, all with the run's dtype.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
+
+from anyio.from_thread import BlockingPortal
+
+from .._engines import Colocated, EmbeddedPair, Engine, LaunchedPair
+from .._engines._netns import two_hosts
+from .._errors import UserError
+from .._home import EventLoopHome
+from .._session._session import Mode
+
+__all__ = [
+    "DEFAULT_DTYPE",
+    "DEFAULT_MODES",
+    "DEFAULT_PAIR_MODES",
+    "DTYPES",
+    "MODES",
+    "SESSION_MODES",
+    "open_engines",
+]
+
+SESSION_MODES: dict[str, Mode] = {
+    "auto": "auto",
+    "bidirectional": "bidirectional",
+    "bidirectional-split": "bidirectional",
+    "disaggregated": "disaggregated",
+    "disaggregated-nocache": "disaggregated",
+    "colocated": "colocated",
+    "launched": "bidirectional",
+    "netns": "bidirectional",
+    "served": "bidirectional",
+    "push": "bidirectional",
+    "push-disaggregated": "disaggregated",
+}
+"""The `Session` mode of each bench mode that runs sessions (``raw`` drives the engine by hand; ``served``'s
+sessions are the front door's)."""
+MODES = (
+    "auto",
+    "bidirectional",
+    "disaggregated",
+    "disaggregated-nocache",
+    "colocated",
+    "raw",
+    "bidirectional-split",
+    "launched",
+    "netns",
+    "served",
+    "push",
+    "push-disaggregated",
+)
+DEFAULT_MODES = MODES[:6]
+"""What ``agentkv bench`` runs unless told: the modes of one embedded pair, the source's baseline and the
+colocated engine."""
+DEFAULT_PAIR_MODES = frozenset({"auto", "bidirectional", "disaggregated", "raw", "served"})
+"""The modes that share the default (elastic-cores, push-back) pair."""
+
+DTYPES = ("auto", "float32", "bfloat16")
+"""The dtypes ``agentkv bench`` starts its engines with (see `DEFAULT_DTYPE`)."""
+DEFAULT_DTYPE = "float32"
+"""The bench's default dtype. In bfloat16, KV that came from a prefix cache, a pull or a recompute
+differs from freshly computed KV in the last bits, so greedy answers diverge between modes and the
+later turns' prompts differ; float32 keeps every mode token-exact, so every mode sees the same prompts."""
+
+_Start = Callable[[contextlib.AsyncExitStack], Engine]
+"""Makes an engine (not yet open); what it needs besides (network namespaces) goes on the stack."""
+
+
+def _starts(max_model_len: int, dtype: str, progress: Callable[[str], None]) -> list[tuple[frozenset[str], _Start]]:
+    """Each engine the bench may start, in the order it starts them, with the modes it serves."""
+    common: dict[str, Any] = {"max_model_len": max_model_len, "dtype": dtype, "progress": progress}
+
+    def across_hosts(stack: contextlib.AsyncExitStack) -> Engine:
+        hosts = stack.enter_context(two_hosts())
+        prefixes = hosts.launch_prefixes
+        return LaunchedPair(hosts=hosts.addresses, launch_prefixes=prefixes, server_env={"UCX_TLS": "tcp"}, **common)
+
+    return [
+        (DEFAULT_PAIR_MODES, lambda _: EmbeddedPair(**common)),
+        (frozenset({"bidirectional-split"}), lambda _: EmbeddedPair(core_policy="split", **common)),
+        (
+            frozenset({"disaggregated-nocache"}),
+            lambda _: EmbeddedPair(bidirectional=False, prefill_prefix_cache=False, **common),
+        ),
+        (frozenset({"push", "push-disaggregated"}), lambda _: EmbeddedPair(transfer="push", **common)),
+        (frozenset({"colocated"}), lambda _: Colocated(**common)),
+        (frozenset({"launched"}), lambda _: LaunchedPair(**common)),
+        (frozenset({"netns"}), across_hosts),
+    ]
+
+
+@contextlib.asynccontextmanager
+async def open_engines(
+    modes: Sequence[str],
+    *,
+    given: Mapping[str, Engine] | None,
+    max_model_len: int,
+    dtype: str,
+    progress: Callable[[str], None],
+) -> AsyncIterator[dict[str, Engine]]:
+    """The engines the modes need (given, or started one after another, all in ``dtype``, and closed on the
+    way out). Started ones live on the running loop, reachable from other threads (the front door's)."""
+    if given is not None:
+        missing = [mode for mode in modes if mode not in given]
+        if missing:
+            raise UserError(f"no engine given for mode(s) {', '.join(missing)}")
+        yield {mode: given[mode] for mode in modes}
+        return
+    async with BlockingPortal() as portal, contextlib.AsyncExitStack() as stack:
+        home = EventLoopHome(asyncio.get_running_loop(), portal)  # the home names asyncio's loop (the engines')
+        by_mode: dict[str, Engine] = {}
+        for served, start in _starts(max_model_len, dtype, progress):
+            if served & set(modes):
+                engine = start(stack)
+                await engine.open(home=home)
+                stack.push_async_callback(engine.aclose)
+                by_mode.update(dict.fromkeys(served, engine))
+        yield {mode: by_mode[mode] for mode in modes}

@@ -1,0 +1,2 @@
+"""The test doubles behind `agentkv.testing` (src/agentkv/testing.py): the scripted engine (`_scripted.py`) and
+the honest pair (`_honest_pair.py`)."""

@@ -1,0 +1,371 @@
+"""`HonestPairEngine`: a test double of a pair whose decode engine D holds KV honestly, checks every handle pushed
+back to it against the push-back rule, and plays injected faults (`Fault`, `Malformation`). Public as
+`agentkv.testing.HonestPairEngine` (src/agentkv/testing.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import anyio
+import anyio.lowlevel
+
+from .._engines import KVHandle, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
+from .._engines._handle import parse_handle
+from .._errors import EngineDeadError, EngineError, UserError
+from ._scripted import BundledModelDouble, cut_at_stop, refuse_unhonoured
+
+__all__ = ["MALFORMATIONS", "Fault", "HonestPairEngine", "Malformation", "PushBackViolationError", "StepRecord"]
+
+
+class PushBackViolationError(AssertionError):
+    """`HonestPairEngine.assert_honest` found handles pushed back against the rule (a test failure)."""
+
+
+Fault = Literal[
+    "error",
+    "error_mid_stream",
+    "die",
+    "die_mid_stream",
+    "malformed_handle",
+    "expired_handle",
+    "near_expiry_handle",
+    "expire_early",
+    "decline",
+    "stall",
+]
+"""A fault `HonestPairEngine.inject` plays on the next step:
+
+* ``error`` / ``error_mid_stream``: raise `EngineError` before any output / after the first token delta;
+* ``die`` / ``die_mid_stream``: the engine dies (`EngineDeadError`; it serves no more steps);
+* ``malformed_handle``: D returns a malformed handle dict (see `Malformation`), parsed as a real engine parses it;
+* ``expired_handle``: D returns a handle whose deadline has already passed;
+* ``near_expiry_handle``: D returns a handle that expires within half the engine's ``forward_margin_s``;
+* ``expire_early``: D frees this step's pin at once although the handle says later (its read is declined);
+* ``decline``: P declines to read the handle pushed back with this step (it recomputes);
+* ``stall``: the step hangs for ``stall_s`` after its first token delta (for cancellation tests).
+"""
+
+Malformation = Literal[
+    "missing_key",
+    "nan_expiry",
+    "inf_expiry",
+    "empty_blocks",
+    "negative_block",
+    "blank_host",
+    "unknown_key",
+    "not_a_dict",
+]
+"""How a ``malformed_handle`` fault breaks D's dict."""
+
+MALFORMATIONS: tuple[Malformation, ...] = get_args(Malformation)
+"""Every `Malformation`, for tests that draw one."""
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What `HonestPairEngine` saw and answered for one step request."""
+
+    request_id: str
+    prompt_tokens: int
+    faults: list[Fault]
+    forwarded: bool = False
+    """A handle came with the request."""
+    declined: bool = False
+    """The handle was not read (expired early, a ``decline`` fault, or a violation): the prompt was computed."""
+    pulled_tokens: int = 0
+    computed_tokens: int = 0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list[int])
+    outcome: Literal["running", "done", "error", "died", "cancelled"] = "running"
+
+
+@dataclasses.dataclass
+class _Pin:
+    tokens: list[int]
+    """The tokens whose KV D holds for this handle (the prompt and all output tokens but the last)."""
+    issued: dict[str, Any]
+    """The valid handle D meant to return (a malformed one differs from it)."""
+    freed_at: float
+    """When D frees the blocks (``time.perf_counter``); may precede the advertised deadline."""
+    malformation: Malformation | None = None
+    delivered: bool = True
+    """Whether the session got a handle for it (a malformed one is dropped by the engine's parser)."""
+    spent: bool = False
+    """Read by P, or released."""
+
+
+class HonestPairEngine(BundledModelDouble):
+    """A test double of a pair whose decode engine D holds KV honestly and checks every pushed-back handle.
+
+    Each step answers with ``respond(request)`` (tokenized by the model's tokenizer, an end-of-sequence
+    token appended, cut at ``max_tokens`` and at the first stop string), issues a `KVHandle` for the prompt
+    and output (none when a stop string ended it, as on a real pair), and remembers
+    the tokens that handle holds. A handle pushed back must be one it issued, unspent (single use),
+    valid, not expired nor within ``forward_margin_s`` of expiry, and hold a strict prefix of the new
+    prompt; anything else is recorded in `violations` (and the prompt is recomputed, as P would).
+    The prompt split it reports is exact: a read handle's tokens are pulled, the rest computed.
+
+    Deterministic: the output depends only on the request (and ``respond``), faults only on `inject`.
+
+    Args:
+        respond: the output text for a request (default: a short text derived from the prompt).
+        model_path: the HF folder whose tokenizer sessions use (default: the bundled model).
+        max_model_len: the context length to report.
+        pin_ttl_s: how long an issued handle says D pins its blocks.
+        forward_margin_s: a handle pushed back with less than this left before its deadline is a violation.
+        stall_s: how long a ``stall`` fault hangs.
+    """
+
+    push_back = True
+
+    def __init__(
+        self,
+        respond: Callable[[StepRequest], str] | None = None,
+        *,
+        model_path: Path | None = None,
+        max_model_len: int = 4096,
+        pin_ttl_s: float = 3600.0,
+        forward_margin_s: float = 0.0,
+        stall_s: float = 60.0,
+    ) -> None:
+        super().__init__(model_path=model_path, max_model_len=max_model_len)
+        self._respond = respond or _default_response
+        self._pin_ttl_s = pin_ttl_s
+        self._forward_margin_s = forward_margin_s
+        self._stall_s = stall_s
+        self._pins: dict[str, _Pin] = {}
+        self._pending: list[Fault] = []
+        self._malformation: Malformation = "missing_key"
+        self._issued = 0
+        self._engine_id = f"honest-decode-{uuid.uuid4().hex[:8]}"
+        self.steps: list[StepRecord] = []
+        """Every step request received, in order, with what was done with it."""
+        self.violations: list[str] = []
+        """Every breach of the push-back rule seen, in words."""
+        self.stopped = False
+        """Whether `_stop` ran to its end (the engine's processes would be gone)."""
+        self.released = 0
+        """How many pins sessions released before reading or expiry."""
+
+    # ----------------------------------------------------------------- control
+
+    def inject(self, fault: Fault, *, malformation: Malformation = "missing_key") -> None:
+        """Play ``fault`` on the next step (several faults may be injected for one step)."""
+        if fault not in get_args(Fault):
+            raise UserError(f"unknown fault {fault!r}; the faults are {', '.join(get_args(Fault))}")
+        self._pending.append(fault)
+        if fault == "malformed_handle":
+            self._malformation = malformation
+
+    def clear_faults(self) -> None:
+        """Drop faults injected but not played (the step they were meant for never reached the engine)."""
+        self._pending.clear()
+
+    def assert_honest(self) -> None:
+        """Raise `PushBackViolationError` listing every violation of the push-back rule seen so far."""
+        if self.violations:
+            raise PushBackViolationError("; ".join(self.violations))
+
+    @property
+    def live_pins(self) -> int:
+        """Pins whose handle a session got that D still holds now: neither read, released nor expired."""
+        now = time.perf_counter()
+        return sum(1 for pin in self._pins.values() if pin.delivered and not pin.spent and pin.freed_at > now)
+
+    # ----------------------------------------------------------------- engine
+
+    async def _stop(self) -> None:
+        await anyio.lowlevel.checkpoint()  # a real engine awaits its processes here; cancellation must not skip it
+        self.stopped = True
+
+    async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
+        self.check_open()
+        refuse_unhonoured(request)  # refused before the engine: no record, the faults wait for the next step
+        faults, self._pending = self._pending, []
+        record = StepRecord(request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids), faults=faults)
+        self.steps.append(record)
+        try:
+            async for event in self._step(request, record):
+                yield event
+        except EngineDeadError:
+            record.outcome = "died"
+            raise
+        except EngineError:
+            record.outcome = "error"
+            raise
+        except BaseException:
+            record.outcome = "cancelled"
+            raise
+        record.outcome = "done"
+
+    async def _step(self, request: StepRequest, record: StepRecord) -> AsyncIterator[StepEvent]:
+        started = time.perf_counter()
+        faults = record.faults
+        prompt = list(request.prompt_token_ids)
+        if len(prompt) >= self._max_model_len:
+            self.violations.append(f"{request.request_id}: a prompt of {len(prompt)} tokens reached the engine")
+        if "die" in faults:
+            await self._die()
+        if request.handle is not None:
+            record.forwarded = True
+            read = self._read(request.handle, prompt, request.request_id, decline="decline" in faults)
+            record.declined = not read
+            record.pulled_tokens = request.handle.remote_num_tokens if read else 0
+        record.computed_tokens = len(prompt) - record.pulled_tokens
+        if "error" in faults:
+            raise EngineError("injected: the engine failed the step")
+        token_ids, text, finish_reason, stopped = self._output(request)
+        record.output_token_ids = token_ids
+        half = max(1, len(token_ids) // 2)
+        first_text = self._decode(token_ids[:half])[: len(text)]  # never a piece of a stop string
+        yield TokenDelta(token_ids=token_ids[:half], text=first_text)
+        if "stall" in faults:
+            await anyio.sleep(self._stall_s)
+        if "error_mid_stream" in faults:
+            raise EngineError("injected: the engine failed mid-stream")
+        if "die_mid_stream" in faults:
+            await self._die()
+        if len(token_ids) > half:
+            yield TokenDelta(token_ids=token_ids[half:], text=text[len(first_text) :])
+        timings = StepTimings(
+            ttft_s=time.perf_counter() - started,
+            pulled_tokens=record.pulled_tokens,
+            computed_tokens=record.computed_tokens,
+            handoff_tokens=len(prompt),
+            kv_bytes=0,
+            kv_transfer_s=0.0,
+            pullback_declined=record.declined,
+        )
+        handle, handle_error = (None, None) if stopped else self._issue(prompt + token_ids[:-1], faults)
+        yield StepDone(
+            token_ids=token_ids,
+            text=text,
+            finish_reason=finish_reason,
+            handle=handle,
+            timings=timings,
+            handle_error=handle_error,
+        )
+
+    async def release(self, handle: KVHandle) -> None:
+        """Free ``handle``'s pin (a session gave it up); releasing one this engine never issued is a violation."""
+        pin = self._pins.get(handle.remote_request_id)
+        if pin is None or handle.model_dump() != pin.issued:
+            self.violations.append(f"asked to release a handle this engine never issued: {handle.remote_request_id}")
+            return
+        pin.spent = True
+        self.released += 1
+
+    async def _die(self) -> None:
+        self._dead = EngineDeadError("injected: the engine died")
+        await self.aclose()
+        raise EngineDeadError("injected: the engine died")
+
+    def _read(self, handle: KVHandle, prompt: list[int], request_id: str, *, decline: bool) -> bool:
+        """Check a pushed-back handle; whether P read it (False: recomputed)."""
+        now = time.perf_counter()
+        pin = self._pins.get(handle.remote_request_id)
+        problems: list[str] = []
+        if pin is None:
+            problems.append("a handle this engine never issued")
+        else:
+            if handle.model_dump() != pin.issued:
+                what = f"a malformed handle ({pin.malformation})" if pin.malformation else "an altered handle"
+                problems.append(what)
+            if pin.spent:
+                problems.append("a spent handle (handles are single-use)")
+            held = handle.remote_num_tokens
+            if held != len(pin.tokens) or len(prompt) <= held or prompt[:held] != pin.tokens:
+                problems.append("a prompt that does not strictly extend the tokens the handle holds")
+            pin.spent = True
+        deadline = handle.remote_blocks_expiry_time
+        if not math.isfinite(deadline) or now + self._forward_margin_s >= deadline:
+            problems.append(f"a handle expired or within {self._forward_margin_s} s of expiry")
+        if problems:
+            self.violations.append(f"{request_id} was sent " + " and ".join(problems))
+            return False
+        assert pin is not None
+        return not decline and pin.freed_at > now
+
+    def _issue(self, held: list[int], faults: list[Fault]) -> tuple[KVHandle | None, str | None]:
+        """D's handle for a step (or, with a ``malformed_handle`` fault, what a real engine makes of a broken
+        one), and why it was dropped."""
+        self._issued += 1
+        now = time.perf_counter()
+        deadline = now + self._pin_ttl_s
+        if "expired_handle" in faults:
+            deadline = now - 1.0
+        elif "near_expiry_handle" in faults:
+            deadline = now + self._forward_margin_s / 2
+        handle = KVHandle(
+            do_remote_decode=True,
+            do_remote_prefill=False,
+            remote_block_ids=[list(range(self._issued * 64, self._issued * 64 + max(1, -(-len(held) // 16))))],
+            remote_engine_id=self._engine_id,
+            remote_request_id=f"honest-{self._issued}",
+            remote_host="127.0.0.1",
+            remote_port=5600,
+            remote_num_tokens=len(held),
+            tp_size=1,
+            remote_blocks_expiry_time=deadline,
+        )
+        issued = handle.model_dump()
+        freed_at = now if "expire_early" in faults else deadline
+        if "malformed_handle" not in faults:
+            self._pins[handle.remote_request_id] = _Pin(held, issued, freed_at)
+            return handle, None
+        parsed, problem = parse_handle(_malform(issued, self._malformation))  # what a real engine does with it
+        pin = _Pin(held, issued, freed_at, malformation=self._malformation, delivered=parsed is not None)
+        self._pins[handle.remote_request_id] = pin
+        return parsed, problem
+
+    def _output(self, request: StepRequest) -> tuple[list[int], str, str, bool]:
+        """(token ids, text, finish reason, whether a stop string ended it)."""
+        tokenizer = self._tokenizer()
+        text = self._respond(request)
+        token_ids = [*tokenizer.encode(text, add_special_tokens=False), int(tokenizer.eos_token_id)]
+        finish_reason = "stop"
+        if len(token_ids) > request.sampling.max_tokens:
+            token_ids = token_ids[: request.sampling.max_tokens]
+            text, finish_reason = self._decode(token_ids), "length"
+        cut = cut_at_stop(token_ids, request.sampling, self._decode)
+        if cut is not None:
+            return *cut, "stop", True
+        return token_ids, text, finish_reason, False
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return str(self._tokenizer().decode(token_ids, skip_special_tokens=True))
+
+    def _tokenizer(self) -> Any:
+        from .._session._session import load_tokenizer
+
+        return load_tokenizer(str(self.info.model_path))
+
+
+def _default_response(request: StepRequest) -> str:
+    return f"answer {sum(request.prompt_token_ids) % 997}"
+
+
+def _malform(issued: dict[str, Any], how: Malformation) -> object:
+    raw = dict(issued)
+    if how == "missing_key":
+        del raw["remote_engine_id"]
+    elif how == "nan_expiry":
+        raw["remote_blocks_expiry_time"] = math.nan
+    elif how == "inf_expiry":
+        raw["remote_blocks_expiry_time"] = math.inf
+    elif how == "empty_blocks":
+        raw["remote_block_ids"] = [[]]
+    elif how == "negative_block":
+        raw["remote_block_ids"] = [[-1, *raw["remote_block_ids"][0][1:]]]
+    elif how == "blank_host":
+        raw["remote_host"] = "  "
+    elif how == "unknown_key":
+        raw["agentkv_unexpected"] = "x"
+    else:
+        return "not a dict"
+    return raw

@@ -1,0 +1,136 @@
+"""``agentkv bench``: one multi-turn workload under each mode, side by side, in one run (src/agentkv/_bench), with a
+progress bar, a table, a JSON report and a plot."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from .._bench._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
+from .._bench._workloads import WORKLOADS
+from ._cli_options import Commands, add_command
+
+__all__ = ["BenchProgress", "add_bench_command"]
+
+
+def add_bench_command(commands: Commands) -> None:
+    """``bench``."""
+    bench = add_command(commands, "bench", _bench)
+    conversation = bench.add_mutually_exclusive_group()
+    conversation.add_argument("--workload", choices=tuple(WORKLOADS), default="agentic", help="(default: agentic)")
+    conversation.add_argument(
+        "--replay", metavar="FILE", help="replay the user messages of an OpenAI messages JSON file"
+    )
+    bench.add_argument(
+        "--modes",
+        type=modes,
+        default=list(DEFAULT_MODES),
+        help=f"comma-separated, from {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})",
+    )
+    bench.add_argument("--turns", type=int, default=4)
+    bench.add_argument("--sessions", type=int, default=1, help="concurrent sessions per mode")
+    bench.add_argument("--scale", type=float, default=1.0, help="multiply the workload's sizes")
+    bench.add_argument("--max-tokens", type=int, default=None, help="answer length (default: the workload's)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--max-model-len", type=int, default=4096)
+    bench.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=DEFAULT_DTYPE,
+        help=f"dtype of every engine the bench starts (default: {DEFAULT_DTYPE}). In bfloat16, KV that came from "
+        "a prefix cache, a pull or a recompute differs in the last bits, so greedy answers diverge between modes "
+        "and later prompts differ; float32 keeps them token-exact, so every mode sees the same prompts",
+    )
+    bench.add_argument("--json", default="agentkv-bench.json", help="write the report here ('' for none)")
+    bench.add_argument("--plot", default="agentkv-bench.png", help="draw the plot here ('' for none)")
+
+
+def modes(text: str) -> list[str]:
+    """``--modes``: ``"bidirectional,raw"`` -> ``["bidirectional", "raw"]``, each a known mode."""
+    modes = [mode.strip() for mode in text.split(",") if mode.strip()]
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODES)}"
+        )
+    return modes
+
+
+class BenchProgress:
+    """The bench's progress bar on stderr (tqdm), fed by `run_bench`'s progress calls."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if self._bar is None:
+            self._bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+        self._bar.set_description_str(label, refresh=False)
+        self._bar.update(done - self._bar.n)
+        if done >= total:
+            self._bar.close()
+
+    @staticmethod
+    def log(line: str) -> None:
+        """A line of its own above the bar."""
+        tqdm.write(line, file=sys.stderr)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """one multi-turn workload under each mode, side by side, in one run"""
+    from .._bench import (
+        header,
+        load_replay,
+        make_workload,
+        plot,
+        push_against_pull,
+        run_bench_sync,
+        served_overhead,
+        table,
+    )
+
+    if args.replay:
+        workload = load_replay(args.replay, max_tokens=args.max_tokens or 64, turns=args.turns)
+    else:
+        workload = make_workload(args.workload, turns=args.turns, scale=args.scale, seed=args.seed)
+        if args.max_tokens:
+            workload = dataclasses.replace(workload, max_tokens=args.max_tokens)
+    progress = BenchProgress()
+    report = run_bench_sync(
+        workload,
+        modes=args.modes,
+        sessions=args.sessions,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        progress=progress,
+        log=progress.log,
+    )
+    print(f"\n{header(report)}\n")
+    print(table(report.summaries))
+    if report.floor is not None:
+        print(
+            f"\nfloor: {report.floor.a_s:.3f} s + {report.floor.b_s_per_token * 1000:.2f} ms/token"
+            f" + {report.floor.c_s_per_attended * 1e6:.2f} us per (new token x token it attends to)"
+            " (+ the step's transfer)"
+        )
+    if report.answers_agree:
+        agree = ", ".join(f"{mode} {'yes' if same else 'NO'}" for mode, same in report.answers_agree.items())
+        print(f"greedy answers equal to bidirectional's: {agree}")
+    for line in (served_overhead(report.summaries), push_against_pull(report.summaries)):
+        if line is not None:
+            print(line)
+    if args.json:
+        Path(args.json).write_text(report.model_dump_json(indent=2))
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            plot(report, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError as exc:
+            print(f"agentkv bench: no plot: {exc}", file=sys.stderr)
+    return 0
