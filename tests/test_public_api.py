@@ -7,18 +7,17 @@ door's parts), `agentkv.testing` (test doubles)."""
 from __future__ import annotations
 
 import inspect
+import re
 import subprocess
 import sys
 import types
 import typing
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pydantic
 import pytest
-
-import re
-from pathlib import Path
 
 import agentkv
 import agentkv.engines
@@ -74,7 +73,9 @@ def test_each_public_object_has_one_public_name() -> None:
 
 def test_the_reference_documents_every_public_name() -> None:
     documented = {m for page in REFERENCE.glob("*.md") for m in re.findall(r"^::: (\S+)$", page.read_text(), re.M)}
-    public = {f"{module.__name__}.{name}" for module in PUBLIC_MODULES for name in module.__all__ if name != "__version__"}
+    public = {
+        f"{module.__name__}.{name}" for module in PUBLIC_MODULES for name in module.__all__ if name != "__version__"
+    }
     assert public - documented == set(), "public names missing from docs/reference/"
     assert documented - public == set(), "the reference documents names that are not public"
 
