@@ -31,7 +31,8 @@ from agentkv._bench._records import FloorFit, FloorPoint, StepRecord, first_prom
 from agentkv._bench._runner import FloorSampler
 from agentkv._engines import Engine, PrefillEngine, StepRequest
 from agentkv._engines._base import StepDone, StepEvent, StepTimings, TokenDelta
-from agentkv._engines._pair_config import EngineLaunch, resolve_dtype
+from agentkv._engines._pair_config import EngineLaunch
+from agentkv._engines._platform_settings import resolve_dtype
 from agentkv._stats._stats import StepStats
 from agentkv._surfaces._cli import main
 from agentkv._surfaces._cli_bench import BenchProgress

@@ -33,7 +33,7 @@ import openai
 import pytest
 
 from agentkv import SqliteSessionStore
-from agentkv._engines._pair_config import resolve_dtype
+from agentkv._engines._platform_settings import resolve_dtype
 from agentkv._engines._system import alive, descendants, free_port
 from agentkv._engines._watchdog import _WATCHDOG
 from agentkv._session._session_store import conversation_key

@@ -25,8 +25,8 @@ from agentkv._engines._pair_config import (
     EngineLaunch,
     engine_launch,
     pair_engine_launch,
-    resolve_dtype,
 )
+from agentkv._engines._platform_settings import resolve_dtype
 from agentkv._engines._platforms import (
     CPU_PLATFORM,
     SHARED_DEVICE_MEMORY_FRACTION,

@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 
 from .._engines import Engine
-from .._engines._pair_config import resolve_dtype
+from .._engines._platform_settings import resolve_dtype
 from .._errors import AgentKVError, UserError
 from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
 from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, StepRecord, first_prompt_divergence, summarize

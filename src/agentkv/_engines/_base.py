@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
-from .._errors import EngineDeadError
+from .._errors import EngineDeadError, SessionClosedError
 from .._lifecycle import Lifecycle, LifecycleState
 from ._handle import KVHandle
 from ._placement import Placement, PrefillEngine
@@ -212,6 +212,13 @@ class Engine(Lifecycle, ABC):
     @abstractmethod
     def info(self) -> EngineInfo:
         """The model and capabilities (valid once open)."""
+
+    def _info_once_started(self, info: EngineInfo | None) -> EngineInfo:
+        """`info` of an engine that learns it as it starts: ``info`` once known, else `SessionClosedError`."""
+        if info is None:
+            self._require_open()
+            raise SessionClosedError(f"the {type(self).__name__} is not open")
+        return info
 
     @abstractmethod
     def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:

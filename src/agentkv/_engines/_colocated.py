@@ -12,14 +12,15 @@ from typing import Any
 
 from _agentkv_vllm._cores import CoreTable
 
-from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
+from .._errors import EngineDeadError, UserError
 from .._model import prepare_model_off_loop
-from ._base import Engine, EngineInfo, StepDone, StepEvent, StepRequest, StepTimings
+from ._base import Engine, EngineInfo, StepEvent, StepRequest, StepTimings
 from ._pair_config import check_engine_args, engine_launch
 from ._pair_layer import run_warmup_steps
 from ._platforms import current_platform
 from ._system import available_cores
-from ._vllm import AsyncLLMRunner, DecodeStream, engine_seconds
+from ._vllm import AsyncLLMRunner, DecodeStream
+from ._vllm_readouts import engine_seconds
 from ._vllm_sampling import vllm_sampling
 
 __all__ = ["Colocated"]
@@ -82,9 +83,7 @@ class Colocated(Engine):
 
     @property
     def info(self) -> EngineInfo:
-        if self._info is None:
-            raise SessionClosedError(f"the {type(self).__name__} is not open")
-        return self._info
+        return self._info_once_started(self._info)
 
     @property
     def pids(self) -> set[int]:
@@ -161,10 +160,7 @@ class Colocated(Engine):
             self._dead = exc
             await self.aclose()
             raise
-        output, stats, _ = stream.result()
-        completion = output.outputs[0]
-        if completion.finish_reason not in ("stop", "length"):
-            raise EngineError(f"the engine ended the step with {completion.finish_reason!r}")
+        output, stats, _, completion = stream.finished()
         prefill_s, wait_s, decode_s = engine_seconds(output)
         prompt_tokens = len(request.prompt_token_ids)
         local = stats.num_cached_tokens if stats is not None else min(output.num_cached_tokens or 0, prompt_tokens)
@@ -178,11 +174,4 @@ class Colocated(Engine):
             kv_bytes=0,
             kv_transfer_s=0.0,
         )
-        yield StepDone(
-            token_ids=stream.token_ids,
-            text=stream.text,
-            finish_reason=completion.finish_reason,
-            handle=None,
-            timings=timings,
-            logprobs=stream.logprobs,
-        )
+        yield stream.done(completion, timings)

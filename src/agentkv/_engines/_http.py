@@ -5,9 +5,10 @@ runs). The protocol is the embedded pair's (docs/concepts.md, "Turns, steps, P a
 prompt as token ids with ``max_tokens=1`` and D's handle, D streams the output (token ids
 and text) and, at the end, its new handle.
 
-Three parts: the wire (`PairTransport`: clients, retries, request bodies), what the
-servers are (`ServerCapabilities`, probed once at open) and this engine, which runs steps
-with both. A handle is single use, so a P request that may have reached P is never sent
+Four parts: the wire (`PairTransport`: clients, retries, request bodies), what the
+servers are (`ServerCapabilities`, probed once at open), what a step's replies tell
+(`DecodeAnswer`, `NixlBaseline`: ``_http_answer.py``) and this engine, which runs steps
+with them. A handle is single use, so a P request that may have reached P is never sent
 again with the same handle: the retry goes without it (the step then reports
 ``miss_reason="declined"``). D is retried only when the request surely never arrived
 (connection refused): P's blocks are D's to read once.
@@ -22,11 +23,10 @@ import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._errors import EngineError, EngineUnavailableError, SessionClosedError, UserError
+from .._errors import EngineError, EngineUnavailableError, UserError
 from .._model import prepare_model_off_loop
 from ._base import (
     EngineInfo,
@@ -35,12 +35,11 @@ from ._base import (
     StepEvent,
     StepRequest,
     StepTimings,
-    TokenDelta,
-    TokenLogprob,
     pair_modes,
     prompt_split,
 )
 from ._handle import KVHandle, PushSource, parse_handle, parse_prefill_result, prefill_params, release_params
+from ._http_answer import NOTHING_MOVED, DecodeAnswer, NixlBaseline, local_deadline, moved_kv
 from ._http_capabilities import (
     UNKNOWN_BLOCK_SIZE,
     DecodeCapacity,
@@ -51,10 +50,8 @@ from ._http_capabilities import (
 )
 from ._http_transport import (
     PairTransport,
-    Role,
     ServerReply,
     completion_body,
-    completion_logprobs,
     never_arrived,
     retrying,
     translated,
@@ -62,6 +59,7 @@ from ._http_transport import (
 from ._pair_config import Transfer
 from ._pair_layer import ON_DECODE_PARAMS, PairLayer
 from ._placement import PlacementChoice
+from ._platforms import Role
 from ._push import PushedStep
 from ._vllm_sampling import check_sampling
 
@@ -71,21 +69,6 @@ logger = logging.getLogger("agentkv")
 
 _RELEASE_MAX_TOKENS = 64
 """Far more than P runs before the client's disconnect aborts the request (a finished one keeps its block leased)."""
-
-
-@dataclass
-class _Baseline:
-    """Each server's NIXL totals as of its latest reply (for per-step differences)."""
-
-    totals: dict[str, dict[str, float]] = field(default_factory=dict[str, dict[str, float]])
-
-    def advance(self, role: Role, reply: ServerReply) -> dict[str, float] | None:
-        """Record ``reply``'s totals; return the difference from the previous ones."""
-        now, before = reply.nixl(), self.totals.get(role)
-        if now is None:
-            return None
-        self.totals[role] = {key: max(now[key], (before or now)[key]) for key in now}
-        return None if before is None else {key: now[key] - before[key] for key in now}
 
 
 def stock_decode_streaming_error(decode_url: str) -> UserError:
@@ -139,7 +122,7 @@ class HTTPPair(PairLayer):
         self._urls = ("", "")
         self._capabilities: ServerCapabilities | None = None
         self._info: EngineInfo | None = None
-        self._baseline = _Baseline()
+        self._baseline = NixlBaseline()
         self._in_flight = 0
         self._started_steps = 0
         self._transfer = transfer
@@ -157,10 +140,7 @@ class HTTPPair(PairLayer):
 
     @property
     def info(self) -> EngineInfo:
-        if self._info is None:
-            self._require_open()
-            raise SessionClosedError(f"the {type(self).__name__} is not open")
-        return self._info
+        return self._info_once_started(self._info)
 
     @property
     def decode_streaming(self) -> bool:
@@ -334,7 +314,7 @@ class HTTPPair(PairLayer):
                 request, max_tokens=request.sampling.max_tokens, kv_transfer_params=handoff.as_decode_params()
             )
             outputs = self._decode(body)
-        answer = _Answer(logprobs_count=request.sampling.options.logprobs)
+        answer = DecodeAnswer(logprobs_count=request.sampling.options.logprobs)
         async for delta in answer.collect(outputs):
             yield delta
         if pushed is not None:
@@ -346,7 +326,7 @@ class HTTPPair(PairLayer):
     ) -> AsyncGenerator[StepEvent, None]:
         """The whole step on D's server: its cache holds the pin's whole blocks; it computes the rest and pins."""
         body = self._body(request, max_tokens=request.sampling.max_tokens, kv_transfer_params=ON_DECODE_PARAMS)
-        answer = _Answer(logprobs_count=request.sampling.options.logprobs)
+        answer = DecodeAnswer(logprobs_count=request.sampling.options.logprobs)
         async for delta in answer.collect(self._decode(body)):
             yield delta
         yield self._done(request, answer, started, choice, prefill=None, declined=False)
@@ -354,7 +334,7 @@ class HTTPPair(PairLayer):
     def _done(
         self,
         request: StepRequest,
-        answer: _Answer,
+        answer: DecodeAnswer,
         started: float,
         choice: PlacementChoice,
         *,
@@ -367,7 +347,7 @@ class HTTPPair(PairLayer):
         d_reply = answer.reply
         handle, handle_error = parse_handle(d_reply.kv_transfer_params) if self.info.push_back else (None, None)
         computed_on = prefill or d_reply  # the reply of the server that prefilled the prompt
-        p_moved = self._baseline.advance("prefill", prefill) if prefill is not None else dict(_NOTHING_MOVED)
+        p_moved = self._baseline.advance("prefill", prefill) if prefill is not None else dict(NOTHING_MOVED)
         d_moved = self._baseline.advance("decode", d_reply)
         alone_from = self._alone_from.get(request.request_id)
         alone = alone_from is not None and alone_from == self._started_steps and self._exclusive
@@ -376,7 +356,7 @@ class HTTPPair(PairLayer):
             text="".join(answer.texts),
             finish_reason=answer.finish_reason,
             handle=handle,
-            handle_deadline=_local_deadline(handle, d_reply),
+            handle_deadline=local_deadline(handle, d_reply),
             handle_error=handle_error,
             logprobs=None if answer.logprobs_count is None else answer.logprobs or [],
             timings=StepTimings(
@@ -388,7 +368,7 @@ class HTTPPair(PairLayer):
                 pullback_declined=declined or bool(alone and p_moved and p_moved["expired"] > 0),
                 prefill_engine="prefill" if prefill is not None else "decode",
                 placement_reason=choice.reason,
-                **_moved(p_moved, d_moved, alone=alone),
+                **moved_kv(p_moved, d_moved, alone=alone),
                 # a stock server reports one cached count: local and pulled cannot be told apart (warned at open)
                 **prompt_split(
                     len(request.prompt_token_ids), split=computed_on.split(), cached_tokens=computed_on.cached_tokens
@@ -507,60 +487,5 @@ class HTTPPair(PairLayer):
         return body
 
 
-@dataclass
-class _Answer:
-    """D's answer as it streams: tokens, texts, the finish reason, and D's last reply (its handle)."""
-
-    token_ids: list[int] = field(default_factory=list[int])
-    texts: list[str] = field(default_factory=list[str])
-    first_token_at: float | None = None
-    finish_reason: str | None = None
-    reply: ServerReply = field(default_factory=ServerReply)
-    logprobs_count: int | None = None
-    """The alternatives per token the step asked for (`SamplingOptions.logprobs`); None: no logprobs."""
-    logprobs: list[TokenLogprob] | None = None
-
-    async def collect(self, outputs: AsyncIterator[tuple[Any, ServerReply | None]]) -> AsyncIterator[TokenDelta]:
-        async for choice, reply in outputs:
-            if reply is not None:
-                self.reply = reply
-                continue
-            ids = list(getattr(choice, "token_ids", None) or [])
-            if choice.text and not ids:  # the history is token ids: text alone would break the exact-prefix rule
-                raise EngineError("the decode server returned text without token ids (it needs `return_token_ids`)")
-            if ids and self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
-            self.token_ids.extend(ids)
-            self.texts.append(choice.text)
-            self.finish_reason = choice.finish_reason or self.finish_reason
-            logprobs = None
-            if self.logprobs_count is not None:
-                logprobs = completion_logprobs(getattr(choice, "logprobs", None), self.logprobs_count)
-                if len(logprobs) != len(ids):
-                    raise EngineError(f"the decode server sent logprobs for {len(logprobs)} of {len(ids)} tokens")
-                self.logprobs = [*(self.logprobs or ()), *logprobs]
-            if ids or choice.text:
-                yield TokenDelta(token_ids=ids, text=choice.text, logprobs=logprobs)
-
-
-_NOTHING_MOVED = {"bytes": 0.0, "seconds": 0.0, "expired": 0.0}
-
-
 async def _ready(value: Any) -> Any:
     return value
-
-
-def _moved(p_moved: dict[str, float] | None, d_moved: dict[str, float] | None, *, alone: bool) -> dict[str, Any]:
-    if not alone or p_moved is None or d_moved is None:
-        return {"kv_bytes": None, "kv_transfer_s": None}
-    return {
-        "kv_bytes": int(p_moved["bytes"] + d_moved["bytes"]),
-        "kv_transfer_s": p_moved["seconds"] + d_moved["seconds"],
-    }
-
-
-def _local_deadline(handle: KVHandle | None, reply: ServerReply) -> float | None:
-    clock = (reply.extras or {}).get("clock")
-    if handle is None or clock is None:
-        return None
-    return reply.received_at + (handle.remote_blocks_expiry_time - float(clock))

@@ -24,7 +24,8 @@ from _agentkv_vllm._patches import AUTO_PLACEMENT
 
 from .._errors import EngineError
 from ._base import Sampling
-from ._http_transport import PairTransport, Role, completion_body, retrying, translated
+from ._http_transport import PairTransport, completion_body, retrying, translated
+from ._platforms import Role
 
 __all__ = [
     "UNKNOWN_BLOCK_SIZE",

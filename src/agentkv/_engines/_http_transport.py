@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import openai
@@ -33,11 +33,11 @@ from tenacity import (
 from .._errors import EngineError, EngineUnavailableError, UserError
 from ._base import Sampling, TokenLogprob
 from ._handle import SERVER_EXTRAS_FIELD
+from ._platforms import Role
 from ._vllm_sampling import LOGPROB_FLOOR, top_alternatives
 
 __all__ = [
     "PairTransport",
-    "Role",
     "ServerReply",
     "completion_body",
     "completion_logprobs",
@@ -48,8 +48,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("agentkv")
-
-Role = Literal["prefill", "decode"]
 
 
 @contextlib.contextmanager

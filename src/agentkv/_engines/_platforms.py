@@ -2,7 +2,7 @@
 
 What differs between platforms is decided from a `Platform` value, never from the host
 directly: `current_platform` reads vLLM's (``vllm.platforms.current_platform``) once, at an
-engine's start, and the mapping (`agentkv._engines._pair_config.platform_engine_settings`,
+engine's start, and the mapping (`agentkv._engines._platform_settings.platform_engine_settings`,
 `pair_devices`) is a pure function of it, so tests build a CUDA `Platform` on a machine without
 a GPU. Two platforms are mapped:
 
@@ -30,6 +30,7 @@ __all__ = [
     "SHARED_DEVICE_MEMORY_FRACTION",
     "PairDevices",
     "Platform",
+    "Role",
     "current_platform",
     "pair_devices",
     "resolve_devices",
@@ -47,6 +48,9 @@ SHARED_DEVICE_MEMORY_FRACTION = 0.45
 0.92, is for an engine alone on its device: two would ask for 184% of it)."""
 
 PlatformKind = Literal["cpu", "cuda"]
+
+Role = Literal["prefill", "decode"]
+"""An engine of a pair: P (``"prefill"``) or D (``"decode"``)."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,7 @@ class PairDevices:
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
 
-    def of(self, role: Literal["prefill", "decode"]) -> tuple[str, ...]:
+    def of(self, role: Role) -> tuple[str, ...]:
         return self.prefill if role == "prefill" else self.decode
 
     @property

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from ._handle import SERVER_EXTRAS_FIELD
 
 if TYPE_CHECKING:
-    from ._vllm import TransferStats
+    from ._vllm_readouts import TransferStats
 
 __all__ = ["main"]
 
@@ -84,7 +84,7 @@ def _features_off() -> dict[str, str]:
 
 def _extras(output: Any) -> dict[str, Any]:
     """The ``agentkv`` object for one finished request (a vLLM ``RequestOutput``)."""
-    from ._vllm import engine_seconds
+    from ._vllm_readouts import engine_seconds
 
     stats = _PREFILL_STATS.pop(output.request_id, None)
     prefill_s, wait_s, decode_s = engine_seconds(output)
@@ -109,7 +109,8 @@ def main() -> None:
     """Run vLLM's OpenAI API server (arguments from ``sys.argv``) with agentkv's additions."""
     from _agentkv_vllm._patches import add_server_readouts
 
-    from ._vllm import check_vllm_version, transfer_stat_logger
+    from ._vllm import check_vllm_version
+    from ._vllm_readouts import transfer_stat_logger
 
     check_vllm_version()
     add_server_readouts(

@@ -3,7 +3,9 @@
 It owns what one engine needs from its host: its cores, its NIXL side-channel port, its
 process tree (so close can prove nothing is left), and two read-outs vLLM has but does not
 return per request: the local/external prefix-cache split (``EngineCoreOutput.prefill_stats``,
-read in the output processor) and the NIXL transfer statistics (a stat logger).
+read in the output processor) and the NIXL transfer statistics (a stat logger: see
+``src/agentkv/_engines/_vllm_readouts.py``). `DecodeStream` streams one request of it as a step's
+`TokenDelta`s and ends the step (`DecodeStream.done`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -26,12 +27,14 @@ from _agentkv_vllm._cores import CoreSlot
 from _agentkv_vllm._patches import keep_prefill_stats, stop_output_handler
 
 from .._errors import EngineDeadError, EngineError, EngineStartError, UserError
-from ._base import TokenDelta, TokenLogprob
+from ._base import StepDone, StepTimings, TokenDelta, TokenLogprob
+from ._handle import KVHandle
 from ._pair_config import EngineLaunch
 from ._spawn import SpawnTurn, quiet_env, spawn_turn, stop_signals_blocked
 from ._start_log import record_engine_start
 from ._system import descendants, kill_and_reap, repin_threads
 from ._vllm_features import check_vllm_version, warn_engine_features
+from ._vllm_readouts import Readouts, TransferLedger, transfer_stat_logger
 from ._vllm_sampling import could_stop, first_token_of_prefill, refused, vllm_logprobs, vllm_sampling
 from ._watchdog import forget_pids, stop_watching, watch_pids
 
@@ -41,7 +44,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncLLMRunner",
-    "TransferLedger",
     "check_vllm_version",
     "could_stop",
     "first_token_of_prefill",
@@ -82,23 +84,6 @@ def _stop_first_at_exit() -> None:
 _stop_first_at_exit()
 
 
-@dataclass
-class TransferLedger:
-    """NIXL statistics of one request, when it was alone in flight on its engine."""
-
-    bytes: int = 0
-    seconds: float = 0.0
-    expired: int = 0
-    shared: bool = False
-    """Another request was in flight at the same time: bytes and seconds are not this one's alone."""
-
-
-@dataclass
-class _Readouts:
-    prefill_stats: dict[str, Any] = field(default_factory=dict[str, Any])
-    in_flight: dict[str, TransferLedger] = field(default_factory=dict[str, TransferLedger])
-
-
 class AsyncLLMRunner:
     """One ``AsyncLLM`` with its own cores, port and process tree: a part of an `Engine`, not one.
 
@@ -112,7 +97,7 @@ class AsyncLLMRunner:
         self.side_channel_port = launch.side_channel_port
         self.pids: set[int] = set()
         self._llm: AsyncLLM | None = None
-        self._readouts = _Readouts()
+        self._readouts = Readouts()
         self.core_slot = core_slot
         """The engine's slot in the host's `CoreTable`: the requests in flight, for engines that borrow cores;
         released when the engine stops."""
@@ -356,75 +341,7 @@ class AsyncLLMRunner:
     # ----------------------------------------------------------------- read-outs
 
     def _stat_logger_factory(self) -> Callable[..., Any]:
-        readouts = self._readouts
-        return transfer_stat_logger(lambda data: _attribute(readouts, data))
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    """NIXL statistics of one engine step, summed over its transfers (vLLM ``kv_connector_stats``)."""
-
-    bytes: int
-    seconds: float
-    expired: int
-    """Reads P declined because D's blocks had expired (``num_kv_expired_reqs``)."""
-
-    @classmethod
-    def parse(cls, data: dict[str, Any]) -> TransferStats:
-        return cls(
-            bytes=int(sum(data.get("bytes_transferred", ()))),
-            seconds=float(sum(data.get("transfer_duration", ()))),
-            expired=len(data.get("num_kv_expired_reqs", ())),
-        )
-
-
-def transfer_stat_logger(on_stats: Callable[[TransferStats], None]) -> Callable[..., Any]:
-    """A vLLM stat logger class that hands each step's NIXL statistics to ``on_stats``."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class TransferStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is not type-checked here
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            pass
-
-        def record(
-            self,
-            scheduler_stats: Any,
-            iteration_stats: Any,
-            mm_cache_stats: Any = None,
-            engine_idx: int = 0,
-            *args: Any,
-            **kwargs: Any,
-        ) -> None:
-            data = getattr(scheduler_stats, "kv_connector_stats", None) if scheduler_stats else None
-            if data:
-                on_stats(TransferStats.parse(data))
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return TransferStatLogger
-
-
-def _attribute(readouts: _Readouts, moved: TransferStats) -> None:
-    ledgers = list(readouts.in_flight.values())
-    for ledger in ledgers:
-        ledger.expired += moved.expired
-        if len(ledgers) == 1:
-            ledger.bytes += moved.bytes
-            ledger.seconds += moved.seconds
-        elif moved.bytes:
-            ledger.shared = True
-
-
-def engine_seconds(output: RequestOutput) -> tuple[float | None, float, float | None]:
-    """(prefill_s, wait_s, decode_s) from a finished request's ``RequestStateStats``."""
-    metrics = output.metrics
-    if metrics is None or not metrics.scheduled_ts:
-        return None, 0.0, None
-    prefill = metrics.first_token_ts - metrics.scheduled_ts if metrics.first_token_ts else None
-    wait = max(0.0, metrics.scheduled_ts - metrics.queued_ts)
-    decode = metrics.last_token_ts - metrics.first_token_ts if metrics.first_token_ts else None
-    return prefill, wait, decode
+        return transfer_stat_logger(self._readouts.attribute)
 
 
 class DecodeStream:
@@ -503,3 +420,35 @@ class DecodeStream:
         if self._result is None or self._result[0] is None:
             raise EngineError(f"the {self._engine.name} engine returned no output")
         return self._result
+
+    def finished(self) -> tuple[Any, Any, TransferLedger, Any]:
+        """`result` and the final output's completion; an output that did not end normally is an error."""
+        output, stats, ledger = self.result()
+        completion = output.outputs[0]
+        if completion.finish_reason not in ("stop", "length"):
+            raise EngineError(f"the {self._engine.name} engine ended the step with {completion.finish_reason!r}")
+        return output, stats, ledger, completion
+
+    def done(
+        self,
+        completion: Any,
+        timings: StepTimings,
+        *,
+        first: TokenDelta | None = None,
+        handle: KVHandle | None = None,
+        handle_error: str | None = None,
+    ) -> StepDone:
+        """The step's end: its tokens (``first``, the answer's first token when another engine streamed it,
+        then this stream's), its finish reason and timings, and the handle its engine returned."""
+        logprobs = self.logprobs
+        if first is not None and logprobs is not None:
+            logprobs = [*(first.logprobs or ()), *logprobs]
+        return StepDone(
+            token_ids=[*first.token_ids, *self.token_ids] if first is not None else self.token_ids,
+            text=first.text + self.text if first is not None else self.text,
+            finish_reason=completion.finish_reason,
+            handle=handle,
+            handle_error=handle_error,
+            timings=timings,
+            logprobs=logprobs,
+        )

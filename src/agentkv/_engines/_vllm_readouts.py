@@ -1,0 +1,105 @@
+"""What vLLM has about each request but does not return with it: NIXL transfers and engine times.
+
+NIXL's statistics come per engine step from a stat logger (`transfer_stat_logger`), summed
+over the step's transfers; `Readouts` gives them to the requests in flight (a request's
+`TransferLedger` holds them when it was alone). `engine_seconds` reads a finished request's
+times. The in-process engines (`AsyncLLMRunner` in ``src/agentkv/_engines/_vllm.py``) and
+agentkv's server (``src/agentkv/_engines/_server.py``) read them alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm import RequestOutput
+
+__all__ = ["Readouts", "TransferLedger", "TransferStats", "engine_seconds", "transfer_stat_logger"]
+
+
+@dataclass
+class TransferLedger:
+    """NIXL statistics of one request, when it was alone in flight on its engine."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    expired: int = 0
+    shared: bool = False
+    """Another request was in flight at the same time: bytes and seconds are not this one's alone."""
+
+
+@dataclass
+class Readouts:
+    """One engine's read-outs: the prefill stats of finished requests, and the ledgers of those in flight."""
+
+    prefill_stats: dict[str, Any] = field(default_factory=dict[str, Any])
+    in_flight: dict[str, TransferLedger] = field(default_factory=dict[str, TransferLedger])
+
+    def attribute(self, moved: TransferStats) -> None:
+        """An engine step's transfers: to the request in flight when it is alone, else marked shared."""
+        ledgers = list(self.in_flight.values())
+        for ledger in ledgers:
+            ledger.expired += moved.expired
+            if len(ledgers) == 1:
+                ledger.bytes += moved.bytes
+                ledger.seconds += moved.seconds
+            elif moved.bytes:
+                ledger.shared = True
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """NIXL statistics of one engine step, summed over its transfers (vLLM ``kv_connector_stats``)."""
+
+    bytes: int
+    seconds: float
+    expired: int
+    """Reads P declined because D's blocks had expired (``num_kv_expired_reqs``)."""
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> TransferStats:
+        return cls(
+            bytes=int(sum(data.get("bytes_transferred", ()))),
+            seconds=float(sum(data.get("transfer_duration", ()))),
+            expired=len(data.get("num_kv_expired_reqs", ())),
+        )
+
+
+def transfer_stat_logger(on_stats: Callable[[TransferStats], None]) -> Callable[..., Any]:
+    """A vLLM stat logger class that hands each step's NIXL statistics to ``on_stats``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class TransferStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is not type-checked here
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+            *args: Any,
+            **kwargs: Any,
+        ) -> None:
+            data = getattr(scheduler_stats, "kv_connector_stats", None) if scheduler_stats else None
+            if data:
+                on_stats(TransferStats.parse(data))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return TransferStatLogger
+
+
+def engine_seconds(output: RequestOutput) -> tuple[float | None, float, float | None]:
+    """(prefill_s, wait_s, decode_s) from a finished request's ``RequestStateStats``."""
+    metrics = output.metrics
+    if metrics is None or not metrics.scheduled_ts:
+        return None, 0.0, None
+    prefill = metrics.first_token_ts - metrics.scheduled_ts if metrics.first_token_ts else None
+    wait = max(0.0, metrics.scheduled_ts - metrics.queued_ts)
+    decode = metrics.last_token_ts - metrics.first_token_ts if metrics.first_token_ts else None
+    return prefill, wait, decode
