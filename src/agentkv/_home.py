@@ -21,7 +21,7 @@ from anyio.from_thread import BlockingPortal
 
 from ._errors import UserError
 
-__all__ = ["Background", "EventLoopHome"]
+__all__ = ["Background", "EventLoopHome", "start_background"]
 
 T = TypeVar("T")
 
@@ -169,13 +169,6 @@ class EventLoopHome:
             with contextlib.suppress(RuntimeError):  # the loop closed in between
                 self.loop.call_soon_threadsafe(create)
 
-    def background(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Background:
-        """Start ``fn(*args)`` on this loop, from a task on it, as work that outlives the call that started it (a
-        dead engine's replacement, a reaper): `Background.stop` cancels it and waits for its end, from any task."""
-        work = Background()
-        self.spawn(work.run, fn, *args)
-        return work
-
     def stop(self) -> None:
         """Stop the loop thread (no-op for a borrowed loop)."""
         if self._portal is not None and self._thread is not None:
@@ -184,8 +177,16 @@ class EventLoopHome:
             thread.join(timeout=_CANCEL_GRACE_S)
 
 
+def start_background(home: EventLoopHome, fn: Callable[..., Awaitable[Any]], *args: Any) -> Background:
+    """Start ``fn(*args)`` on ``home``'s loop, from a task on it, as work that outlives the call that started it (a
+    dead engine's replacement, a reaper): `Background.stop` cancels it and waits for its end, from any task."""
+    work = Background()
+    home.spawn(work.run, fn, *args)
+    return work
+
+
 class Background:
-    """Work started by `EventLoopHome.background`: its cancel scope, and an event set when it has ended."""
+    """Work started by `start_background`: its cancel scope, and an event set when it has ended."""
 
     def __init__(self) -> None:
         self._scope = anyio.CancelScope()

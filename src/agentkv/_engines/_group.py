@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from .._errors import EngineDeadError, UserError
-from .._home import Background
+from .._home import Background, start_background
 from ._base import Engine, EngineInfo, EngineState, StepDone, StepEvent, StepRequest
 from ._handle import KVHandle
 
@@ -189,7 +189,9 @@ class EngineGroup(Engine):
         assert self.home is not None  # an open group has its home
         member.replacing = True
         self._replacements = [r for r in self._replacements if not r.ended]
-        self._replacements.append(self.home.background(self._replace_member, member))  # the group's close stops it
+        self._replacements.append(
+            start_background(self.home, self._replace_member, member)
+        )  # the group's close stops it
 
     async def _replace_member(self, member: _Member) -> None:
         assert self._replace is not None

@@ -24,7 +24,7 @@ import anyio.to_thread
 from .._conversation._conversation import Message
 from .._engines import Engine
 from .._errors import SessionBusyError, UserError
-from .._home import Background
+from .._home import Background, start_background
 from ._engine_user import EngineUser
 from ._message_step import MessageRequest, StepOptions
 from ._results import ReasoningDelta, StepReply, ToolCallDelta
@@ -113,7 +113,7 @@ class SessionPool(EngineUser):
     async def _open_resources(self) -> None:
         await self._open_engine()
         assert self.home is not None  # set by open, before the resources are
-        self._reaper = self.home.background(self._reap)
+        self._reaper = start_background(self.home, self._reap)
 
     async def _reap(self) -> None:
         """Close idle sessions as they pass ``idle_ttl_s``, whether or not requests come."""
