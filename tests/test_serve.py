@@ -15,6 +15,7 @@ import pytest
 
 from agentkv import EngineGroup, SessionPool, SqliteSessionStore
 from agentkv._engines._system import free_port
+from agentkv._surfaces._metrics import ServeMetrics
 from agentkv.engines import StepRequest
 from agentkv.serve import FrontDoor
 from agentkv.testing import HonestPairEngine
@@ -331,3 +332,12 @@ def test_serve_gives_its_engines_the_context_length_asked_for(
     assert made[0]["engine_options"] == {"max_model_len": 2048}
     assert main(["serve", "--max-model-len", "2048", "--remote", "http://p:1", "http://d:2"]) == 2
     assert "--remote take their vLLM arguments where they start" in capsys.readouterr().err
+
+
+def test_each_door_counts_in_its_own_registry() -> None:
+    first, second = ServeMetrics(gauges=lambda: {"sessions": 3}), ServeMetrics(gauges=dict)
+    first.error("rate_limit_exceeded")
+    first.error("rate_limit_exceeded")
+    assert 'agentkv_errors_total{kind="rate_limit_exceeded"} 2.0' in first.text()
+    assert 'agentkv_requests_total{outcome="error"} 2.0' in first.text() and "agentkv_sessions 3.0" in first.text()
+    assert "rate_limit_exceeded" not in second.text() and 'agentkv_requests_total{outcome="error"} 0.0' in second.text()

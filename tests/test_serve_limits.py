@@ -298,7 +298,9 @@ def streamed_text(answer: httpx.Response) -> str:
 
 def in_flight(url: str) -> int:
     metrics = get(url + "/metrics").text
-    return int(next(line for line in metrics.splitlines() if line.startswith("agentkv_steps_in_flight ")).split()[1])
+    return int(
+        float(next(line for line in metrics.splitlines() if line.startswith("agentkv_steps_in_flight ")).split()[1])
+    )
 
 
 def test_a_burst_past_the_admission_limit_gets_429s_at_once_and_nothing_leaks() -> None:
@@ -343,7 +345,10 @@ def test_a_burst_past_the_admission_limit_gets_429s_at_once_and_nothing_leaks() 
             else:
                 assert answer.json()["choices"][0]["message"]["content"] == "Done."
         assert in_flight(door.url) == 0 and engine.held == 0
-        assert f'agentkv_errors_total{{kind="rate_limit_exceeded"}} {burst - limit}' in get(door.url + "/metrics").text
+        assert (
+            f'agentkv_errors_total{{kind="rate_limit_exceeded"}} {float(burst - limit)}'
+            in get(door.url + "/metrics").text
+        )
 
         engine.gate.clear()  # clients that leave while their steps are held, streamed or not
 

@@ -82,7 +82,9 @@ def round_of_others(url: str) -> float:
 
 def in_flight(url: str) -> int:
     metrics = httpx.get(url + "/metrics", timeout=WITHIN_S).text
-    return int(next(line.split()[1] for line in metrics.splitlines() if line.startswith("agentkv_steps_in_flight ")))
+    return int(
+        float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("agentkv_steps_in_flight ")))
+    )
 
 
 def test_a_client_that_stops_reading_its_stream_stalls_no_other_conversation() -> None:

@@ -1,6 +1,7 @@
 """An engine's turn to start its process with its environment (src/agentkv/_engines/_spawn.py), on plain child
 processes: the turn ends when the child exists, the child keeps the engine's environment, the next turn starts
-while the first engine still waits, and vLLM's and NIXL's logs are kept to warnings unless the caller asked."""
+while the first engine still waits, vLLM's and NIXL's logs are kept to warnings unless the caller asked, and
+what the engine processes print goes to the engine log, not to the caller's terminal."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from agentkv._engines._spawn import QUIET, quiet_env, spawn_turn
+from agentkv._engines._spawn import OUTPUT_VARIABLE, QUIET, engine_output, quiet_env, spawn_turn
 
 VARIABLE = "AGENTKV_TEST_SPAWN_TURN"
 PRINTS_IT = f"import os, sys; sys.stdin.read(); print(os.environ.get({VARIABLE!r}))"
@@ -36,9 +38,50 @@ def _inherited(child: subprocess.Popen[str]) -> str:
     return out.strip()
 
 
+SPEAKS = "import sys; sys.stdin.read(); print('engine out'); print('engine err', file=sys.stderr)"
+"""A child that waits for its stdin to close (its turn is over by then), then prints on both of its outputs."""
+
+
 @pytest.fixture(autouse=True)
-def _no_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+def _no_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(VARIABLE, raising=False)
+    monkeypatch.setenv(OUTPUT_VARIABLE, str(tmp_path / "engines.log"))
+
+
+def _speaking_child() -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", SPEAKS], stdin=subprocess.PIPE, text=True)
+
+
+def test_what_an_engine_prints_goes_to_the_engine_log_not_to_the_callers_outputs(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    print("caller before", flush=True)
+    with spawn_turn({}) as turn:
+        child = _speaking_child()
+        _wait_for(lambda: turn.cores)
+        print("caller after", flush=True)  # the turn is over: this process's output is its own again
+        child.communicate("", timeout=30)
+    assert turn.log_path == tmp_path / "engines.log"
+    logged = turn.log_path.read_text()
+    assert "engine out" in logged and "engine err" in logged
+    seen = capfd.readouterr()
+    assert seen.out.split() == ["caller", "before", "caller", "after"] and seen.err == ""
+
+
+def test_a_dash_leaves_the_engines_output_inherited(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(OUTPUT_VARIABLE, "-")
+    with spawn_turn({}) as turn:
+        _speaking_child().communicate("", timeout=30)
+    seen = capfd.readouterr()
+    assert turn.log_path is None and (seen.out, seen.err) == ("engine out\n", "engine err\n")
+
+
+def test_the_engine_log_is_under_agentkv_home_by_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(OUTPUT_VARIABLE)
+    monkeypatch.setenv("AGENTKV_HOME", str(tmp_path))
+    assert engine_output() == tmp_path / "logs" / f"engines-{os.getpid()}.log"
 
 
 @pytest.mark.timeout(60)  # a turn held to the block's end would never let the second one start

@@ -21,7 +21,7 @@ from anyio.from_thread import BlockingPortal
 
 from ._errors import UserError
 
-__all__ = ["EventLoopHome"]
+__all__ = ["Background", "EventLoopHome", "start_background"]
 
 T = TypeVar("T")
 
@@ -175,6 +175,38 @@ class EventLoopHome:
             portal, thread, self._portal, self._thread = self._portal, self._thread, None, None
             portal.call(portal.stop)
             thread.join(timeout=_CANCEL_GRACE_S)
+
+
+def start_background(home: EventLoopHome, fn: Callable[..., Awaitable[Any]], *args: Any) -> Background:
+    """Start ``fn(*args)`` on ``home``'s loop, from a task on it, as work that outlives the call that started it (a
+    dead engine's replacement, a reaper): `Background.stop` cancels it and waits for its end, from any task."""
+    work = Background()
+    home.spawn(work.run, fn, *args)
+    return work
+
+
+class Background:
+    """Work started by `start_background`: its cancel scope, and an event set when it has ended."""
+
+    def __init__(self) -> None:
+        self._scope = anyio.CancelScope()
+        self._ended = anyio.Event()
+
+    async def run(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        try:
+            with self._scope:
+                await fn(*args)
+        finally:
+            self._ended.set()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended.is_set()
+
+    async def stop(self) -> None:
+        """Cancel the work and wait until it has unwound."""
+        self._scope.cancel()
+        await self._ended.wait()
 
 
 async def _awaited(fn: Callable[..., Awaitable[T]], *args: Any) -> T:

@@ -68,10 +68,14 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
 }
 
 
+def home_dir() -> Path:
+    """agentkv's own folder: ``$AGENTKV_HOME``, default ``~/.cache/agentkv`` (models, the door's store, logs)."""
+    return Path(os.environ.get("AGENTKV_HOME") or os.path.join(Path.home(), ".cache", "agentkv"))
+
+
 def cache_dir() -> Path:
     """Where prepared model folders live: ``$AGENTKV_HOME/models`` (``~/.cache/agentkv``)."""
-    home = os.environ.get("AGENTKV_HOME") or os.path.join(Path.home(), ".cache", "agentkv")
-    return Path(home) / "models"
+    return home_dir() / "models"
 
 
 def prepare_model(

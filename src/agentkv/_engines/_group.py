@@ -10,7 +10,6 @@ group was told how (``replace``).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from .._errors import EngineDeadError, UserError
+from .._home import Background, start_background
 from ._base import Engine, EngineInfo, EngineState, StepDone, StepEvent, StepRequest
 from ._handle import KVHandle
 
@@ -66,7 +66,7 @@ class EngineGroup(Engine):
         self._owners: dict[str, _Member] = {}
         """D's engine id (named in every handle it issues) -> the member it belongs to."""
         self._info: EngineInfo | None = None
-        self._replacements: set[asyncio.Future[None]] = set()
+        self._replacements: list[Background] = []
 
     # ----------------------------------------------------------------- reading
 
@@ -112,9 +112,8 @@ class EngineGroup(Engine):
         )
 
     async def _stop(self) -> None:
-        for task in list(self._replacements):
-            task.cancel()
-        await asyncio.gather(*self._replacements, return_exceptions=True)
+        for replacement in self._replacements:
+            await replacement.stop()
         for member in self._members:
             await member.engine.aclose()
 
@@ -187,10 +186,12 @@ class EngineGroup(Engine):
         member.pins.clear()
         if self._replace is None or member.replacing or member.given_up or not self.is_open:
             return
+        assert self.home is not None  # an open group has its home
         member.replacing = True
-        task = asyncio.ensure_future(self._replace_member(member))
-        self._replacements.add(task)
-        task.add_done_callback(self._replacements.discard)
+        self._replacements = [r for r in self._replacements if not r.ended]
+        self._replacements.append(
+            start_background(self.home, self._replace_member, member)
+        )  # the group's close stops it
 
     async def _replace_member(self, member: _Member) -> None:
         assert self._replace is not None
@@ -202,7 +203,7 @@ class EngineGroup(Engine):
             successor = self._replace(dead)
             await successor.open(home=self.home)
         except BaseException as exc:
-            member.given_up = not isinstance(exc, asyncio.CancelledError)
+            member.given_up = not isinstance(exc, anyio.get_cancelled_exc_class())
             if member.given_up:
                 logger.warning("agentkv: replacing a dead engine of the group failed; it stays out", exc_info=True)
             if successor is not None:

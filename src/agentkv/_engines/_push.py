@@ -64,6 +64,9 @@ class PushedStep(Generic[T, R]):
         return self._prefill_result
 
     async def __aiter__(self) -> AsyncIterator[T]:
+        # asyncio futures, not an anyio task group: P's half runs on while this generator yields D's outputs, and a
+        # task group may not span a generator's yields (its cancel scope would cancel the consumer's code, and a
+        # generator closed by the loop's finalizer exits it from another task)
         prefill = asyncio.ensure_future(self._prefill_half)
         arrived = asyncio.ensure_future(anext(self._outputs, None))  # D's first output: its KV is there
         try:

@@ -8,6 +8,12 @@ at the same moment. They need not *wait* one at a time, though: most of an engin
 process importing vLLM, then its worker doing the same, loading the model and sizing the KV cache) comes
 after its core exists. `spawn_turn` holds the turn, with the environment set, only until the core exists
 (a watcher thread sees the new child process), so a pair's P and D start side by side.
+
+The same window keeps the engines' own output (vLLM's and NIXL's warnings, Triton and torch notices, NUMA
+binding lines) out of the caller's terminal: while the turn is held, this process's fds 1 and 2 point at the
+engine log (`engine_output`, ``$AGENTKV_HOME/logs/engines-<pid>.log``), so the engine core, and the workers it
+makes, inherit the file instead of the terminal; they are pointed back when the core exists.
+``AGENTKV_ENGINE_OUTPUT=-`` leaves the output inherited, as it was before.
 """
 
 from __future__ import annotations
@@ -16,13 +22,17 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from multiprocessing import resource_tracker
+from pathlib import Path
+from typing import IO
 
+from .._model import home_dir
 from ._system import descendants, is_helper, parent_of
 
-__all__ = ["QUIET", "SpawnTurn", "quiet_env", "spawn_turn", "stop_signals_blocked"]
+__all__ = ["OUTPUT_VARIABLE", "QUIET", "SpawnTurn", "engine_output", "quiet_env", "spawn_turn", "stop_signals_blocked"]
 
 _TURN = threading.Lock()
 """Held by one engine of this process from the start of its build until its engine-core process exists."""
@@ -34,6 +44,22 @@ _POLL_S = 0.05
 QUIET = {"VLLM_LOGGING_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN"}
 """The log levels of the engines agentkv runs in its caller's process: warnings and errors only. vLLM and NIXL
 log at INFO by default, a few hundred lines per engine start, into the caller's terminal."""
+
+
+OUTPUT_VARIABLE = "AGENTKV_ENGINE_OUTPUT"
+"""Where the engines' own output goes: unset, ``$AGENTKV_HOME/logs/engines-<pid>.log``; a path, that file
+(appended to); ``-``, wherever this process's own output goes (the engines inherit it)."""
+
+_vllm_log: IO[str] | None = None
+"""The engine log, opened for vLLM's logger in this process (its warnings go where its engines' go)."""
+
+
+def engine_output() -> Path | None:
+    """The file the engines' output goes to (`OUTPUT_VARIABLE`), or None where they inherit this process's."""
+    value = os.environ.get(OUTPUT_VARIABLE, "")
+    if value == "-":
+        return None
+    return Path(value) if value else home_dir() / "logs" / f"engines-{os.getpid()}.log"
 
 
 def quiet_env() -> dict[str, str]:
@@ -50,6 +76,8 @@ class SpawnTurn:
 
     def __init__(self) -> None:
         self.cores: set[int] = set()
+        self.log_path: Path | None = None
+        """Where the engine's output went (`engine_output`); None where it was inherited."""
 
     def processes(self) -> set[int]:
         """The engine's processes now: its cores and everything below them (workers)."""
@@ -70,6 +98,12 @@ def spawn_turn(env: dict[str, str]) -> Iterator[SpawnTurn]:
     # for the engine core in the instant between its fork and its exec (when it still has this process's command).
     resource_tracker.ensure_running()
     _TURN.acquire()
+    try:
+        turn.log_path = engine_output()
+        terminal = _output_to(turn.log_path)
+    except BaseException:
+        _TURN.release()
+        raise
     before = descendants(os.getpid())
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
@@ -81,6 +115,7 @@ def spawn_turn(env: dict[str, str]) -> Iterator[SpawnTurn]:
             if handed.is_set():
                 return
             turn.cores = found
+            _output_back(terminal)
             for key, old in saved.items():
                 if old is None:
                     os.environ.pop(key, None)
@@ -102,6 +137,50 @@ def spawn_turn(env: dict[str, str]) -> Iterator[SpawnTurn]:
         if not handed.is_set():
             hand_on(_new_children(before))
         watcher.join()
+        if turn.log_path is not None:
+            _vllm_logs_to(turn.log_path)
+
+
+def _output_to(path: Path | None) -> tuple[int, int] | None:
+    """Point fds 1 and 2 at ``path`` (after flushing what Python holds for them); returns the fds they had, kept
+    open as duplicates, or None where ``path`` is None (nothing moved)."""
+    if path is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    _flush()
+    terminal = (os.dup(1), os.dup(2))
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    return terminal
+
+
+def _output_back(terminal: tuple[int, int] | None) -> None:
+    """Point fds 1 and 2 back where they were before `_output_to`."""
+    if terminal is None:
+        return
+    _flush()  # what this process wrote in the window goes to the log, with the engine's
+    for fd, kept in zip((1, 2), terminal, strict=True):
+        os.dup2(kept, fd)
+        os.close(kept)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # closed, or replaced by an object without flush
+            stream.flush()
+
+
+def _vllm_logs_to(path: Path) -> None:
+    """Send the warnings of vLLM's logger in this process (the engines' front ends) to the engine log too: vLLM
+    configures it, on import, to write to the terminal (``sys.stdout``)."""
+    global _vllm_log
+    for handler in logging.getLogger("vllm").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr):
+            if _vllm_log is None or _vllm_log.name != str(path):
+                _vllm_log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115  # kept for the process
+            handler.setStream(_vllm_log)
 
 
 @contextlib.contextmanager

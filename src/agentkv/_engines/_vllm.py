@@ -131,7 +131,8 @@ class AsyncLLMRunner:
             with spawn_turn({**quiet_env(), **self.launch.env}) as turn, stop_signals_blocked():
                 self._llm = self._build()
         except Exception as exc:
-            raise EngineStartError(f"the {self.name} engine did not start: {exc}") from exc
+            log = f" (the engine's output: {turn.log_path})" if turn.log_path is not None else ""
+            raise EngineStartError(f"the {self.name} engine did not start{log}: {exc}") from exc
         finally:
             self.pids = turn.processes()
         _RUNNING.add(self)

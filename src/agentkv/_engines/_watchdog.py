@@ -6,7 +6,8 @@ a small process that holds the read end of a pipe from this process: it learns t
 pids as they start and stop, and when the pipe closes or this process is gone (however it
 ended) it terminates every pid still registered. Both: the engine processes vLLM forks inherit the
 pipe's write end, so while they run the pipe does not close when this process dies; the watchdog then
-sees that its parent changed (an orphan is re-parented).
+sees that its parent changed (an orphan is re-parented). The watchdog's code is in
+``src/agentkv/_engines/_watchdog_process.py``.
 """
 
 from __future__ import annotations
@@ -18,32 +19,15 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 
 __all__ = ["forget_pids", "stop_watching", "watch_pids"]
 
 logger = logging.getLogger("agentkv")
 
-_WATCHDOG = r"""
-import os, signal, sys, threading, time
-pids = set()
-owner = int(sys.argv[1])
-def read():
-    for line in sys.stdin:
-        sign, pid = line[0], int(line[1:])
-        (pids.add if sign == "+" else pids.discard)(pid)
-reader = threading.Thread(target=read, daemon=True)
-reader.start()
-while reader.is_alive() and os.getppid() == owner:
-    reader.join(0.5)
-reader.join(0.5)  # the owner is gone: what it wrote before is still read
-for sig in (signal.SIGTERM, signal.SIGKILL):
-    for pid in list(pids):
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-    time.sleep(3)
-"""
+_WATCHDOG = Path(__file__).with_name("_watchdog_process.py")
+"""The watchdog's own code, run as a script (see its docstring); ``-P``: its folder, whose modules are
+agentkv's, is not put on its import path."""
 
 _lock = threading.Lock()
 _process: subprocess.Popen[str] | None = None
@@ -54,7 +38,7 @@ def _send(lines: Iterable[str]) -> None:
     with _lock:
         if _process is None or _process.poll() is not None:
             _process = subprocess.Popen(
-                [sys.executable, "-c", _WATCHDOG, str(os.getpid())],
+                [sys.executable, "-P", str(_WATCHDOG), str(os.getpid())],
                 stdin=subprocess.PIPE,
                 text=True,
                 start_new_session=True,

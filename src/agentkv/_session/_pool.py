@@ -24,6 +24,7 @@ import anyio.to_thread
 from .._conversation._conversation import Message
 from .._engines import Engine
 from .._errors import SessionBusyError, UserError
+from .._home import Background, start_background
 from ._engine_user import EngineUser
 from ._message_step import MessageRequest, StepOptions
 from ._results import ReasoningDelta, StepReply, ToolCallDelta
@@ -92,7 +93,7 @@ class SessionPool(EngineUser):
         self.store = check_session_store(store)
         self._use_engine(engine)
         self._members: list[_Member] = []
-        self._reaper: asyncio.Future[None] | None = None
+        self._reaper: Background | None = None
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
 
@@ -103,18 +104,18 @@ class SessionPool(EngineUser):
 
     async def _open_resources(self) -> None:
         await self._open_engine()
-        self._reaper = asyncio.ensure_future(self._reap())
+        assert self.home is not None  # set by open, before the resources are
+        self._reaper = start_background(self.home, self._reap)
 
     async def _reap(self) -> None:
         """Close idle sessions as they pass ``idle_ttl_s``, whether or not requests come."""
         while True:
-            await asyncio.sleep(min(self.idle_ttl_s / 2, 30.0))
+            await anyio.sleep(min(self.idle_ttl_s / 2, 30.0))
             await self._close_idle()
 
     async def _close_resources(self) -> None:
         if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
+            await self._reaper.stop()
         members, self._members = self._members, []
         for member in members:
             await member.session.aclose()
@@ -203,6 +204,9 @@ class SessionPool(EngineUser):
         each text piece is a `TextPiece` carrying the log probabilities of the tokens since the last piece
         (all of them are in the reply's ``step.logprobs``).
         """
+        # asyncio, not anyio: the pool's loop (maybe another thread's) feeds this loop's queue through
+        # call_soon_threadsafe, and the step's task outlives each yield of this generator, which an anyio task group
+        # may not span
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[str | ToolCallDelta | ReasoningDelta | StepReply | BaseException] = asyncio.Queue()
 

@@ -1,11 +1,16 @@
-"""What ``agentkv serve`` reports at ``GET /metrics``, in the Prometheus text format (version 0.0.4)."""
+"""What ``agentkv serve`` reports at ``GET /metrics``, in the Prometheus text format (version 0.0.4).
+
+Written by ``prometheus_client``, into a registry of each door's own (not the process-wide one: a process may
+hold several doors, and each counts its own requests).
+"""
 
 from __future__ import annotations
 
-import threading
-from bisect import bisect_left
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from .._stats._stats import StepStats
 
@@ -13,88 +18,77 @@ __all__ = ["ServeMetrics"]
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
+_GAUGE_HELP = {
+    "sessions": "Sessions the door holds.",
+    "pins": "Sessions whose KV is pinned on an engine.",
+    "steps_in_flight": "Model steps running now.",
+    "engines_live": "Engines of the door's group that are running.",
+}
 
-class _Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.total = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.total += value
+class _Gauges(Collector):
+    """The gauges, read from the door at each scrape."""
 
-    def lines(self, name: str) -> list[str]:
-        lines, running = [], 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
-            running += count
-            label = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{name}_bucket{{le="{label}"}} {running}')
-        return [*lines, f"{name}_sum {self.total}", f"{name}_count {running}"]
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, value in self._read().items():
+            yield GaugeMetricFamily(f"agentkv_{name}", _GAUGE_HELP.get(name, name), value=value)
 
 
 class ServeMetrics:
     """Counters of the front door, fed by each step's stats and each failed request (thread-safe)."""
 
     def __init__(self, *, gauges: Callable[[], dict[str, int]]) -> None:
-        self._lock = threading.Lock()
-        self._ttft = _Histogram(_LATENCY_BUCKETS_S)
-        self._itl = _Histogram(_LATENCY_BUCKETS_S)
-        self._tokens: Counter[str] = Counter()
-        self._requests: Counter[str] = Counter()
-        self._errors: Counter[str] = Counter()
-        self._kv_bytes = 0
-        self._gauges = gauges
-        """Read at each scrape: sessions held, pins held."""
+        """``gauges``: read at each scrape (sessions held, pins held, ...)."""
+        self.registry = CollectorRegistry()
+        """This door's metrics alone."""
+        at = self.registry
+        self._ttft = Histogram(
+            "agentkv_ttft_seconds",
+            "Time to first token of each model step (client clock).",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=at,
+        )
+        self._itl = Histogram(
+            "agentkv_itl_seconds",
+            "Mean inter-token latency of each model step (decode time / (tokens - 1)).",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=at,
+        )
+        self._prompt = Counter(
+            "agentkv_prompt_tokens_total", "Prompt tokens by where their KV came from.", ["source"], registry=at
+        )
+        self._output = Counter("agentkv_output_tokens_total", "Tokens generated.", registry=at)
+        self._kv_bytes = Counter("agentkv_kv_bytes_total", "NIXL bytes moved, both directions.", registry=at)
+        self._requests = Counter(
+            "agentkv_requests_total", "Chat-completion requests by outcome.", ["outcome"], registry=at
+        )
+        self._errors = Counter("agentkv_errors_total", "Failed requests by kind.", ["kind"], registry=at)
+        for source in ("local", "pulled", "computed"):
+            self._prompt.labels(source)  # listed at 0 from the start
+        for outcome in ("ok", "error"):
+            self._requests.labels(outcome)
+        at.register(_Gauges(gauges))
 
     def step(self, stats: StepStats) -> None:
         """A request that ran a model step."""
-        with self._lock:
-            self._requests["ok"] += 1
-            self._ttft.observe(stats.ttft_s)
-            if stats.decode_s is not None and stats.output_tokens > 1:
-                self._itl.observe(stats.decode_s / (stats.output_tokens - 1))
-            self._tokens["local"] += stats.local_hit_tokens
-            self._tokens["pulled"] += stats.pulled_tokens
-            self._tokens["computed"] += stats.computed_tokens
-            self._tokens["output"] += stats.output_tokens
-            self._kv_bytes += stats.kv_bytes or 0
+        self._requests.labels("ok").inc()
+        self._ttft.observe(stats.ttft_s)
+        if stats.decode_s is not None and stats.output_tokens > 1:
+            self._itl.observe(stats.decode_s / (stats.output_tokens - 1))
+        self._prompt.labels("local").inc(stats.local_hit_tokens)
+        self._prompt.labels("pulled").inc(stats.pulled_tokens)
+        self._prompt.labels("computed").inc(stats.computed_tokens)
+        self._output.inc(stats.output_tokens)
+        self._kv_bytes.inc(stats.kv_bytes or 0)
 
     def error(self, kind: str) -> None:
         """A request that failed, by the error's kind (its class name, or ``unauthorized``, ...)."""
-        with self._lock:
-            self._requests["error"] += 1
-            self._errors[kind] += 1
+        self._requests.labels("error").inc()
+        self._errors.labels(kind).inc()
 
     def text(self) -> str:
         """The exposition, every metric with its help and type."""
-        with self._lock:
-            lines = [
-                "# HELP agentkv_ttft_seconds Time to first token of each model step (client clock).",
-                "# TYPE agentkv_ttft_seconds histogram",
-                *self._ttft.lines("agentkv_ttft_seconds"),
-                "# HELP agentkv_itl_seconds Mean inter-token latency of each model step (decode time / (tokens - 1)).",
-                "# TYPE agentkv_itl_seconds histogram",
-                *self._itl.lines("agentkv_itl_seconds"),
-                "# HELP agentkv_prompt_tokens_total Prompt tokens by where their KV came from.",
-                "# TYPE agentkv_prompt_tokens_total counter",
-                *(
-                    f'agentkv_prompt_tokens_total{{source="{s}"}} {self._tokens[s]}'
-                    for s in ("local", "pulled", "computed")
-                ),
-                "# HELP agentkv_output_tokens_total Tokens generated.",
-                "# TYPE agentkv_output_tokens_total counter",
-                f"agentkv_output_tokens_total {self._tokens['output']}",
-                "# HELP agentkv_kv_bytes_total NIXL bytes moved, both directions.",
-                "# TYPE agentkv_kv_bytes_total counter",
-                f"agentkv_kv_bytes_total {self._kv_bytes}",
-                "# HELP agentkv_requests_total Chat-completion requests by outcome.",
-                "# TYPE agentkv_requests_total counter",
-                *(f'agentkv_requests_total{{outcome="{o}"}} {self._requests[o]}' for o in ("ok", "error")),
-                "# HELP agentkv_errors_total Failed requests by kind.",
-                "# TYPE agentkv_errors_total counter",
-                *(f'agentkv_errors_total{{kind="{k}"}} {n}' for k, n in sorted(self._errors.items())),
-            ]
-        for name, value in self._gauges().items():
-            lines += [f"# TYPE agentkv_{name} gauge", f"agentkv_{name} {value}"]
-        return "\n".join(lines) + "\n"
+        return generate_latest(self.registry).decode()

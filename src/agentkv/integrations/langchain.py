@@ -417,6 +417,8 @@ def _iterate_blocking(items: AsyncIterator[_Item]) -> Iterator[_Item]:
                 received.put(item)
         except BaseException as exc:  # handed to the reader, who raises it
             received.put(exc)
+        # asyncio: anyio cannot see tasks started outside its task groups (a step's task in
+        # SessionPool.stream_step, the home's fire-and-forget pin releases); they unwind before the loop closes
         others = asyncio.all_tasks() - {asyncio.current_task()}  # a step stopped early, still unwinding
         await asyncio.gather(*others, return_exceptions=True)
 
