@@ -27,7 +27,7 @@ from agentkv._bench import (
     served_overhead,
     table,
 )
-from agentkv._bench._records import FloorFit, FloorPoint, StepRecord, first_prompt_divergence, summarize
+from agentkv._bench._records import FloorFit, FloorPoint, TurnRecord, first_prompt_divergence, summarize
 from agentkv._bench._runner import FloorSampler
 from agentkv._engines import Engine, PrefillEngine, StepRequest
 from agentkv._engines._base import StepDone, StepEvent, StepTimings, TokenDelta
@@ -51,8 +51,8 @@ def _record(
     itl: tuple[float, ...] = (0.1, 0.2),
     output: tuple[int, ...] = (1, 2),
     prompt: str = "",
-) -> StepRecord:
-    return StepRecord(
+) -> TurnRecord:
+    return TurnRecord(
         mode=mode,
         session=session,
         turn=turn,
@@ -228,7 +228,7 @@ def test_a_step_record_carries_where_the_step_was_prefilled() -> None:
         | {"computed_tokens": 44, "output_tokens": 3, "prefill_engine": "decode", "placement_reason": "D cheaper"}
     )
     client: dict[str, Any] = {"session": 0, "turn": 2, "ttft_s": 0.25, "itl_s": [0.01, 0.01], "wall_s": 0.3}
-    record = StepRecord.from_stats(
+    record = TurnRecord.from_stats(
         stats, mode="auto", new_tokens=30, output_token_ids=[5, 6, 7], prompt_digest="d", **client
     )
     assert (record.prefill_engine, record.placement_reason) == ("decode", "D cheaper")
@@ -237,7 +237,7 @@ def test_a_step_record_carries_where_the_step_was_prefilled() -> None:
     assert dumped["prefill_engine"] == "decode" and dumped["placement_reason"] == "D cheaper"
 
 
-def _report(records: list[StepRecord], *, dtype: str | None = "float32") -> BenchReport:
+def _report(records: list[TurnRecord], *, dtype: str | None = "float32") -> BenchReport:
     walls = dict.fromkeys((r.mode for r in records), 3.0)
     return BenchReport(
         workload="agentic",

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 import agentkv
 from agentkv import SessionStats, StepStats, TurnStats, UserError, plot_stats
-from agentkv._bench._records import StepRecord
+from agentkv._bench._records import TurnRecord
 from agentkv._stats._stats import text_table
 from agentkv.engines import StepTimings
 
@@ -131,7 +131,7 @@ def test_the_user_sees_every_engine_measurement_under_its_name() -> None:
 
 def test_a_bench_record_is_the_steps_stats_plus_the_clients_clock() -> None:
     stats = _step(2, kv_bytes=4096, kv_transfer_s=0.02, miss_reason="below_threshold")
-    record = StepRecord.from_stats(
+    record = TurnRecord.from_stats(
         stats,
         mode="bidirectional",
         session=0,
@@ -144,5 +144,5 @@ def test_a_bench_record_is_the_steps_stats_plus_the_clients_clock() -> None:
         prompt_digest="d1",
     )
     assert (record.ttft_s, record.engine_ttft_s) == (0.3, stats.ttft_s)  # the client's clock, and the engine's
-    shared = (StepRecord.model_fields.keys() & StepStats.model_fields.keys()) - {"ttft_s"}
+    shared = (TurnRecord.model_fields.keys() & StepStats.model_fields.keys()) - {"ttft_s"}
     assert record.model_dump(include=shared) == stats.model_dump(include=shared)

@@ -15,7 +15,7 @@ from .._engines import Engine
 from .._engines._platform_settings import resolve_dtype
 from .._errors import AgentKVError, UserError
 from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
-from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, StepRecord, first_prompt_divergence, summarize
+from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, TurnRecord, first_prompt_divergence, summarize
 from ._report import header, plot, push_against_pull, served_overhead, table
 from ._runner import Progress, run_modes
 from ._workloads import WORKLOADS, Workload, load_replay, make_workload
@@ -30,7 +30,7 @@ __all__ = [
     "WORKLOADS",
     "BenchReport",
     "ModeSummary",
-    "StepRecord",
+    "TurnRecord",
     "Workload",
     "header",
     "load_replay",
@@ -132,7 +132,7 @@ async def run_bench(
     )
 
 
-def _answers_agree(records: Sequence[StepRecord]) -> dict[str, bool]:
+def _answers_agree(records: Sequence[TurnRecord]) -> dict[str, bool]:
     reference = {(r.session, r.turn): r.output_token_ids for r in records if r.mode == "bidirectional"}
     if not reference:
         return {}

@@ -150,7 +150,7 @@ class ServedConversation:
     """A conversation sent through the front door by the `openai` client, as an app sends it: the whole
     conversation each turn, streamed, under its own ``x-session-id``; the answer goes back as the
     assistant message. TTFT runs from the HTTP request sent (the client's own work before it, building
-    the request from the messages, is `StepRecord.request_s`) to the first chunk, which the door sends at
+    the request from the messages, is `TurnRecord.request_s`) to the first chunk, which the door sends at
     the model's first token; the step's stats come from the ``agentkv`` object of the last chunk."""
 
     def __init__(self, url: str, pool: SessionPool, model: str, system: str, max_tokens: int) -> None:

@@ -17,7 +17,7 @@ __all__ = [
     "FloorFit",
     "FloorPoint",
     "ModeSummary",
-    "StepRecord",
+    "TurnRecord",
     "first_prompt_divergence",
     "summarize",
 ]
@@ -26,7 +26,7 @@ SERVED_TTFT_TARGET = 1.05
 """The most served's mean TTFT may be over bidirectional's (issue 15: the front door costs at most 5%)."""
 
 
-class StepRecord(BaseModel):
+class TurnRecord(BaseModel):
     """One turn of one session in one mode (each turn is one model call: no tools in the workloads)."""
 
     model_config = ConfigDict(frozen=True)
@@ -68,7 +68,7 @@ class StepRecord(BaseModel):
     """A digest of the prompt's token ids: on the same history every mode must give the model the same prompt."""
 
     @classmethod
-    def from_stats(cls, stats: StepStats, **client_side: Any) -> StepRecord:
+    def from_stats(cls, stats: StepStats, **client_side: Any) -> TurnRecord:
         """The record of a turn's step: what the engine reported (``stats``) plus what the client measured.
 
         Fields named as in `StepStats` come from ``stats``, except ``ttft_s`` (here the client's,
@@ -189,7 +189,7 @@ class BenchReport(BaseModel):
     """The dtype the bench started its engines with, as resolved (``"auto"`` becomes what it chose);
     None when the caller gave the engines."""
     floor: FloorFit | None
-    records: list[StepRecord]
+    records: list[TurnRecord]
     round_wall_s: dict[str, float]
     summaries: list[ModeSummary]
     answers_agree: dict[str, bool]
@@ -212,7 +212,7 @@ def _total(values: Sequence[_Number | None]) -> _Number | None:
 
 
 def summarize(
-    records: Sequence[StepRecord], round_wall_s: dict[str, float], floor: FloorFit | None
+    records: Sequence[TurnRecord], round_wall_s: dict[str, float], floor: FloorFit | None
 ) -> list[ModeSummary]:
     """Per-mode figures over turns 2+ (turn 1 has nothing to reuse in any mode)."""
     modes = list(dict.fromkeys(r.mode for r in records))
@@ -268,7 +268,7 @@ def summarize(
     return summaries
 
 
-def _second_tokens(rows: Sequence[StepRecord]) -> list[float]:
+def _second_tokens(rows: Sequence[TurnRecord]) -> list[float]:
     return [r.ttft_s + r.itl_s[0] for r in rows if r.itl_s]
 
 
@@ -279,7 +279,7 @@ def _ratio(values: dict[str, float], mode: str, reference: str) -> float | None:
     return values[mode] / values[reference]
 
 
-def first_prompt_divergence(records: Sequence[StepRecord]) -> str | None:
+def first_prompt_divergence(records: Sequence[TurnRecord]) -> str | None:
     """Where a mode first gave the model another prompt than bidirectional on the same history, or None.
 
     A session's turns are compared until its answer differs from bidirectional's (possible outside

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .._stats._plots import plot_turns
 from .._stats._stats import text_table
-from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, StepRecord
+from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, TurnRecord
 
 __all__ = ["header", "per_turn", "plot", "push_against_pull", "served_overhead", "table"]
 
@@ -156,7 +156,7 @@ def push_against_pull(summaries: Sequence[ModeSummary]) -> str | None:
     return "; ".join(parts) or None
 
 
-def per_turn(records: Sequence[StepRecord]) -> dict[str, list[tuple[int, float, float]]]:
+def per_turn(records: Sequence[TurnRecord]) -> dict[str, list[tuple[int, float, float]]]:
     """Per mode: (turn, mean TTFT over sessions, reuse ratio over sessions) for each turn."""
     series: dict[str, list[tuple[int, float, float]]] = {}
     for mode in dict.fromkeys(r.mode for r in records):

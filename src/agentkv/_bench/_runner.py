@@ -26,7 +26,7 @@ from .._session._session import Session, load_tokenizer
 from .._surfaces._serve import FrontDoor
 from ._conversations import BenchConversation, Clock, RawConversation, ServedConversation, SessionConversation, drain
 from ._modes import SESSION_MODES, open_engines
-from ._records import FloorFit, FloorPoint, StepRecord
+from ._records import FloorFit, FloorPoint, TurnRecord
 from ._workloads import Workload
 
 __all__ = ["FloorSampler", "Progress", "run_modes"]
@@ -51,14 +51,14 @@ class _Lane:
     previous_end: list[int]
     """Per session: prompt tokens plus output tokens of its last turn (what the next turn extends)."""
 
-    async def turn(self, index: int, turn: int, message: str) -> StepRecord:
+    async def turn(self, index: int, turn: int, message: str) -> TurnRecord:
         clock = Clock()
         answer = await self.conversations[index].turn(message, clock)
         wall = time.perf_counter() - clock.started
         stats = answer.stats
         new_tokens = stats.prompt_tokens - self.previous_end[index]
         self.previous_end[index] = stats.prompt_tokens + len(answer.output)
-        return StepRecord.from_stats(
+        return TurnRecord.from_stats(
             stats,
             mode=self.mode,
             session=index,
@@ -141,7 +141,7 @@ async def run_modes(
     engines: Mapping[str, Engine] | None,
     progress: Progress,
     log: Callable[[str], None],
-) -> tuple[list[StepRecord], dict[str, float], FloorFit | None]:
+) -> tuple[list[TurnRecord], dict[str, float], FloorFit | None]:
     """Replay the workload in every mode; return the records, each mode's round wall time, the floor."""
     async with open_engines(modes, given=engines, max_model_len=max_model_len, dtype=dtype, progress=log) as by_mode:
         floor = None
@@ -151,7 +151,7 @@ async def run_modes(
             await floor.sample()
         async with contextlib.AsyncExitStack() as opened:
             lanes = await _open_lanes(workload, by_mode, sessions, opened)
-            records: list[StepRecord] = []
+            records: list[TurnRecord] = []
             walls = dict.fromkeys(modes, 0.0)
             total = len(workload.turns) * len(modes) * sessions
             for turn, message in enumerate(workload.turns, start=1):
@@ -169,7 +169,7 @@ async def run_modes(
         return records, walls, floor.fit() if floor is not None else None
 
 
-async def _collect(lane: _Lane, index: int, turn: int, message: str, records: list[StepRecord]) -> None:
+async def _collect(lane: _Lane, index: int, turn: int, message: str, records: list[TurnRecord]) -> None:
     records.append(await lane.turn(index, turn, message))
 
 
