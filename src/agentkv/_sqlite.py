@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from ._errors import StoreUnavailableError, UserError
-from ._model import cache_dir
+from ._model import home_dir
 
 __all__ = [
     "STORE_TIMEOUT_S",
@@ -44,7 +44,7 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 def default_store_path() -> Path:
     """Where ``agentkv serve`` keeps sessions and responses by default: ``$AGENTKV_HOME/serve.sqlite3``."""
-    return cache_dir().parent / "serve.sqlite3"
+    return home_dir() / "serve.sqlite3"
 
 
 def store_path(path: str | Path) -> Path:

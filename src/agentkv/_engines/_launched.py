@@ -15,7 +15,7 @@ import anyio
 import anyio.to_thread
 
 from .._errors import UserError
-from .._model import cache_dir, prepare_model_off_loop
+from .._model import home_dir, prepare_model_off_loop
 from ._http import HTTPPair
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
 from ._platforms import PairDevices, Platform, current_platform, pair_devices
@@ -127,7 +127,7 @@ class LaunchedPair(HTTPPair):
     async def _start(self) -> None:
         model_path = await prepare_model_off_loop(self._model, progress=self._progress)
         if self._log_dir is None:
-            self._log_dir = cache_dir().parent / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self._tag}"
+            self._log_dir = home_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self._tag}"
         self._platform = current_platform()
         placement: dict[str, Any]
         if self._platform.pins_cores:
