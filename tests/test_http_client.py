@@ -7,6 +7,9 @@ agentkv sends, when it retries, and what it tells the user.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import inspect
 import json
 import logging
 import socket
@@ -15,6 +18,8 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -23,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentkv import EngineError, EngineUnavailableError, RemotePair, Session, UserError
+from agentkv._engines._http_transport import PairTransport
 
 ANSWER_IDS = [12095, 30, 2]  # any ids: the session only needs them back exactly
 
@@ -291,3 +297,37 @@ def test_a_server_that_returns_no_token_ids_is_refused() -> None:
         with pytest.raises(EngineError, match="no token ids"):
             pair.__enter__()
         assert not pair.is_open and not d.bodies
+
+
+def _suspended_http_generators() -> list[str]:
+    return [
+        obj.__qualname__
+        for obj in gc.get_objects()
+        if inspect.isasyncgen(obj)
+        and obj.ag_frame is not None
+        and any(part in obj.ag_code.co_filename for part in ("openai", "httpx", "httpcore"))
+    ]
+
+
+@pytest.mark.anyio
+async def test_a_stream_left_early_leaves_no_generator_for_the_garbage_collector(
+    servers: tuple[ScriptedServer, ScriptedServer],
+) -> None:
+    """A pin release reads one chunk and closes the stream. Every generator under it must end on the loop:
+    one left in a reference cycle is finalized by the cyclic collector in whatever thread runs it, and from
+    another thread that raced with the loop ("async generator already executing", seen in CI)."""
+    _, d = servers
+    transport = PairTransport(attempts=1, step_timeout_s=30.0)
+    await transport.connect((d.url, d.url))
+    body = {"model": "scripted", "prompt": [1, 2], "max_tokens": 3, "extra_body": {"kv_transfer_params": {}}}
+    gc.collect()
+    before = _suspended_http_generators()
+    try:
+        async with contextlib.aclosing(transport.stream("decode", body)) as chunks:
+            async for _ in chunks:
+                break
+        for _ in range(50):  # each closed generator's finalizer closes the next one down on a later iteration
+            await anyio.lowlevel.checkpoint()
+        assert _suspended_http_generators() == before
+    finally:
+        await transport.close()

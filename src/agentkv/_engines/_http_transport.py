@@ -12,6 +12,7 @@ choice (`transient` or `never_arrived`): a KV handle is single use.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import time
@@ -279,7 +280,7 @@ class PairTransport:
             async for attempt in retrying(attempts=self.attempts, role=role, only=never_arrived):
                 with attempt:
                     stream = await client.completions.create(**body, stream=True)
-        chunks = aiter(stream)
+        chunks = _events_of(stream)
         try:
             while True:
                 with anyio.fail_after(self.step_timeout_s), translated(role):
@@ -295,8 +296,22 @@ class PairTransport:
         except TimeoutError as exc:
             raise EngineError(f"the {role} server sent nothing for {self.step_timeout_s} s") from exc
         finally:
-            # the chunk iterator too, not only the response: a consumer that stops early (or a timeout) leaves it
-            # suspended, and the garbage collector would finalize it later, on a loop that may be gone
+            # the event generator too, not only the response: see `_events_of`
             with anyio.CancelScope(shield=True):
                 await chunks.aclose()
                 await stream.close()
+
+
+def _events_of(stream: Any) -> Any:
+    """The ``openai`` stream's own event generator, closed by our ``aclose`` with everything under it.
+
+    ``aiter(stream)`` wraps that generator in another, and closing the wrapper leaves it (and
+    httpx's generators under it) suspended in a reference cycle with the stream, for the cyclic
+    garbage collector to finalize later, in whatever thread it runs: from another thread than
+    the loop's, that raced with the loop ("Exception ignored in: <async_generator object
+    AsyncResponseStream.__aiter__>: async generator already executing", seen in CI). Closed
+    here, the generators under it are freed as their references go, on the loop.
+    ``_iterator`` is the SDK's private name for it; without it, the wrapper.
+    """
+    events = getattr(stream, "_iterator", None)
+    return events if inspect.isasyncgen(events) else aiter(stream)  # both have aclose
