@@ -167,7 +167,7 @@ class _BlockCacheEngine:
         self.prompts.append(prompt)
         yield TokenDelta(token_ids=[7], text="x")
         timings = StepTimings(ttft_s=0.0, local_hit_tokens=cached, computed_tokens=len(prompt) - cached)
-        yield StepDone(token_ids=[7], text="x", finish_reason="length", handle=None, timings=timings)
+        yield StepDone(token_ids=[7], text="x", finish_reason="length", timings=timings)
 
     @staticmethod
     def _common_blocks(prompt: list[int], seen: list[int]) -> int:

@@ -21,7 +21,8 @@ import pytest
 from _agentkv_vllm._patches import stop_output_handler
 from agentkv import EmbeddedPair, EngineError, PairConfig, UserError
 from agentkv._engines import StepDone, StepRequest, TokenDelta
-from agentkv._engines._base import Sampling
+from agentkv._engines._base import Pin, Sampling
+from agentkv._engines._handle import handle_of
 from agentkv._engines._pair_config import engine_launch
 from agentkv._engines._pair_layer import run_warmup_steps
 from agentkv._engines._vllm import AsyncLLMRunner
@@ -86,7 +87,7 @@ class FakePair(EmbeddedPair):
 
     async def _start(self) -> None:
         self._p, self._d = self.p, self.d
-        self._info = SimpleNamespace(push_back=True)  # type: ignore[assignment]
+        self._info = SimpleNamespace(pins=True)  # type: ignore[assignment]
         self._placement_off = None  # as `_know_started` finds it on a vLLM with auto placement's targets
 
     async def _stop(self) -> None:
@@ -105,12 +106,12 @@ def decode_with(handle: dict[str, Any] | None, nbytes: int = 0) -> Script:
     return decode
 
 
-def request(prompt: list[int] | None = None, handle: Any = None) -> StepRequest:
+def request(prompt: list[int] | None = None, pin: Pin | None = None) -> StepRequest:
     return StepRequest(
         request_id=f"r{id(object())}",
         prompt_token_ids=prompt or [1] * 40,
         sampling=Sampling(max_tokens=3),
-        handle=handle,
+        pin=pin,
     )
 
 
@@ -167,7 +168,7 @@ async def test_a_malformed_handle_keeps_the_answer_and_drops_push_back() -> None
     async with pair:
         done = await run_step(pair, request())
     assert list(done.token_ids) == [5, 11, 12, 13] and done.finish_reason == "length"
-    assert done.handle is None and done.handle_error and "remote_host" in done.handle_error
+    assert done.pin is None and done.pin_error and "remote_host" in done.pin_error
 
 
 async def test_release_asks_p_for_a_notify_only_read_then_aborts_it() -> None:
@@ -182,12 +183,12 @@ async def test_release_asks_p_for_a_notify_only_read_then_aborts_it() -> None:
     expiring = d_reply(remote_blocks_expiry_time=time.perf_counter() + 5)
     pair = FakePair(prefill, decode_with(expiring), pin_ttl_s=60)
     async with pair:
-        handle = (await run_step(pair, request())).handle
-        assert handle is not None
-        await pair.release(handle)
+        pin = (await run_step(pair, request())).pin
+        assert pin is not None
+        await pair.release(pin)
         assert len(pair.p_llm.requests) == 1  # only the step's prefill: an expiring pin is left to expire
-        live = handle.model_copy(update={"remote_blocks_expiry_time": time.perf_counter() + 60})
-        await pair.release(live)
+        live = handle_of(pin).model_copy(update={"remote_blocks_expiry_time": time.perf_counter() + 60})
+        await pair.release(Pin(tokens=pin.tokens, expires_at=live.remote_blocks_expiry_time, ref=live))
     prompt, params, request_id = pair.p_llm.requests[-1]
     sent = params.extra_args["kv_transfer_params"]
     assert len(prompt) == 1 and sent["remote_num_tokens"] == 0 and sent["remote_request_id"] == live.remote_request_id
@@ -198,9 +199,9 @@ async def test_release_asks_p_for_a_notify_only_read_then_aborts_it() -> None:
 async def test_release_after_close_does_nothing() -> None:
     pair = FakePair(prefill_ok, decode_with(d_reply()))
     async with pair:
-        handle = (await run_step(pair, request())).handle
-    assert handle is not None
-    await pair.release(handle)
+        pin = (await run_step(pair, request())).pin
+    assert pin is not None
+    await pair.release(pin)
     assert len(pair.p_llm.requests) == 1
 
 
@@ -282,7 +283,7 @@ async def test_stop_strings_go_to_d_and_the_prefill_token_is_used_only_when_no_s
 
 async def test_a_step_on_d_alone_sends_d_the_prompt_marked_for_a_pin_and_releases_the_old_one() -> None:
     from _agentkv_vllm._patches import PIN_ON_DECODE
-    from agentkv._engines._handle import parse_handle
+    from agentkv._engines._handle import parse_handle, pin_of
 
     old, _ = parse_handle(d_reply(remote_num_tokens=300, remote_blocks_expiry_time=time.perf_counter() + 300))
     assert old is not None
@@ -292,7 +293,7 @@ async def test_a_step_on_d_alone_sends_d_the_prompt_marked_for_a_pin_and_release
             request_id="r-on-d",
             prompt_token_ids=[1] * 340,
             sampling=Sampling(max_tokens=3),
-            handle=old,
+            pin=pin_of(old),
             placement="decode",
         )
         done = await run_step(pair, req)
@@ -303,7 +304,7 @@ async def test_a_step_on_d_alone_sends_d_the_prompt_marked_for_a_pin_and_release
     d_prompt, d_params, d_id = pair.d_llm.requests[0]
     assert d_prompt == [1] * 340 and d_id.endswith("-dl")  # the whole prompt, no P hop
     assert d_params.extra_args["kv_transfer_params"][PIN_ON_DECODE] is True
-    assert list(done.token_ids) == [11, 12, 13] and done.handle is not None
+    assert list(done.token_ids) == [11, 12, 13] and done.pin is not None
     assert done.timings.prefill_engine == "decode" and done.timings.placement_reason == "asked"
     assert done.timings.pulled_tokens == 0 and done.timings.handoff_tokens == 0
     released = pair.p_llm.requests[0][1].extra_args["kv_transfer_params"]
@@ -339,14 +340,14 @@ async def test_a_pin_released_to_make_room_is_never_pushed_back() -> None:
 
     pair = FakePair(prefill, decode, max_pinned_blocks=5, pin_ttl_s=60)
     async with pair:
-        a = (await run_step(pair, request())).handle
+        a = (await run_step(pair, request())).pin
         await run_step(pair, request())  # a (3 blocks) + this step's 1 fit under 5
         await run_step(pair, request())  # a + b = 6 do not: a is released
         with anyio.fail_after(5):
             await a_released.wait()
         assert sent_to_p()[-1]["remote_num_tokens"] == 0  # the notify-only read that frees a pin
         assert a is not None
-        done = await run_step(pair, request(handle=a))
+        done = await run_step(pair, request(pin=a))
     assert done.timings.pin_evicted and not done.timings.stats_fields().get("pin_evicted")
     assert "remote_request_id" not in sent_to_p()[-1]  # the step's prefill went without the handle
 

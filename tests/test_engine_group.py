@@ -38,7 +38,7 @@ def test_conversations_spread_over_the_pairs_and_stay_on_theirs() -> None:
     pairs = [HonestPairEngine(answer), HonestPairEngine(answer)]
     group = EngineGroup(pairs)
     with SessionPool(engine=group) as pool:
-        assert group.live == 2 and group.info.extra["engines"] == 2
+        assert group.live == 2 and group.info.details["engines"] == 2
         for name in ("a", "b", "c", "d"):
             two_turns(pool, name)
     assert all(len(pair.steps) == 4 for pair in pairs)  # sequential steps: in-flight ties go to the first

@@ -19,8 +19,9 @@ import anyio
 import pytest
 
 from agentkv import EmbeddedPair, EngineDeadError, EngineError, LifecycleState, Session, TextDelta
+from agentkv._engines._handle import handle_of, pin_of
 from agentkv._engines._pair_layer import run_warmup_steps
-from agentkv._engines._pinning import Pin
+from agentkv._engines._pinning import HeldPin
 from agentkv._engines._system import alive
 from agentkv.testing import HonestPairEngine
 from freed import assert_ports_freed, running_pids
@@ -76,12 +77,12 @@ async def test_a_cancelled_scope_during_a_turn_releases_its_pin(model_path: Path
 
 
 def _forge_pin(session: Session, *, handle_expires_in_s: float, session_deadline_in_s: float) -> None:
-    """Make the session's pin expire (as P sees it: the handle; as the session sees it: the deadline)."""
-    pin = session._pin
-    assert pin is not None, "the session holds no pin"
+    """Make the session's pin expire (as P sees it: the handle; as the session sees it: `Pin.expires_at`)."""
+    held = session._pin
+    assert held is not None, "the session holds no pin"
     now = time.perf_counter()
-    handle = pin.handle.model_copy(update={"remote_blocks_expiry_time": now + handle_expires_in_s})
-    session._pin = Pin(handle, pin.tokens, now + session_deadline_in_s)
+    handle = handle_of(held.pin).model_copy(update={"remote_blocks_expiry_time": now + handle_expires_in_s})
+    session._pin = HeldPin(pin_of(handle, deadline=now + session_deadline_in_s), held.token_ids)
 
 
 @pytest.mark.pair

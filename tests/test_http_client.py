@@ -205,11 +205,11 @@ def test_a_stock_server_keeps_push_back_without_token_streaming(caplog: pytest.L
     with ScriptedServer("prefill", agentkv=False) as p, ScriptedServer("decode", agentkv=False) as d:
         with caplog.at_level(logging.WARNING, logger="agentkv"):
             with RemotePair(p.url, d.url, decode_streaming=False, warmup=False) as pair:
-                assert pair.server_kind == "vllm" and pair.handle_in_stream is False and pair.info.push_back
+                assert pair.server_kind == "vllm" and pair.handle_in_stream is False and pair.info.pins
                 with Session(engine=pair, max_tokens=8) as session:
                     session.run_sync("Capital of France?")
                     second = session.run_sync("And of Italy?")
-                assert pair.info.push_back
+                assert pair.info.pins
         assert [_sent_handle(body) for body in p.bodies] == [False, True]
         assert second.steps[0].stats.handle_forwarded
         assert not any(body.get("stream") for body in d.bodies)
@@ -228,7 +228,7 @@ def test_agentkvs_own_servers_without_the_streamed_handle_take_each_answer_whole
     with ScriptedServer("prefill") as p, ScriptedServer("decode", agentkv=False) as d:
         with caplog.at_level(logging.WARNING, logger="agentkv"):
             with OwnServers(p.url, d.url, warmup=False) as pair, Session(engine=pair, max_tokens=8) as session:
-                assert not pair.decode_streaming and pair.info.push_back
+                assert not pair.decode_streaming and pair.info.pins
                 session.run_sync("Capital of France?")
                 second = session.run_sync("And of Italy?")
         assert second.steps[0].stats.handle_forwarded
@@ -244,7 +244,7 @@ def test_what_the_pair_decided_at_open_never_changes(servers: tuple[ScriptedServ
         before = pair.capabilities
         session.run_sync("Capital of France?")
         second = session.run_sync("And of Italy?")
-        assert pair.capabilities == before and pair.info.push_back and pair.handle_in_stream is True
+        assert pair.capabilities == before and pair.info.pins and pair.handle_in_stream is True
     assert second.steps[0].stats.miss_reason == "no_handle"
     d.handle = True
 

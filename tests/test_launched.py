@@ -15,6 +15,7 @@ import pytest
 
 from agentkv import EmbeddedPair, EngineUnavailableError, LaunchedPair, RemotePair, Session, TextDelta, TurnResult
 from agentkv._engines._system import alive
+from agentkv._session._modes import modes_of
 from test_pair import (
     MAX_TOKENS,
     QUESTIONS,
@@ -76,9 +77,9 @@ def test_a_remote_pair_drives_servers_it_did_not_start(launched: LaunchedPair) -
     ):
         assert remote.server_kind == "agentkv" and remote.handle_in_stream is True  # probed at open
         assert remote._capacity() == launched._capacity()  # D's size, from its /metrics
-        assert "auto" in remote.info.modes  # D's server says it can pin a step it prefills alone
+        assert "auto" in modes_of(remote.info)  # D's server says it can pin a step it prefills alone
         results = _run(session)
-        assert remote.info.push_back
+        assert remote.info.pins
     for later in results[1:]:
         step = later.steps[0].stats
         assert step.pulled_tokens > 0 and step.miss_reason is None
@@ -90,13 +91,13 @@ def test_the_launched_pair_knows_d_s_size_and_bounds_its_pins(launched: Launched
     released and its conversation recomputes, as on the embedded pair (the pair layer is the same)."""
     blocks, block_size = launched._capacity()
     assert blocks is not None and blocks > 0 and block_size == 128  # vLLM's CPU block
-    assert launched.info.extra["decode_kv_blocks"] == blocks
+    assert launched.info.details["decode_kv_blocks"] == blocks
     check_pin_budget_evicts_the_oldest(launched)
 
 
 def test_a_step_on_d_alone_over_http(launched: LaunchedPair) -> None:
     """Placed on D's server, a step reuses D's whole blocks of the pin and answers as P would; auto mode serves."""
-    assert "auto" in launched.info.modes
+    assert "auto" in modes_of(launched.info)
     assert launched.home is not None
     launched.home.call(steps_on_d_and_p, launched)
 

@@ -52,7 +52,7 @@ def test_a_launched_push_pair_across_the_link_and_a_remote_one_on_its_servers_pu
         launch_prefixes=hosts.launch_prefixes,
         server_env={"UCX_TLS": "tcp"},  # no shared-memory shortcut between the "hosts"
     ) as pushing:
-        assert pushing.info.extra["transfer"] == "push"
+        assert pushing.info.details["transfer"] == "push"
         answers: dict[str, list[list[int]]] = {}
         with Session(engine=pushing, system=SYSTEM, max_tokens=MAX_TOKENS, cache_salt="launched-push") as session:
             on_the_link = hosts.link_bytes()

@@ -11,7 +11,8 @@ import anyio
 import pytest
 
 from agentkv import EmbeddedPair, Session
-from agentkv._engines import Engine, KVHandle, Placement, Sampling, StepDone, StepRequest, TokenDelta
+from agentkv._engines import Engine, Placement, Sampling, StepDone, StepRequest, TokenDelta
+from agentkv.engines import Pin
 
 pytestmark = pytest.mark.pair
 
@@ -24,13 +25,13 @@ BLOCK = 128  # vLLM's CPU block size
 
 
 async def _step(
-    pair: Engine, prompt: Sequence[int], handle: KVHandle | None, placement: Placement, salt: str
+    pair: Engine, prompt: Sequence[int], pin: Pin | None, placement: Placement, salt: str
 ) -> tuple[StepDone, list[int]]:
     request = StepRequest(
         request_id=f"test-{uuid.uuid4().hex}",
         prompt_token_ids=list(prompt),
         sampling=Sampling(max_tokens=MAX_TOKENS),
-        handle=handle,
+        pin=pin,
         cache_salt=salt,
         placement=placement,
     )
@@ -65,7 +66,7 @@ def test_auto_mode_answers_as_bidirectional_and_says_where_each_step_ran(pair: E
 
 def test_a_step_on_d_alone_matches_p_and_pins_the_longer_conversation(pair: EmbeddedPair) -> None:
     """Placed on D, a step reuses D's whole blocks of the pin, computes the rest, answers as P would, and
-    returns a handle that the next step (on P) pulls from."""
+    returns a pin that the next step (on P) pulls from."""
     assert pair.home is not None
     pair.home.call(steps_on_d_and_p, pair)
 
@@ -75,11 +76,11 @@ async def steps_on_d_and_p(pair: Engine) -> None:
     released at the end. For any pair kind (tests/test_launched.py runs it on the launched servers)."""
     base_prompt = [1] + [(i * 7919) % 20000 + 100 for i in range(300)]
     first, _ = await _step(pair, base_prompt, None, "prefill", "on-d")
-    assert first.handle is not None
-    held = first.handle.remote_num_tokens
+    assert first.pin is not None
+    held = first.pin.tokens
     prompt = base_prompt + list(first.token_ids) + [(i * 104729) % 20000 + 100 for i in range(40)]
 
-    on_d, streamed = await _step(pair, prompt, first.handle, "decode", "on-d")
+    on_d, streamed = await _step(pair, prompt, first.pin, "decode", "on-d")
     reference, _ = await _step(pair, prompt, None, "prefill", "reference")
 
     assert list(on_d.token_ids) == list(reference.token_ids) == streamed
@@ -87,14 +88,14 @@ async def steps_on_d_and_p(pair: Engine) -> None:
     assert timings.prefill_engine == "decode" and timings.pulled_tokens == 0 and timings.handoff_tokens == 0
     assert timings.local_hit_tokens == held // BLOCK * BLOCK
     assert timings.local_hit_tokens + timings.computed_tokens == len(prompt)
-    assert on_d.handle is not None and on_d.handle.remote_num_tokens == len(prompt) + len(on_d.token_ids) - 1
+    assert on_d.pin is not None and on_d.pin.tokens == len(prompt) + len(on_d.token_ids) - 1
 
     longer = prompt + list(on_d.token_ids) + [7, 8, 9]
-    after, _ = await _step(pair, longer, on_d.handle, "prefill", "on-d")
+    after, _ = await _step(pair, longer, on_d.pin, "prefill", "on-d")
     assert after.timings.prefill_engine == "prefill" and after.timings.pulled_tokens > 0
-    assert after.handle is not None and reference.handle is not None
-    await pair.release(after.handle)
-    await pair.release(reference.handle)
+    assert after.pin is not None and reference.pin is not None
+    await pair.release(after.pin)
+    await pair.release(reference.pin)
     if isinstance(pair, EmbeddedPair):
         assert await _d_holds_no_block(pair)  # every pin freed: the steps on D included
 
@@ -113,9 +114,9 @@ def test_each_worker_computes_from_its_own_first_core(pair: EmbeddedPair) -> Non
     """Elastic cores: an engine's thread team starts on its own cores (vLLM's NIXL worker moves the main
     thread to the last core; the budget follower moves it back), so P's and D's teams of their own size
     never share a core."""
-    if pair.info.extra["core_policy"] != "elastic":
+    if pair.info.details["core_policy"] != "elastic":
         pytest.skip("the pair runs with split cores (one core only?)")
-    own = {"prefill": pair.info.extra["prefill_cores"], "decode": pair.info.extra["decode_cores"]}
+    own = {"prefill": pair.info.details["prefill_cores"], "decode": pair.info.details["decode_cores"]}
     for role, engine in (("prefill", pair._p), ("decode", pair._d)):
         assert engine is not None
         workers = [pid for pid in engine.pids if _comm(pid).startswith("VLLM::Worker")]
@@ -156,7 +157,7 @@ def _cpu_on(pids: set[int], cores: set[int]) -> float:
 def test_a_decode_borrows_the_idle_prefill_engines_cores(pair: EmbeddedPair, tokenizer: Any) -> None:
     """Elastic cores for decodes too: while P has nothing in flight, D's thread team runs on P's cores as well
     (its helper threads, bound to P's cores, do work)."""
-    if pair.info.extra["core_policy"] != "elastic":
+    if pair.info.details["core_policy"] != "elastic":
         pytest.skip("the pair runs with split cores (one core only?)")
     assert pair.home is not None
     pair.home.call(_decode_on_both, pair, tokenizer)
@@ -164,7 +165,7 @@ def test_a_decode_borrows_the_idle_prefill_engines_cores(pair: EmbeddedPair, tok
 
 async def _decode_on_both(pair: EmbeddedPair, tokenizer: Any) -> None:
     assert pair._d is not None
-    p_cores = set(pair.info.extra["prefill_cores"])
+    p_cores = set(pair.info.details["prefill_cores"])
     d_workers = {pid for pid in pair._d.pids if _comm(pid).startswith("VLLM::Worker")}
     before = _cpu_on(d_workers, p_cores)
     prompt = tokenizer.apply_chat_template(
@@ -181,7 +182,7 @@ async def _decode_on_both(pair: EmbeddedPair, tokenizer: Any) -> None:
         if isinstance(event, StepDone):
             done = event
     assert done is not None and len(done.token_ids) >= 24, done
-    if done.handle is not None:
-        await pair.release(done.handle)
+    if done.pin is not None:
+        await pair.release(done.pin)
     borrowed = _cpu_on(d_workers, p_cores) - before
     assert borrowed > 0.05, f"D's threads on P's cores used {borrowed:.3f} s of CPU over {len(done.token_ids)} tokens"

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from agentkv import Colocated, EmbeddedPair, LaunchedPair, UserError
-from agentkv._engines import Engine, KVHandle, StepDone, StepRequest, TokenDelta
+from agentkv._engines import Engine, StepDone, StepRequest, TokenDelta
 from agentkv._engines._base import Sampling, SamplingOptions
+from agentkv.engines import Pin
 
 pytestmark = pytest.mark.pair
 
@@ -40,9 +41,9 @@ async def _collect(engine: Engine, request: StepRequest) -> tuple[list[TokenDelt
     raise AssertionError("the step ended without a StepDone")
 
 
-def step(engine: Engine, prompt: Sequence[int], sampling: Sampling, handle: KVHandle | None = None) -> StepDone:
+def step(engine: Engine, prompt: Sequence[int], sampling: Sampling, pin: Pin | None = None) -> StepDone:
     request = StepRequest(
-        request_id=f"sampling-{uuid.uuid4().hex}", prompt_token_ids=list(prompt), sampling=sampling, handle=handle
+        request_id=f"sampling-{uuid.uuid4().hex}", prompt_token_ids=list(prompt), sampling=sampling, pin=pin
     )
     assert engine.home is not None
     deltas, done = engine.home.call(_collect, engine, request)
@@ -72,10 +73,10 @@ def turns(tokenizer: Any, colocated: Colocated) -> Turns:
 def pair_step(pair: Engine, turns: Turns, sampling: Sampling) -> StepDone:
     """The second turn on a pair, its first turn pinned on D and pushed back."""
     first = step(pair, turns.first, Sampling(max_tokens=4))
-    assert first.handle is not None
+    assert first.pin is not None
     assert [*turns.first, *first.token_ids] == turns.second[: len(turns.first) + len(first.token_ids)]
-    done = step(pair, turns.second, sampling, handle=first.handle)
-    assert not done.timings.pullback_declined, done.timings  # P took the pushed-back handle
+    done = step(pair, turns.second, sampling, pin=first.pin)
+    assert not done.timings.pin_declined, done.timings  # P took the pushed-back pin
     return done
 
 
@@ -184,9 +185,9 @@ def test_a_value_vllm_refuses_is_a_user_error_and_the_pair_goes_on(
         step(colocated, turns.second, sampling)
     first = step(pair, turns.first, Sampling(max_tokens=4))
     with pytest.raises(UserError, match=field):
-        step(pair, turns.second, sampling, handle=first.handle)
-    done = step(pair, turns.second, Sampling(max_tokens=MAX_TOKENS), handle=first.handle)  # the handle is unspent
-    assert not done.timings.pullback_declined
+        step(pair, turns.second, sampling, pin=first.pin)
+    done = step(pair, turns.second, Sampling(max_tokens=MAX_TOKENS), pin=first.pin)  # the pin is unspent
+    assert not done.timings.pin_declined
     assert_same(done, turns.baseline, "after a refusal")
 
 

@@ -1,4 +1,4 @@
-"""The push-back rule and handle validation (no engine needed)."""
+"""The push-back rule, a pair's pins and handle validation (no engine needed)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from agentkv import EngineError
-from agentkv._engines._handle import parse_handle, parse_prefill_result, prefill_params
-from agentkv._engines._pinning import Pin, choose_handle, miss_after_step
-from agentkv.engines import KVHandle
+from agentkv import EngineError, UserError
+from agentkv._engines._handle import KVHandle, handle_of, parse_handle, parse_prefill_result, pin_of, prefill_params
+from agentkv._engines._pinning import HeldPin, choose_pin, miss_after_step
+from agentkv.engines import Pin
 
 NOW = 1000.0
 
@@ -34,14 +34,15 @@ def _raw_handle(**changes: Any) -> dict[str, Any]:
     return raw
 
 
-def _pin(**changes: Any) -> Pin:
+def _pin(**changes: Any) -> HeldPin:
     handle, _ = parse_handle(_raw_handle(**changes))
-    assert handle is not None
-    return Pin(handle, [1, 2, 3, 4, 5, 6])  # prompt + output; D computed the first 5
+    pin = pin_of(handle)
+    assert pin is not None
+    return HeldPin(pin, [1, 2, 3, 4, 5, 6])  # prompt + output; D computed the first 5
 
 
 def test_forwards_when_the_prompt_extends_the_pinned_tokens() -> None:
-    handle, reason = choose_handle(_pin(), [1, 2, 3, 4, 5, 6, 7, 8], push_back=True, expiry_margin_s=10, now=NOW)
+    handle, reason = choose_pin(_pin(), [1, 2, 3, 4, 5, 6, 7, 8], push_back=True, expiry_margin_s=10, now=NOW)
     assert handle is not None and reason is None
 
 
@@ -54,37 +55,37 @@ def test_forwards_when_the_prompt_extends_the_pinned_tokens() -> None:
     ],
 )
 def test_never_forwards_on_a_prefix_mismatch(prompt: list[int], why: str) -> None:
-    handle, reason = choose_handle(_pin(), prompt, push_back=True, expiry_margin_s=10, now=NOW)
+    handle, reason = choose_pin(_pin(), prompt, push_back=True, expiry_margin_s=10, now=NOW)
     assert handle is None and reason == "prefix_mismatch", why
 
 
 def test_a_token_past_the_pinned_range_may_differ() -> None:
     # D computed KV for 5 tokens (prompt + output - 1): the 6th (last output token) is not pinned.
-    handle, _ = choose_handle(_pin(), [1, 2, 3, 4, 5, 99, 7], push_back=True, expiry_margin_s=10, now=NOW)
+    handle, _ = choose_pin(_pin(), [1, 2, 3, 4, 5, 99, 7], push_back=True, expiry_margin_s=10, now=NOW)
     assert handle is not None
 
 
 def test_expired_or_nearly_expired_pins_are_dropped() -> None:
-    assert choose_handle(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=True, expiry_margin_s=10, now=NOW + 95) == (
+    assert choose_pin(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=True, expiry_margin_s=10, now=NOW + 95) == (
         None,
         "expired",
     )
-    assert choose_handle(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=True, expiry_margin_s=10, now=NOW + 200) == (
+    assert choose_pin(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=True, expiry_margin_s=10, now=NOW + 200) == (
         None,
         "expired",
     )
 
 
 def test_no_pin_and_push_back_off() -> None:
-    assert choose_handle(None, [1, 2], push_back=True, expiry_margin_s=10, now=NOW) == (None, "no_handle")
-    assert choose_handle(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=False, expiry_margin_s=10, now=NOW) == (
+    assert choose_pin(None, [1, 2], push_back=True, expiry_margin_s=10, now=NOW) == (None, "no_handle")
+    assert choose_pin(_pin(), [1, 2, 3, 4, 5, 6, 7], push_back=False, expiry_margin_s=10, now=NOW) == (
         None,
         "push_back_off",
     )
 
 
 def test_miss_reason_after_the_engine_answered() -> None:
-    handle = _pin().handle
+    handle = _pin().pin
     assert miss_after_step(handle, None, prompt_tokens=8, local_hit_tokens=0, pulled_tokens=5, declined=False) is None
     assert (
         miss_after_step(handle, None, prompt_tokens=8, local_hit_tokens=0, pulled_tokens=0, declined=True) == "declined"
@@ -127,10 +128,19 @@ def test_prefill_params_carry_the_handle_unchanged() -> None:
 
 
 def test_a_deadline_in_this_hosts_clock_wins_over_ds_clock() -> None:
-    """D on another host: its expiry time is in its own clock; the engine gives ours (``handle_deadline``)."""
-    handle = _pin().handle  # D's clock says it expires at NOW + 100
-    later = Pin(handle, [1, 2, 3, 4, 5, 6], deadline=NOW + 1000)
-    sooner = Pin(handle, [1, 2, 3, 4, 5, 6], deadline=NOW + 5)
+    """D on another host: its expiry time is in its own clock; the pair's pin says ours (`Pin.expires_at`)."""
+    handle = handle_of(_pin().pin)  # D's clock says it expires at NOW + 100
+    later = HeldPin(pin_of(handle, deadline=NOW + 1000), [1, 2, 3, 4, 5, 6])
+    sooner = HeldPin(pin_of(handle, deadline=NOW + 5), [1, 2, 3, 4, 5, 6])
     prompt = [1, 2, 3, 4, 5, 6, 7]
-    assert choose_handle(later, prompt, push_back=True, expiry_margin_s=10, now=NOW + 500)[0] is handle
-    assert choose_handle(sooner, prompt, push_back=True, expiry_margin_s=10, now=NOW) == (None, "expired")
+    assert choose_pin(later, prompt, push_back=True, expiry_margin_s=10, now=NOW + 500)[0] is later.pin
+    assert choose_pin(sooner, prompt, push_back=True, expiry_margin_s=10, now=NOW) == (None, "expired")
+
+
+def test_a_pairs_pin_carries_ds_handle_and_refuses_another_engines() -> None:
+    handle = KVHandle.model_validate(_raw_handle())
+    pin = pin_of(handle)
+    assert pin == Pin(tokens=5, expires_at=NOW + 100, ref=handle) and handle_of(pin) is handle
+    assert pin_of(None) is None and handle_of(None) is None
+    with pytest.raises(UserError, match="only the pins it returned"):
+        handle_of(Pin(tokens=5, expires_at=NOW + 100, ref="another engine's"))

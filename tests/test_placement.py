@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,12 +19,13 @@ import pytest
 
 from agentkv import Mode, Session, StepStats, UserError
 from agentkv._engines import Placement
-from agentkv._engines._base import pair_modes
+from agentkv._engines._handle import KVHandle, pin_of
 from agentkv._engines._pair_layer import PairLayer
 from agentkv._engines._pinning import miss_after_step
 from agentkv._engines._placement import PlacementChoice, PlacementCosts
 from agentkv._engines._vllm import first_token_of_prefill
-from agentkv.engines import KVHandle, Sampling, StepDone, StepEvent, StepRequest
+from agentkv._session._modes import modes_of, natural_mode
+from agentkv.engines import EngineInfo, Pin, Sampling, StepDone, StepEvent, StepRequest
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 
 BLOCK = 128
@@ -118,8 +120,9 @@ def test_the_recomputed_partial_block_can_tip_the_choice() -> None:
 # ----------------------------------------------------------------- the pair's choice
 
 
-def _handle(tokens: int) -> KVHandle:
-    return KVHandle(
+def _pin(tokens: int) -> Pin:
+    """A pair's pin: D's handle inside."""
+    handle = KVHandle(
         do_remote_decode=True,
         do_remote_prefill=False,
         remote_block_ids=[[1, 2, 3]],
@@ -134,6 +137,9 @@ def _handle(tokens: int) -> KVHandle:
         remote_num_tokens=tokens,
         remote_blocks_expiry_time=1e9,
     )
+    pin = pin_of(handle)
+    assert pin is not None
+    return pin
 
 
 class _PlacingPair(PairLayer):
@@ -175,24 +181,24 @@ def unstarted_pair() -> Any:
     return _PlacingPair()
 
 
-def _request(placement: Placement, *, handle: KVHandle | None, prompt: int = 300) -> StepRequest:
+def _request(placement: Placement, *, pin: Pin | None, prompt: int = 300) -> StepRequest:
     return StepRequest(
-        request_id="r", prompt_token_ids=list(range(prompt)), sampling=Sampling(), handle=handle, placement=placement
+        request_id="r", prompt_token_ids=list(range(prompt)), sampling=Sampling(), pin=pin, placement=placement
     )
 
 
 def test_the_pair_places_as_asked_and_auto_only_with_a_pin(unstarted_pair: Any) -> None:
-    assert unstarted_pair._place(_request("prefill", handle=_handle(256))).engine == "prefill"
-    assert unstarted_pair._place(_request("decode", handle=_handle(256))) == PlacementChoice("decode", "asked")
+    assert unstarted_pair._place(_request("prefill", pin=_pin(256))).engine == "prefill"
+    assert unstarted_pair._place(_request("decode", pin=_pin(256))) == PlacementChoice("decode", "asked")
     placements: tuple[Placement, ...] = ("auto", "decode")
     for placement in placements:  # nothing pinned on D to extend: P, whatever was asked
-        choice = unstarted_pair._place(_request(placement, handle=None))
+        choice = unstarted_pair._place(_request(placement, pin=None))
         assert choice == PlacementChoice("prefill", "no pin to extend on D")
 
 
 def test_the_pair_passes_what_is_in_flight_to_its_choice(unstarted_pair: Any) -> None:
     in_flight = unstarted_pair.in_flight
-    request = _request("auto", handle=_handle(256), prompt=300)
+    request = _request("auto", pin=_pin(256), prompt=300)
     unstarted_pair.costs = PlacementCosts(fixed_s={"prefill": 0.0, "decode": 5.0})
     assert unstarted_pair._place(request).engine == "prefill"  # estimated
     in_flight.p = 1
@@ -203,7 +209,7 @@ def test_the_pair_passes_what_is_in_flight_to_its_choice(unstarted_pair: Any) ->
 
 
 def test_auto_never_places_a_second_step_on_d_beside_one_not_finished(unstarted_pair: Any) -> None:
-    request = _request("auto", handle=_handle(256), prompt=300)
+    request = _request("auto", pin=_pin(256), prompt=300)
     unstarted_pair.costs = PlacementCosts(fixed_s={"prefill": 5.0, "decode": 0.0})
     assert unstarted_pair._place(request).engine == "decode"
     unstarted_pair._steps_on_decode = 1  # chosen, its request not yet on D
@@ -245,10 +251,24 @@ def test_prefills_token_is_not_used_when_it_cannot_serve(
 # ----------------------------------------------------------------- mode "auto" in sessions
 
 
+def _info(**flags: Any) -> EngineInfo:
+    return EngineInfo(model_path=Path("/m"), max_model_len=2048, **flags)
+
+
 def test_pair_modes_offer_auto_only_with_push_back_and_placement() -> None:
-    assert "auto" in pair_modes(push_back=True, placement=True)
-    assert "auto" not in pair_modes(push_back=True)
-    assert pair_modes(push_back=False, placement=True) == {"disaggregated"}
+    assert "auto" in modes_of(_info(disaggregated=True, pins=True, places_steps=True))
+    assert "auto" not in modes_of(_info(disaggregated=True, pins=True))
+    assert modes_of(_info(disaggregated=True, places_steps=True)) == {"disaggregated"}
+
+
+def test_a_plain_engine_info_is_a_single_engine_and_a_double_serves_every_mode() -> None:
+    assert modes_of(_info()) == {"colocated"} and natural_mode(_info()) == "colocated"
+    assert modes_of(_info(pins=True, places_steps=True)) == {"colocated"}  # no mode pushes back to one engine
+    pair = _info(disaggregated=True, pins=True)
+    assert modes_of(pair) == {"bidirectional", "disaggregated"} and natural_mode(pair) == "bidirectional"
+    double = _info(disaggregated=None, pins=True, places_steps=True)
+    assert modes_of(double) == {"auto", "bidirectional", "colocated", "disaggregated"}
+    assert natural_mode(_info(disaggregated=None)) == "disaggregated"
 
 
 class _Recorder:
@@ -274,7 +294,7 @@ async def test_the_session_asks_for_its_modes_placement(mode: Mode, placement: s
         for question in ("One?", "Two?", "Three?"):
             await session.run(question)
     assert [request.placement for request in recorder.requests] == [placement] * 3
-    assert [request.handle is not None for request in recorder.requests] == [False, forwarded, forwarded]
+    assert [request.pin is not None for request in recorder.requests] == [False, forwarded, forwarded]
     assert [step.handle_forwarded for step in session.stats.steps] == [False, forwarded, forwarded]
     engine.assert_honest()
 
@@ -289,14 +309,14 @@ async def test_auto_on_an_engine_without_push_back_is_a_user_error() -> None:
 
 
 class _DecodePlacedPair(HonestPairEngine):
-    """The honest double, except that steps with a handle are reported as the pair reports a step on D:
+    """The honest double, except that steps with a pin are reported as the pair reports a step on D:
     D's cache hit is the pin's whole blocks, the rest computed on D, nothing pulled."""
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         async for event in super().step(request):
-            if isinstance(event, StepDone) and request.handle is not None:
+            if isinstance(event, StepDone) and request.pin is not None:
                 prompt = len(request.prompt_token_ids)
-                hit = request.handle.remote_num_tokens // BLOCK * BLOCK
+                hit = request.pin.tokens // BLOCK * BLOCK
                 timings = dataclasses.replace(
                     event.timings,
                     local_hit_tokens=hit,
@@ -326,16 +346,16 @@ async def test_a_step_placed_on_decode_reports_its_engine_and_no_miss() -> None:
     assert rows[1]["prefill_engine"] == "decode" and rows[1]["placement_reason"] == "estimated D (test)"
 
 
-def _miss(handle: KVHandle | None, **changes: Any) -> Any:
+def _miss(pin: Pin | None, **changes: Any) -> Any:
     arguments = {"prompt_tokens": 300, "local_hit_tokens": 256, "pulled_tokens": 0, "declined": False} | changes
-    return miss_after_step(handle, "no_handle" if handle is None else None, **arguments)
+    return miss_after_step(pin, "no_handle" if pin is None else None, **arguments)
 
 
 def test_a_forwarded_handle_placed_on_decode_is_no_miss() -> None:
-    handle = _handle(280)
-    assert _miss(handle) == "below_threshold"  # on P, with nothing pulled, 256 < 280 is a miss
-    assert _miss(handle, placed_on_decode=True) is None
-    assert _miss(handle, declined=True) == "declined"
+    pin = _pin(280)
+    assert _miss(pin) == "below_threshold"  # on P, with nothing pulled, 256 < 280 is a miss
+    assert _miss(pin, placed_on_decode=True) is None
+    assert _miss(pin, declined=True) == "declined"
     assert _miss(None, placed_on_decode=True) == "no_handle"  # no handle: the session's reason stands
 
 

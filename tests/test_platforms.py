@@ -408,7 +408,7 @@ async def test_an_embedded_pair_on_a_gpu_host_starts_each_engine_on_its_gpus(mon
     monkeypatch.setattr("agentkv._engines._pair.CoreTable", None)  # no core table on a GPU host
     monkeypatch.setattr(AsyncLLMRunner, "start_async", start_async)
     async with EmbeddedPair(warmup=False, engine_args={"max_num_seqs": 32}) as pair:
-        info = pair.info.extra
+        info = pair.info.details
     assert [launch.env["CUDA_VISIBLE_DEVICES"] for launch in started] == ["0,1", "2,3"]
     assert [launch.engine_args["max_num_seqs"] for launch in started] == [32, 32]
     assert all(launch.cores is None and "AGENTKV_CORE_TABLE" not in launch.env for launch in started)

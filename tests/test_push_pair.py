@@ -16,8 +16,10 @@ import anyio
 import pytest
 
 from agentkv import EmbeddedPair, EngineError, Session
-from agentkv._engines import KVHandle, Sampling, StepDone, StepRequest
-from agentkv._engines._base import Mode
+from agentkv._engines import Sampling, StepDone, StepRequest
+from agentkv._engines._handle import handle_of, pin_of
+from agentkv._session._modes import Mode, modes_of
+from agentkv.engines import Pin
 from conftest import EXACT_DTYPE, PIN_TTL_S
 from test_leaks import footprint
 
@@ -49,7 +51,7 @@ def _conversation(engine: EmbeddedPair, mode: Mode, salt: str) -> list[Any]:
 def test_push_with_push_back_reuses_as_pull_does_and_answers_the_same(
     push_pair: EmbeddedPair, pair: EmbeddedPair
 ) -> None:
-    assert push_pair.info.extra["transfer"] == "push" and "auto" not in push_pair.info.modes
+    assert push_pair.info.details["transfer"] == "push" and "auto" not in modes_of(push_pair.info)
     pushed = _conversation(push_pair, "bidirectional", "push")
     pulled = _conversation(pair, "bidirectional", "pull-reference")
     plain = _conversation(push_pair, "disaggregated", "push-plain")
@@ -84,12 +86,12 @@ def _block_bytes(engine: EmbeddedPair) -> int:
     return BLOCK * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_size * 4
 
 
-def _request(prompt: Sequence[int], handle: KVHandle | None, salt: str) -> StepRequest:
+def _request(prompt: Sequence[int], pin: Pin | None, salt: str) -> StepRequest:
     return StepRequest(
         request_id=f"test-{uuid.uuid4().hex}",
         prompt_token_ids=list(prompt),
         sampling=Sampling(max_tokens=12),
-        handle=handle,
+        pin=pin,
         cache_salt=salt,
     )
 
@@ -118,23 +120,23 @@ PROMPT = [1] + [(i * 7919) % 20000 + 100 for i in range(300)]
 
 def test_a_declined_read_recomputes_and_d_still_gets_its_push(push_pair: EmbeddedPair) -> None:
     """A pin within P's 5 s refusal window: P declines the read, agentkv prefills again under the id D waits
-    on, and the step answers as one without a handle would."""
+    on, and the step answers as one without a pin would."""
     assert push_pair.home is not None
     push_pair.home.call(_declined_read, push_pair)
 
 
 async def _declined_read(engine: EmbeddedPair) -> None:
     first = await _run(engine, _request(PROMPT, None, "declined"))
-    assert first.handle is not None
+    assert first.pin is not None
     longer = PROMPT + list(first.token_ids) + [7, 8, 9]
-    near_expiry = first.handle.model_copy(update={"remote_blocks_expiry_time": time.perf_counter() + 2.0})
-    declined = await _run(engine, _request(longer, near_expiry, "declined"))
+    handle = handle_of(first.pin).model_copy(update={"remote_blocks_expiry_time": time.perf_counter() + 2.0})
+    declined = await _run(engine, _request(longer, pin_of(handle), "declined"))
     reference = await _run(engine, _request(longer, None, "declined-reference"))
-    assert declined.timings.pullback_declined and declined.timings.pulled_tokens == 0
+    assert declined.timings.pin_declined and declined.timings.pulled_tokens == 0
     assert declined.token_ids == reference.token_ids
-    for handle in (first.handle, declined.handle, reference.handle):
-        assert handle is not None
-        await engine.release(handle)
+    for pin in (first.pin, declined.pin, reference.pin):
+        assert pin is not None
+        await engine.release(pin)
     assert await _d_holds_no_block(engine)
 
 
@@ -156,5 +158,5 @@ def test_a_prefill_that_fails_leaves_d_clean_and_the_pair_usable(
     monkeypatch.setattr(push_pair, "_prefill_or_recompute", original)
     assert push_pair.home.call(_d_holds_no_block, push_pair)
     after = push_pair.home.call(_run, push_pair, _request(PROMPT, None, "failed"))
-    assert after.handle is not None and after.token_ids
-    push_pair.home.call(push_pair.release, after.handle)
+    assert after.pin is not None and after.token_ids
+    push_pair.home.call(push_pair.release, after.pin)

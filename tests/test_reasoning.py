@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from agentkv import ReasoningDelta, Session, UserError
-from agentkv._engines._pinning import Pin, choose_handle
-from agentkv.engines import StepRequest
+from agentkv._engines._pinning import HeldPin, choose_pin
+from agentkv.engines import Pin, StepRequest
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 from streamed import TokenByToken, served, thinking_model
 
@@ -90,8 +90,8 @@ def test_the_conversation_keeps_the_reasoning_tokens_and_pushes_back_all_of_them
         text = tokenizer.apply_chat_template(rendered_history, add_generation_prompt=True, tokenize=False)
         rendered = list(tokenizer.encode(text, add_special_tokens=False))
         common = next((i for i, (a, b) in enumerate(zip(rendered, pinned, strict=False)) if a != b), len(pinned))
-        pin = Pin(_handle(len(pinned) - 1), pinned)
-        figures["drop"] = (choose_handle(pin, rendered, push_back=True, expiry_margin_s=0.0)[1], common, len(rendered))
+        held = HeldPin(Pin(tokens=len(pinned) - 1, expires_at=time.perf_counter() + 3600.0, ref="r"), pinned)
+        figures["drop"] = (choose_pin(held, rendered, push_back=True, expiry_margin_s=0.0)[1], common, len(rendered))
         ran = session.run_sync("And 4 + 1?")  # Session.run: the same rule
     assert first.reasoning == THOUGHT and "<think>" not in json.dumps(history)  # the caller never saw the tokens
     assert kept.handle_forwarded and kept.miss_reason is None
@@ -106,23 +106,6 @@ def test_the_conversation_keeps_the_reasoning_tokens_and_pushes_back_all_of_them
         f"(only a {common}-token prefix in common, for a prefix cache)"
     )
     engine.assert_honest()
-
-
-def _handle(tokens: int) -> Any:
-    from agentkv.engines import KVHandle
-
-    return KVHandle(
-        do_remote_decode=True,
-        do_remote_prefill=False,
-        remote_block_ids=[[0]],
-        remote_engine_id="d",
-        remote_request_id="r",
-        remote_host="127.0.0.1",
-        remote_port=5600,
-        remote_num_tokens=tokens,
-        tp_size=1,
-        remote_blocks_expiry_time=time.perf_counter() + 3600.0,
-    )
 
 
 # ----------------------------------------------------------------- the front door

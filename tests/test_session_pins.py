@@ -1,8 +1,8 @@
 """Pins a session gives up are released on D (`Engine.release`), and a pin it still may use is kept.
 
 Issue 12: D's cache filled with pins that waited 480 s for their expiry after a session closed,
-rewound or was edited. These tests use a scripted engine that hands out handles and records
-what was released.
+rewound or was edited. These tests use a scripted engine that hands out pins of its own (no NIXL
+handle inside: any engine's pins obey the same rule) and records what was released.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from typing import Any
 import pytest
 
 from agentkv import ContextLengthError, Event, Session
-from agentkv._engines import KVHandle, StepEvent
-from agentkv.engines import StepDone, StepRequest
+from agentkv._engines import StepEvent
+from agentkv.engines import Pin, StepDone, StepRequest
 from agentkv.testing import ScriptedEngine
 
 
 class PinningEngine(ScriptedEngine):
-    """A scripted "pair": every step returns a handle on D's blocks; `release` is recorded."""
+    """A scripted engine that keeps KV: every step returns a pin; `release` is recorded."""
 
     def __init__(self, outputs: list[str], **options: Any) -> None:
         super().__init__(outputs, **options)
-        self.issued: list[KVHandle] = []
-        self.released: list[KVHandle] = []
+        self.issued: list[Pin] = []
+        self.released: list[Pin] = []
 
     push_back = True
 
@@ -34,32 +34,17 @@ class PinningEngine(ScriptedEngine):
         async for event in super().step(request):
             if isinstance(event, StepDone):
                 held = len(request.prompt_token_ids) + len(event.token_ids) - 1
-                handle = _handle(request.request_id, held)
-                self.issued.append(handle)
-                event = dataclasses.replace(event, handle=handle)
+                pin = Pin(tokens=held, expires_at=time.perf_counter() + 3600, ref=request.request_id)
+                self.issued.append(pin)
+                event = dataclasses.replace(event, pin=pin)
             yield event
 
-    async def release(self, handle: KVHandle) -> None:
-        self.released.append(handle)
+    async def release(self, pin: Pin) -> None:
+        self.released.append(pin)
 
 
-def _handle(request_id: str, held: int) -> KVHandle:
-    return KVHandle(
-        remote_block_ids=[[1]],
-        remote_engine_id="d",
-        remote_request_id=request_id,
-        remote_host="127.0.0.1",
-        remote_port=5600,
-        remote_num_tokens=held,
-        tp_size=1,
-        do_remote_decode=True,
-        do_remote_prefill=False,
-        remote_blocks_expiry_time=time.perf_counter() + 3600,
-    )
-
-
-def _forwarded(engine: PinningEngine) -> list[KVHandle | None]:
-    return [request.handle for request in engine.requests]
+def _forwarded(engine: PinningEngine) -> list[Pin | None]:
+    return [request.pin for request in engine.requests]
 
 
 def test_a_forwarded_pin_is_not_released_and_the_last_one_is_released_at_close() -> None:

@@ -148,7 +148,7 @@ class _ColocatedDouble(ScriptedEngine):
 
     @property
     def info(self) -> EngineInfo:
-        return dataclasses.replace(super().info, modes=frozenset({"colocated"}))
+        return dataclasses.replace(super().info, disaggregated=False)
 
 
 def test_a_session_runs_in_a_mode_its_engine_serves() -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from agentkv import EmbeddedPair, StepStats
 from agentkv._engines import _pair_config
-from agentkv._engines._base import EngineInfo, pair_modes
+from agentkv._engines._base import EngineInfo
 from agentkv._surfaces import _smoke
 from agentkv._surfaces._cli import main
 from agentkv._surfaces._smoke import SmokeStep, engine_placement, run_smoke, smoke_question
@@ -149,7 +149,7 @@ class _PlacesOnP(HonestPairEngine):
     @property
     def info(self) -> EngineInfo:
         info = super().info
-        return dataclasses.replace(info, modes=info.modes - {"auto"}, extra={"modes_off": {"auto": "targets moved"}})
+        return dataclasses.replace(info, places_steps=False, off_reasons={"places_steps": "targets moved"})
 
 
 def test_auto_on_an_engine_that_places_every_step_on_p_fails_by_name() -> None:
@@ -181,8 +181,8 @@ def test_the_pull_back_check_allows_below_threshold_and_names_every_other_miss()
     assert "turn 2 step 1: D's handle was not forwarded (miss_reason expired)" in detail
 
 
-def _info(**extra: Any) -> EngineInfo:
-    return EngineInfo(model_path=Path("/m"), max_model_len=2048, modes=pair_modes(push_back=True), extra=extra)
+def _info(**details: Any) -> EngineInfo:
+    return EngineInfo(model_path=Path("/m"), max_model_len=2048, pins=True, disaggregated=True, details=details)
 
 
 def test_the_report_says_where_each_engine_computes() -> None:

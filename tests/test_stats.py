@@ -122,10 +122,10 @@ def test_the_user_sees_every_engine_measurement_under_its_name() -> None:
         handoff_tokens=10,
         kv_bytes=4096,
         kv_transfer_s=0.02,
-        pullback_declined=True,
+        pin_declined=True,
     )
     stats = StepStats(turn=2, step=1, prompt_tokens=100, output_tokens=5, **timings.stats_fields())
-    measured = {f.name for f in dataclasses.fields(StepTimings)} - {"pullback_declined", "pin_evicted"}
+    measured = {f.name for f in dataclasses.fields(StepTimings)} - {"pin_declined", "pin_evicted"}
     assert stats.model_dump(include=measured) == {name: getattr(timings, name) for name in measured}
 
 

@@ -151,7 +151,7 @@ def test_stock_servers_keep_push_back_without_token_streaming(stock_servers: tup
             await pair.open()
         print(f"stock open (probe and warm-up): {time.perf_counter() - started:.1f} s")
         try:
-            assert pair.server_kind == "vllm" and pair.handle_in_stream is False and pair.info.push_back
+            assert pair.server_kind == "vllm" and pair.handle_in_stream is False and pair.info.pins
             before = await anyio.to_thread.run_sync(nixl_totals, stock_servers[0])
             results = await _three_turns(pair)
         finally:

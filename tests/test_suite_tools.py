@@ -56,7 +56,7 @@ def test_engine_starts_are_logged_only_where_asked(tmp_path: Any, monkeypatch: p
 @pytest.fixture
 def shared() -> Iterator[dict[str, Any]]:
     """Unopened engines standing in for the suite's running ones (lending never opens or starts them)."""
-    info = EngineInfo(model_path=Path("/nowhere"), max_model_len=2048, modes=frozenset({"bidirectional"}))
+    info = EngineInfo(model_path=Path("/nowhere"), max_model_len=2048, pins=True, disaggregated=True)
     engines = {"pair": EmbeddedPair(), "colocated": Colocated(), "launched": LaunchedPair()}
     with (
         unittest.mock.patch.object(EmbeddedPair, "info", info),

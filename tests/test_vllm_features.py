@@ -32,6 +32,7 @@ from agentkv._engines._pair_config import PUSH_CONNECTOR, PairConfig, connector_
 from agentkv._engines._platforms import Platform
 from agentkv._engines._vllm import AsyncLLMRunner
 from agentkv._engines._vllm_features import warn_engine_features
+from agentkv._session._modes import modes_of
 from agentkv._session._session import Session
 
 MOVED = "Thing.method (vllm.somewhere): missing"
@@ -75,11 +76,11 @@ def test_without_auto_placement_a_pair_serves_no_auto_mode_and_says_why(missing:
         pair._know_started(Path("/model"), {})
         return pair
 
-    assert "auto" in opened().info.modes
+    assert "auto" in modes_of(opened().info)
     missing(AUTO_PLACEMENT)
     pair = opened()
-    assert pair.info.modes == {"bidirectional", "disaggregated"}
-    assert "auto placement" in pair.info.extra["modes_off"]["auto"]
+    assert modes_of(pair.info) == {"bidirectional", "disaggregated"} and not pair.info.places_steps
+    assert "auto placement" in pair.info.off_reasons["places_steps"]
     session = SimpleNamespace(_config=SimpleNamespace(mode="auto"))
     with pytest.raises(UserError, match="auto placement is off") as refused:
         Session._resolve_mode(session, pair)  # type: ignore[arg-type]
@@ -119,7 +120,7 @@ async def test_without_elastic_cores_a_pair_runs_split(
     missing(ELASTIC_CORES)
     pair = EmbeddedPair(warmup=False, cores=([0], [1]))  # core_policy="elastic", the default
     await pair._start()
-    assert pair.info.extra["core_policy"] == "split"
+    assert pair.info.details["core_policy"] == "split"
     assert [launch.env.get("VLLM_CPU_OMP_THREADS_BIND") for launch in started] == ["0", "1"]  # each its own core
     assert not [launch for launch in started if CORE_TABLE_ENV in launch.env]
     [warning] = _warnings(caplog)

@@ -15,8 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from .._conversation._conversation import ChatRenderer, Conversation, Message
 from .._engines import Engine
-from .._engines._base import Sampling, StepDone, StepRequest, TokenDelta
-from .._engines._handle import KVHandle
+from .._engines._base import Pin, Sampling, StepDone, StepRequest, TokenDelta
 from .._errors import AgentKVError
 from .._session._pool import SessionPool
 from .._session._results import TextDelta
@@ -101,7 +100,7 @@ class RawConversation:
         system_message = Message(role="system", content=system)
         self._conversation = Conversation(renderer.with_system(system_message), system=system_message)
         self._max_tokens = max_tokens
-        self._handle: KVHandle | None = None
+        self._pin: Pin | None = None
         self._turns = 0
 
     async def turn(self, message: str, clock: Clock) -> Answer:
@@ -111,13 +110,13 @@ class RawConversation:
             request_id=f"agentkv-raw-{uuid.uuid4().hex}",
             prompt_token_ids=prompt,
             sampling=Sampling(max_tokens=self._max_tokens),
-            handle=self._handle,
+            pin=self._pin,
             cache_salt=self._cache_salt,
             placement="prefill",  # the plain protocol (P, push-back), what `bidirectional` runs through a Session
         )
         done = await drain(self._engine, request, clock)
         self._conversation.add_output(done.token_ids, done.text)
-        self._handle = done.handle
+        self._pin = done.pin
         self._turns += 1
         output = list(done.token_ids)
         stats = StepStats(

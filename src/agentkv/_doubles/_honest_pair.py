@@ -1,4 +1,4 @@
-"""`HonestPairEngine`: a test double of a pair whose decode engine D holds KV honestly, checks every handle pushed
+"""`HonestPairEngine`: a test double of a pair whose decode engine D holds KV honestly, checks every pin given
 back to it against the push-back rule, and plays injected faults (`Fault`, `Malformation`). Public as
 `agentkv.testing.HonestPairEngine` (src/agentkv/testing.py)."""
 
@@ -15,8 +15,9 @@ from typing import Any, Literal, get_args
 import anyio
 import anyio.lowlevel
 
-from .._engines import KVHandle, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
-from .._engines._handle import parse_handle
+from .._engines import StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
+from .._engines._base import Pin
+from .._engines._handle import KVHandle, parse_handle, pin_of
 from .._errors import EngineDeadError, EngineError, UserError
 from ._scripted import BundledModelDouble, cut_at_stop, refuse_unhonoured
 
@@ -75,9 +76,9 @@ class StepRecord:
     prompt_tokens: int
     faults: list[Fault]
     forwarded: bool = False
-    """A handle came with the request."""
+    """A pin came with the request."""
     declined: bool = False
-    """The handle was not read (expired early, a ``decline`` fault, or a violation): the prompt was computed."""
+    """The pin was not read (expired early, a ``decline`` fault, or a violation): the prompt was computed."""
     pulled_tokens: int = 0
     computed_tokens: int = 0
     output_token_ids: list[int] = dataclasses.field(default_factory=list[int])
@@ -100,15 +101,15 @@ class _Pin:
 
 
 class HonestPairEngine(BundledModelDouble):
-    """A test double of a pair whose decode engine D holds KV honestly and checks every pushed-back handle.
+    """A test double of a pair whose decode engine D holds KV honestly and checks every pin given back.
 
     Each step answers with ``respond(request)`` (tokenized by the model's tokenizer, an end-of-sequence
-    token appended, cut at ``max_tokens`` and at the first stop string), issues a `KVHandle` for the prompt
-    and output (none when a stop string ended it, as on a real pair), and remembers
-    the tokens that handle holds. A handle pushed back must be one it issued, unspent (single use),
-    valid, not expired nor within ``forward_margin_s`` of expiry, and hold a strict prefix of the new
-    prompt; anything else is recorded in `violations` (and the prompt is recomputed, as P would).
-    The prompt split it reports is exact: a read handle's tokens are pulled, the rest computed.
+    token appended, cut at ``max_tokens`` and at the first stop string), issues a `Pin` for the prompt
+    and output (a D handle inside, as a real pair's; none when a stop string ended it, as on a real pair),
+    and remembers the tokens that pin holds. A pin given back must be one it issued, unaltered, unspent
+    (single use), valid, not expired nor within ``forward_margin_s`` of expiry, and hold a strict prefix
+    of the new prompt; anything else is recorded in `violations` (and the prompt is recomputed, as P would).
+    The prompt split it reports is exact: a read pin's tokens are pulled, the rest computed.
 
     Deterministic: the output depends only on the request (and ``respond``), faults only on `inject`.
 
@@ -116,8 +117,8 @@ class HonestPairEngine(BundledModelDouble):
         respond: the output text for a request (default: a short text derived from the prompt).
         model_path: the HF folder whose tokenizer sessions use (default: the bundled model).
         max_model_len: the context length to report.
-        pin_ttl_s: how long an issued handle says D pins its blocks.
-        forward_margin_s: a handle pushed back with less than this left before its deadline is a violation.
+        pin_ttl_s: how long an issued pin says D keeps its blocks.
+        forward_margin_s: a pin given back with less than this left before its deadline is a violation.
         stall_s: how long a ``stall`` fault hangs.
     """
 
@@ -211,11 +212,11 @@ class HonestPairEngine(BundledModelDouble):
             self.violations.append(f"{request.request_id}: a prompt of {len(prompt)} tokens reached the engine")
         if "die" in faults:
             await self._die()
-        if request.handle is not None:
+        if request.pin is not None:
             record.forwarded = True
-            read = self._read(request.handle, prompt, request.request_id, decline="decline" in faults)
+            read = self._read(request.pin, prompt, request.request_id, decline="decline" in faults)
             record.declined = not read
-            record.pulled_tokens = request.handle.remote_num_tokens if read else 0
+            record.pulled_tokens = request.pin.tokens if read else 0
         record.computed_tokens = len(prompt) - record.pulled_tokens
         if "error" in faults:
             raise EngineError("injected: the engine failed the step")
@@ -239,50 +240,52 @@ class HonestPairEngine(BundledModelDouble):
             handoff_tokens=len(prompt),
             kv_bytes=0,
             kv_transfer_s=0.0,
-            pullback_declined=record.declined,
+            pin_declined=record.declined,
         )
-        handle, handle_error = (None, None) if stopped else self._issue(prompt + token_ids[:-1], faults)
+        pin, pin_error = (None, None) if stopped else self._issue(prompt + token_ids[:-1], faults)
         yield StepDone(
-            token_ids=token_ids,
-            text=text,
-            finish_reason=finish_reason,
-            handle=handle,
-            timings=timings,
-            handle_error=handle_error,
+            token_ids=token_ids, text=text, finish_reason=finish_reason, pin=pin, timings=timings, pin_error=pin_error
         )
 
-    async def release(self, handle: KVHandle) -> None:
-        """Free ``handle``'s pin (a session gave it up); releasing one this engine never issued is a violation."""
-        pin = self._pins.get(handle.remote_request_id)
-        if pin is None or handle.model_dump() != pin.issued:
-            self.violations.append(f"asked to release a handle this engine never issued: {handle.remote_request_id}")
-            return
-        pin.spent = True
-        self.released += 1
+    async def release(self, pin: Pin) -> None:
+        """Free ``pin``'s blocks (a session gave it up); releasing one this engine never issued is a violation."""
+        handle = pin.ref
+        if isinstance(handle, KVHandle):
+            held = self._pins.get(handle.remote_request_id)
+            if held is not None and handle.model_dump() == held.issued and pin == pin_of(handle):
+                held.spent = True
+                self.released += 1
+                return
+        name = handle.remote_request_id if isinstance(handle, KVHandle) else repr(handle)
+        self.violations.append(f"asked to release a handle this engine never issued: {name}")
 
     async def _die(self) -> None:
         self._dead = EngineDeadError("injected: the engine died")
         await self.aclose()
         raise EngineDeadError("injected: the engine died")
 
-    def _read(self, handle: KVHandle, prompt: list[int], request_id: str, *, decline: bool) -> bool:
-        """Check a pushed-back handle; whether P read it (False: recomputed)."""
+    def _read(self, given: Pin, prompt: list[int], request_id: str, *, decline: bool) -> bool:
+        """Check a pin given back; whether P read it (False: recomputed)."""
         now = time.perf_counter()
+        handle = given.ref
+        if not isinstance(handle, KVHandle):
+            self.violations.append(f"{request_id} was sent a pin this engine never issued")
+            return False
         pin = self._pins.get(handle.remote_request_id)
         problems: list[str] = []
         if pin is None:
             problems.append("a handle this engine never issued")
         else:
-            if handle.model_dump() != pin.issued:
+            if handle.model_dump() != pin.issued or given != pin_of(handle):
                 what = f"a malformed handle ({pin.malformation})" if pin.malformation else "an altered handle"
                 problems.append(what)
             if pin.spent:
                 problems.append("a spent handle (handles are single-use)")
-            held = handle.remote_num_tokens
+            held = given.tokens
             if held != len(pin.tokens) or len(prompt) <= held or prompt[:held] != pin.tokens:
                 problems.append("a prompt that does not strictly extend the tokens the handle holds")
             pin.spent = True
-        deadline = handle.remote_blocks_expiry_time
+        deadline = given.expires_at
         if not math.isfinite(deadline) or now + self._forward_margin_s >= deadline:
             problems.append(f"a handle expired or within {self._forward_margin_s} s of expiry")
         if problems:
@@ -291,9 +294,9 @@ class HonestPairEngine(BundledModelDouble):
         assert pin is not None
         return not decline and pin.freed_at > now
 
-    def _issue(self, held: list[int], faults: list[Fault]) -> tuple[KVHandle | None, str | None]:
-        """D's handle for a step (or, with a ``malformed_handle`` fault, what a real engine makes of a broken
-        one), and why it was dropped."""
+    def _issue(self, held: list[int], faults: list[Fault]) -> tuple[Pin | None, str | None]:
+        """D's pin for a step (or, with a ``malformed_handle`` fault, what a real engine makes of a broken
+        handle), and why it was dropped."""
         self._issued += 1
         now = time.perf_counter()
         deadline = now + self._pin_ttl_s
@@ -317,11 +320,11 @@ class HonestPairEngine(BundledModelDouble):
         freed_at = now if "expire_early" in faults else deadline
         if "malformed_handle" not in faults:
             self._pins[handle.remote_request_id] = _Pin(held, issued, freed_at)
-            return handle, None
+            return pin_of(handle), None
         parsed, problem = parse_handle(_malform(issued, self._malformation))  # what a real engine does with it
         pin = _Pin(held, issued, freed_at, malformation=self._malformation, delivered=parsed is not None)
         self._pins[handle.remote_request_id] = pin
-        return parsed, problem
+        return pin_of(parsed), problem
 
     def _output(self, request: StepRequest) -> tuple[list[int], str, str, bool]:
         """(token ids, text, finish reason, whether a stop string ended it)."""

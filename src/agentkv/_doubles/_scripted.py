@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 
 from .._engines import Engine, EngineInfo, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
-from .._engines._base import Sampling, pair_modes
+from .._engines._base import Sampling
 from .._engines._server_process import ServerProcess
 from .._engines._vllm import AsyncLLMRunner
 from .._errors import AgentKVError, UserError
@@ -60,7 +60,7 @@ class BundledModelDouble(Engine):
     """A test double serving no model: it reports the bundled model (or ``model_path``) for its tokenizer."""
 
     push_back = False
-    """Whether the double issues handles that sessions push back."""
+    """Whether the double issues pins that sessions give back (`EngineInfo.pins`)."""
 
     def __init__(self, *, model_path: Path | None, max_model_len: int) -> None:
         super().__init__()
@@ -72,7 +72,9 @@ class BundledModelDouble(Engine):
         return EngineInfo(
             model_path=self._model_path or cache_dir() / DEFAULT_MODEL,
             max_model_len=self._max_model_len,
-            modes=pair_modes(push_back=self.push_back, placement=True) | {"colocated"},
+            pins=self.push_back,
+            disaggregated=None,  # it stands in for a pair and for a single engine: sessions run it in any mode
+            places_steps=True,
         )
 
     async def _start(self) -> None:
@@ -129,7 +131,6 @@ class ScriptedEngine(BundledModelDouble):
             token_ids=token_ids,
             text=text,
             finish_reason="stop",
-            handle=None,
             timings=StepTimings(ttft_s=time.perf_counter() - started, computed_tokens=len(request.prompt_token_ids)),
         )
 

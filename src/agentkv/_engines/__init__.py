@@ -5,8 +5,10 @@ the public ones are listed once, in `agentkv` (the engines) and `agentkv.engines
 """
 
 from ._base import Engine as Engine
+from ._base import EngineDetails as EngineDetails
 from ._base import EngineInfo as EngineInfo
 from ._base import EngineState as EngineState
+from ._base import Pin as Pin
 from ._base import Sampling as Sampling
 from ._base import StepDone as StepDone
 from ._base import StepEvent as StepEvent
@@ -15,7 +17,6 @@ from ._base import StepTimings as StepTimings
 from ._base import TokenDelta as TokenDelta
 from ._colocated import Colocated as Colocated
 from ._group import EngineGroup as EngineGroup
-from ._handle import KVHandle as KVHandle
 from ._http_capabilities import ServerCapabilities as ServerCapabilities
 from ._launched import LaunchedPair as LaunchedPair
 from ._pair import EmbeddedPair as EmbeddedPair

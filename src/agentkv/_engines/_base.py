@@ -1,6 +1,8 @@
-"""The engine contract: token ids and a handle in; token deltas, then tokens, a handle and timings out.
+"""The engine contract: token ids and a pin in; token deltas, then tokens, a pin and timings out.
 
-Engines know nothing of sessions, tools or chat messages. An engine is an async context
+Engines know nothing of sessions, tools or chat messages. A `Pin` is opaque to its user: the
+number of tokens whose KV the engine keeps and until when, plus the engine's own reference; an
+engine says what it can do with typed flags (`EngineInfo.pins`, ``disaggregated``, ``places_steps``). An engine is an async context
 manager with the lifecycle of `agentkv._lifecycle` (unopened -> open -> closed); an
 implementation provides `Engine.info` and `Engine.step`, and `_start`/`_stop` for its processes.
 """
@@ -9,22 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, TypedDict
 
 from .._errors import EngineDeadError, SessionClosedError
 from .._lifecycle import Lifecycle, LifecycleState
-from ._handle import KVHandle
 from ._placement import Placement, PrefillEngine
 from ._sampling import Sampling, SamplingOptions, TokenLogprob
 
 __all__ = [
     "Engine",
+    "EngineDetails",
     "EngineInfo",
     "EngineState",
-    "Mode",
+    "Pin",
     "Placement",
     "PrefillEngine",
     "Sampling",
@@ -35,28 +37,37 @@ __all__ = [
     "StepTimings",
     "TokenDelta",
     "TokenLogprob",
-    "pair_modes",
     "prompt_split",
 ]
 
-Mode = Literal["auto", "bidirectional", "disaggregated", "colocated"]
-"""How a session runs on its engine: on a pair with KV pushed back to P, on a pair without, or on one engine.
 
-``"auto"`` is push-back where the pair places each step: on P with push-back, or on D alone
-from D's own cache of the pinned conversation, whichever its measured costs say is faster.
-"""
+@dataclass(frozen=True, kw_only=True)
+class Pin:
+    """KV an engine keeps after a step, for a later step that extends it (`EngineInfo.pins`).
 
-_MODE_PREFERENCE: tuple[Mode, ...] = ("bidirectional", "auto", "disaggregated", "colocated")
+    Its user reads `tokens` and `expires_at` only and gives the pin back unchanged, once
+    (`StepRequest.pin`) or lets it go (`Engine.release`); `ref` is the engine's own.
+    """
+
+    tokens: int
+    """The engine keeps KV for the first ``tokens`` tokens of the step's prompt followed by its output."""
+    expires_at: float
+    """When the engine drops that KV, in this process's ``time.perf_counter()`` clock (the engine converts
+    its own clock)."""
+    ref: object
+    """The engine's own reference to the KV, opaque to everyone else (a pair's: D's NIXL handle)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepRequest:
-    """One model call: the whole prompt as token ids, and D's handle to push back (or None)."""
+    """One model call: the whole prompt as token ids, and a pin of an earlier step to extend (or None)."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
     sampling: Sampling
-    handle: KVHandle | None = None
+    pin: Pin | None = None
+    """A pin this engine returned (`StepDone.pin`) whose tokens the prompt extends: its KV is reused.
+    An engine refuses a pin that is not its own (`UserError`)."""
     cache_salt: str | None = None
     """Prefix-cache namespace: blocks cached under one salt never serve another (vLLM ``cache_salt``)."""
     placement: Placement = "prefill"
@@ -79,7 +90,7 @@ class StepTimings:
 
     Token counts are those of the engine that prefilled the prompt (P in a pair).
     Every field documents its source; `None` means the source did not report it. The user sees
-    these numbers in `StepStats`, built with `stats_fields` (every field but `pullback_declined` and
+    these numbers in `StepStats`, built with `stats_fields` (every field but `pin_declined` and
     `pin_evicted`, which become the step's ``miss_reason``).
     """
 
@@ -109,15 +120,16 @@ class StepTimings:
     None for a single engine."""
     placement_reason: str | None = None
     """Why the step was prefilled where it was (``auto`` placement: the estimates compared)."""
-    pullback_declined: bool = False
-    """P declined to read D's blocks (NIXL ``num_kv_expired_reqs`` or a failed read)."""
+    pin_declined: bool = False
+    """The engine could not use the pin it was given and computed its tokens (a pair: P declined to read
+    D's blocks, NIXL ``num_kv_expired_reqs`` or a failed read)."""
     pin_evicted: bool = False
-    """The handle was not used: the pair had released its pin to make room in D's cache."""
+    """The pin was not used: the engine had released it to make room in its cache."""
 
     def stats_fields(self) -> dict[str, Any]:
         """The measurements a `StepStats` reports under the same names: ``StepStats(..., **timings.stats_fields())``."""
         fields = dataclasses.asdict(self)
-        del fields["pullback_declined"], fields["pin_evicted"]
+        del fields["pin_declined"], fields["pin_evicted"]
         return fields
 
 
@@ -142,19 +154,17 @@ def prompt_split(prompt_tokens: int, *, split: tuple[int, int] | None, cached_to
 
 @dataclass(frozen=True, kw_only=True)
 class StepDone:
-    """The end of a step: the output exactly as generated, D's new handle, and timings."""
+    """The end of a step: the output exactly as generated, the engine's new pin, and timings."""
 
     token_ids: Sequence[int]
     text: str
     finish_reason: str
-    handle: KVHandle | None
     timings: StepTimings
-    handle_deadline: float | None = None
-    """The handle's expiry in this process's ``time.perf_counter()`` clock, when D's clock is another
-    host's (None: D shares this host's monotonic clock, and ``remote_blocks_expiry_time`` is it)."""
-    handle_error: str | None = None
-    """Why D's handle was dropped (it was malformed; `handle` is then None): the step's answer stands,
-    the next step cannot push back."""
+    pin: Pin | None = None
+    """The KV the engine keeps of this step's prompt and output, for the next step (None: it keeps none)."""
+    pin_error: str | None = None
+    """Why the engine has no pin to give although it keeps KV (a pair: D's handle was malformed): the step's
+    answer stands, the next step computes its whole prompt."""
     logprobs: Sequence[TokenLogprob] | None = None
     """One per token of `token_ids` when the step asked for them (`SamplingOptions.logprobs`), else None."""
 
@@ -162,34 +172,69 @@ class StepDone:
 StepEvent = TokenDelta | StepDone
 
 
+class EngineDetails(TypedDict, total=False):
+    """What an engine reports of itself for people to read (``agentkv smoke``, logs): each key is optional."""
+
+    platform: str
+    """vLLM's platform the engines run on (``"cpu"``, ``"cuda"``)."""
+    cores: list[int]
+    """A single engine's CPU cores."""
+    devices: list[str]
+    """A single engine's GPUs."""
+    prefill_cores: list[int]
+    """P's CPU cores."""
+    decode_cores: list[int]
+    """D's CPU cores."""
+    prefill_devices: list[str]
+    """P's GPUs."""
+    decode_devices: list[str]
+    """D's GPUs."""
+    core_policy: str
+    """How P and D share the cores: ``"split"`` or ``"elastic"``."""
+    transfer: str
+    """How KV moves from P to D: ``"pull"`` or ``"push"``."""
+    pin_ttl_s: float
+    """How long D keeps a pin unless it is read or released."""
+    prefill_prefix_cache: bool
+    """Whether P keeps a prefix cache of its own."""
+    decode_kv_blocks: int | None
+    """D's KV cache in blocks (None: its server publishes no metrics)."""
+    transport: str
+    """How an HTTP pair reaches its servers: ``"launched"`` (agentkv started them) or ``"remote"``."""
+    prefill_url: str
+    """P's server."""
+    decode_url: str
+    """D's server."""
+    server_kind: str
+    """What the servers are: agentkv's (``agentkv engine``) or stock vLLM's."""
+    log_dir: str
+    """Where launched servers write their logs."""
+    engines: int
+    """How many engines an `EngineGroup` serves with (the other keys are its first engine's)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineInfo:
-    """What a session needs to know of the model an engine serves, and the session modes it can serve."""
+    """What a session needs to know of the model an engine serves, and what the engine can do.
+
+    The defaults describe a plain engine: one engine that prefills and decodes, and keeps no KV for
+    later steps.
+    """
 
     model_path: Path
     max_model_len: int
-    modes: frozenset[Mode]
-    """The session modes the engine serves: a pair serves "disaggregated", and "bidirectional" when D
-    pins KV after each step and P can pull it back (`pair_modes`); a single engine serves "colocated"."""
-    extra: dict[str, Any] = field(default_factory=dict[str, Any])
-
-    @property
-    def push_back(self) -> bool:
-        """Whether D pins KV after each step and P can pull it back (the engine serves "bidirectional")."""
-        return "bidirectional" in self.modes
-
-    @property
-    def natural_mode(self) -> Mode:
-        """The mode of a session that asks for none: the first served of bidirectional, disaggregated, colocated."""
-        return next(mode for mode in _MODE_PREFERENCE if mode in self.modes)
-
-
-def pair_modes(*, push_back: bool, placement: bool = False) -> frozenset[Mode]:
-    """The modes a P/D pair serves: "disaggregated"; "bidirectional" with push-back; "auto" too when it
-    can also place steps on D alone (``placement``)."""
-    if not push_back:
-        return frozenset({"disaggregated"})
-    return frozenset({"disaggregated", "bidirectional", "auto"} if placement else {"disaggregated", "bidirectional"})
+    pins: bool = False
+    """The engine keeps KV after each step (`StepDone.pin`) and takes the pin back with a later step."""
+    disaggregated: bool | None = False
+    """Prefill and decode run on separate engines (a P/D pair). None: either; a test double that stands
+    in for both (``agentkv.testing``)."""
+    places_steps: bool = False
+    """With a pin, the engine can run the step where the KV is (a pair: on D alone, from D's own cache of
+    the pinned conversation) when its measured costs say so (`Placement` ``"auto"``)."""
+    off_reasons: Mapping[str, str] = field(default_factory=dict[str, str])
+    """Why a flag is off where the engine knows, by the flag's name (e.g. ``{"places_steps": "..."}``)."""
+    details: EngineDetails = field(default_factory=lambda: EngineDetails())
+    """What the engine reports of itself for people to read (where it computes, its servers)."""
 
 
 EngineState = LifecycleState
@@ -224,12 +269,12 @@ class Engine(Lifecycle, ABC):
     def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         """Run one model call, yielding `TokenDelta`s and then exactly one `StepDone`."""
 
-    async def release(self, handle: KVHandle) -> None:
-        """Let D drop the blocks ``handle`` pins: the session will never forward it.
+    async def release(self, pin: Pin) -> None:
+        """Let the engine drop the KV ``pin`` keeps: the session will never give it back.
 
         Called by sessions for a pin they give up (closed, rewound, edited, not forwarded, or
-        from a turn that did not finish), so D's cache does not fill with pins that wait for
-        their expiry. Best effort and optional: the default does nothing (the pin expires).
+        from a turn that did not finish), so the engine's cache does not fill with pins that wait
+        for their expiry. Best effort and optional: the default does nothing (the pin expires).
         Must not raise; an engine that is closed or dead ignores it.
         """
 

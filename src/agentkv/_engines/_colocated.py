@@ -14,7 +14,7 @@ from _agentkv_vllm._cores import CoreTable
 
 from .._errors import EngineDeadError, UserError
 from .._model import prepare_model_off_loop
-from ._base import Engine, EngineInfo, StepEvent, StepRequest, StepTimings
+from ._base import Engine, EngineDetails, EngineInfo, StepEvent, StepRequest, StepTimings
 from ._pair_config import check_engine_args, engine_launch
 from ._pair_layer import run_warmup_steps
 from ._platforms import current_platform
@@ -97,7 +97,7 @@ class Colocated(Engine):
         devices: tuple[str, ...] = ()
         if platform.pins_cores:  # CPU: cores of its own, claimed in the host's core table below
             cores = list(self._cores or available_cores())
-            where: dict[str, Any] = {"cores": cores}
+            where: EngineDetails = {"cores": cores}
         else:  # a GPU host: the visible GPUs, none of the CPU machinery
             if self._cores is not None:
                 raise UserError("cores= binds the engine's threads on vLLM's CPU platform; this host runs CUDA")
@@ -120,13 +120,8 @@ class Colocated(Engine):
         await self._engine.start_async(self._progress)
         self._know_started(model_path, where)
 
-    def _know_started(self, model_path: Path, extra: dict[str, Any]) -> None:
-        self._info = EngineInfo(
-            model_path=model_path,
-            max_model_len=self._max_model_len,
-            modes=frozenset({"colocated"}),
-            extra=extra,
-        )
+    def _know_started(self, model_path: Path, details: EngineDetails) -> None:
+        self._info = EngineInfo(model_path=model_path, max_model_len=self._max_model_len, details=details)
 
     async def _warm_up(self) -> None:
         if self._warmup:
@@ -138,8 +133,8 @@ class Colocated(Engine):
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
-        if request.handle is not None:
-            raise UserError("a colocated engine takes no KV handle")
+        if request.pin is not None:
+            raise UserError("a colocated engine takes no pin")
         engine = self._engine
         assert engine is not None
         started = time.perf_counter()

@@ -1,9 +1,9 @@
 """`EngineGroup`: several pairs behind one engine, each conversation kept on the pair that holds its pin.
 
-A step that pushes a handle back goes to the pair whose D issued it (the handle names D's
+A step that gives a pin back goes to the pair whose D issued it (the pin's handle names D's
 engine); a step without one (a new conversation) goes to the live pair with the fewest steps in
 flight, then the fewest conversations pinned. When a pair dies, the group keeps serving on the
-others: a step whose handle names the dead pair is re-placed on a live one and recomputes its
+others: a step whose pin names the dead pair is re-placed on a live one and recomputes its
 prompt (its stats say ``declined``), and the dead pair is replaced in the background when the
 group was told how (``replace``).
 """
@@ -19,8 +19,8 @@ import anyio
 
 from .._errors import EngineDeadError, UserError
 from .._home import Background, start_background
-from ._base import Engine, EngineInfo, EngineState, StepDone, StepEvent, StepRequest
-from ._handle import KVHandle
+from ._base import Engine, EngineInfo, EngineState, Pin, StepDone, StepEvent, StepRequest
+from ._handle import KVHandle, handle_of
 
 __all__ = ["EngineGroup"]
 
@@ -32,7 +32,7 @@ class _Member:
     engine: Engine
     in_flight: int = 0
     pins: set[str] = field(default_factory=set[str])
-    """The handles it issued that were neither pushed back nor released yet (its conversations)."""
+    """The pins it issued (D's request ids) that were neither given back nor released yet (its conversations)."""
     replacing: bool = False
     given_up: bool = False
     """Its replacement failed: it stays out."""
@@ -64,7 +64,7 @@ class EngineGroup(Engine):
         self._members = [_Member(engine) for engine in engines]
         self._replace = replace
         self._owners: dict[str, _Member] = {}
-        """D's engine id (named in every handle it issues) -> the member it belongs to."""
+        """D's engine id (named in every pin's handle it issues) -> the member it belongs to."""
         self._info: EngineInfo | None = None
         self._replacements: list[Background] = []
 
@@ -107,8 +107,10 @@ class EngineGroup(Engine):
         self._info = dataclasses.replace(
             infos[0],
             max_model_len=min(info.max_model_len for info in infos),
-            modes=frozenset.intersection(*(info.modes for info in infos)),
-            extra={**infos[0].extra, "engines": len(infos)},
+            pins=all(info.pins for info in infos),
+            places_steps=all(info.places_steps for info in infos),
+            off_reasons={key: why for info in reversed(infos) for key, why in info.off_reasons.items()},
+            details={**infos[0].details, "engines": len(infos)},
         )
 
     async def _stop(self) -> None:
@@ -125,28 +127,29 @@ class EngineGroup(Engine):
         member, placed = self._place(request)
         started = False
         try:
-            async for event in self._step_on(member, placed, forwarded=request.handle is not None):
+            async for event in self._step_on(member, placed, forwarded=request.pin is not None):
                 started = True
                 yield event
         except EngineDeadError:
             if started or not member.engine.is_dead or not any(m.serves for m in self._members):
                 raise
             logger.warning("agentkv: a pair died before the step's first token; re-placing the step")
-            member, placed = self._place(dataclasses.replace(request, handle=None))
-            async for event in self._step_on(member, placed, forwarded=request.handle is not None):
+            member, placed = self._place(dataclasses.replace(request, pin=None))
+            async for event in self._step_on(member, placed, forwarded=request.pin is not None):
                 yield event
 
     async def _step_on(self, member: _Member, request: StepRequest, *, forwarded: bool) -> AsyncIterator[StepEvent]:
-        lost = forwarded and request.handle is None  # forwarded, but its pair is gone: the step says declined
+        lost = forwarded and request.pin is None  # forwarded, but its pair is gone: the step says declined
         member.in_flight += 1
         try:
             async for event in member.engine.step(request):
                 if isinstance(event, StepDone):
-                    if event.handle is not None:
-                        self._owners[event.handle.remote_engine_id] = member
-                        member.pins.add(event.handle.remote_request_id)
+                    if event.pin is not None:
+                        handle = handle_of(event.pin)
+                        self._owners[handle.remote_engine_id] = member
+                        member.pins.add(handle.remote_request_id)
                     if lost:
-                        timings = dataclasses.replace(event.timings, pullback_declined=True)
+                        timings = dataclasses.replace(event.timings, pin_declined=True)
                         event = dataclasses.replace(event, timings=timings)
                 yield event
         finally:
@@ -155,32 +158,36 @@ class EngineGroup(Engine):
                 self._lost(member)
 
     def _place(self, request: StepRequest) -> tuple[_Member, StepRequest]:
-        """The member for ``request`` and the request as it goes there (without a handle its pair cannot read)."""
+        """The member for ``request`` and the request as it goes there (without a pin its pair cannot read)."""
         for member in self._members:
             if member.engine.is_dead and not member.replacing:
                 self._lost(member)
-        if request.handle is not None:
-            owner = self._owners.get(request.handle.remote_engine_id)
+        handle = handle_of(request.pin)
+        if handle is not None:
+            owner = self._owners.get(handle.remote_engine_id)
             if owner is not None and owner.serves:
-                owner.pins.discard(request.handle.remote_request_id)
+                owner.pins.discard(handle.remote_request_id)
                 return owner, request
             logger.info("agentkv: a conversation's pair is gone; its step recomputes on another")
-            request = dataclasses.replace(request, handle=None)
+            request = dataclasses.replace(request, pin=None)
         serving = [m for m in self._members if m.serves]
         if not serving:
             raise EngineDeadError("every engine of the group died")
         return min(serving, key=lambda m: (m.in_flight, len(m.pins))), request
 
-    async def release(self, handle: KVHandle) -> None:
+    async def release(self, pin: Pin) -> None:
+        handle = pin.ref
+        if not isinstance(handle, KVHandle):  # no member's pin: nothing to release (a release never raises)
+            return
         owner = self._owners.get(handle.remote_engine_id)
         if owner is not None and owner.serves:
             owner.pins.discard(handle.remote_request_id)
-            await owner.engine.release(handle)
+            await owner.engine.release(pin)
 
     # ----------------------------------------------------------------- dead engines
 
     def _lost(self, member: _Member) -> None:
-        """A member died: forget its handles; start its replacement if the group knows how (once)."""
+        """A member died: forget its pins; start its replacement if the group knows how (once)."""
         for engine_id in [k for k, m in self._owners.items() if m is member]:
             del self._owners[engine_id]
         member.pins.clear()

@@ -14,19 +14,22 @@ sent on, nothing unvalidated reaches the other engine either way.
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .._errors import EngineError
+from .._errors import EngineError, UserError
+from ._base import Pin
 
 __all__ = [
     "SERVER_EXTRAS_FIELD",
     "KVHandle",
     "PrefillResult",
     "PushSource",
+    "handle_of",
     "parse_handle",
     "parse_prefill_result",
+    "pin_of",
     "prefill_params",
     "release_params",
 ]
@@ -108,6 +111,28 @@ class PushSource(BaseModel):
     def as_decode_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` that ask D to wait for P's push, then decode."""
         return {"do_remote_prefill": True, "do_remote_decode": False, **self.model_dump()}
+
+
+def pin_of(handle: KVHandle | None, *, deadline: float | None = None) -> Pin | None:
+    """D's handle as the `Pin` a pair returns: ``deadline`` is its expiry in this process's clock when D's clock is
+    another host's (None: D shares this host's monotonic clock, and ``remote_blocks_expiry_time`` is in it)."""
+    if handle is None:
+        return None
+    expires_at = deadline if deadline is not None else handle.remote_blocks_expiry_time
+    return Pin(tokens=handle.remote_num_tokens, expires_at=expires_at, ref=handle)
+
+
+@overload
+def handle_of(pin: Pin) -> KVHandle: ...
+@overload
+def handle_of(pin: Pin | None) -> KVHandle | None: ...
+def handle_of(pin: Pin | None) -> KVHandle | None:
+    """The D handle a pair's `Pin` carries; `UserError` for a pin that no pair made."""
+    if pin is None:
+        return None
+    if not isinstance(pin.ref, KVHandle):
+        raise UserError(f"this pair takes back only the pins it returned, not one holding {type(pin.ref).__name__}")
+    return pin.ref
 
 
 def prefill_params(handle: KVHandle | None) -> dict[str, Any]:

@@ -35,11 +35,10 @@ from ._base import (
     StepEvent,
     StepRequest,
     StepTimings,
-    pair_modes,
     prompt_split,
 )
-from ._handle import KVHandle, PushSource, parse_handle, parse_prefill_result, prefill_params, release_params
-from ._http_answer import NOTHING_MOVED, DecodeAnswer, NixlBaseline, local_deadline, moved_kv
+from ._handle import KVHandle, PushSource, handle_of, parse_prefill_result, prefill_params, release_params
+from ._http_answer import NOTHING_MOVED, DecodeAnswer, NixlBaseline, decode_pin, moved_kv
 from ._http_capabilities import (
     UNKNOWN_BLOCK_SIZE,
     DecodeCapacity,
@@ -205,8 +204,10 @@ class HTTPPair(PairLayer):
         self._info = EngineInfo(
             model_path=model_path,
             max_model_len=capabilities.max_model_len,
-            modes=pair_modes(push_back=self._wants_push_back, placement=self._placement_off is None),
-            extra={
+            pins=self._wants_push_back,
+            disaggregated=True,
+            places_steps=self._placement_off is None,
+            details={
                 "transport": kind,
                 "prefill_url": prefill_url,
                 "decode_url": decode_url,
@@ -221,7 +222,7 @@ class HTTPPair(PairLayer):
         self._urls = (prefill_url, decode_url)
         await self._transport.connect(self._urls)
         self._info = dataclasses.replace(
-            self.info, extra={**self.info.extra, "prefill_url": prefill_url, "decode_url": decode_url}
+            self.info, details={**self.info.details, "prefill_url": prefill_url, "decode_url": decode_url}
         )
 
     async def _warm_up(self) -> None:
@@ -280,8 +281,9 @@ class HTTPPair(PairLayer):
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
-        if request.handle is not None and not self.info.push_back:
-            raise UserError("this pair runs without push-back: it takes no handle")
+        if request.pin is not None and not self.info.pins:
+            raise UserError("this pair runs without push-back: it takes no pin")
+        handle_of(request.pin)  # a pin of another engine is refused before any work
         check_sampling(request.sampling)  # what D would refuse after P's work (P refuses the rest before it)
         await self._before_step()
         self._in_flight += 1
@@ -345,7 +347,7 @@ class HTTPPair(PairLayer):
         if answer.finish_reason not in ("stop", "length"):
             raise EngineError(f"the decode server ended the step with {answer.finish_reason!r}")
         d_reply = answer.reply
-        handle, handle_error = parse_handle(d_reply.kv_transfer_params) if self.info.push_back else (None, None)
+        pin, pin_error = decode_pin(d_reply) if self.info.pins else (None, None)
         computed_on = prefill or d_reply  # the reply of the server that prefilled the prompt
         p_moved = self._baseline.advance("prefill", prefill) if prefill is not None else dict(NOTHING_MOVED)
         d_moved = self._baseline.advance("decode", d_reply)
@@ -355,9 +357,8 @@ class HTTPPair(PairLayer):
             token_ids=answer.token_ids,
             text="".join(answer.texts),
             finish_reason=answer.finish_reason,
-            handle=handle,
-            handle_deadline=local_deadline(handle, d_reply),
-            handle_error=handle_error,
+            pin=pin,
+            pin_error=pin_error,
             logprobs=None if answer.logprobs_count is None else answer.logprobs or [],
             timings=StepTimings(
                 ttft_s=(answer.first_token_at or time.perf_counter()) - started,
@@ -365,7 +366,7 @@ class HTTPPair(PairLayer):
                 kv_wait_s=sum(reply.seconds("wait") or 0.0 for reply in (prefill, d_reply) if reply is not None),
                 decode_s=d_reply.seconds("decode"),
                 handoff_tokens=(d_reply.split() or (0, 0))[1] if prefill is not None else 0,
-                pullback_declined=declined or bool(alone and p_moved and p_moved["expired"] > 0),
+                pin_declined=declined or bool(alone and p_moved and p_moved["expired"] > 0),
                 prefill_engine="prefill" if prefill is not None else "decode",
                 placement_reason=choice.reason,
                 **moved_kv(p_moved, d_moved, alone=alone),
@@ -402,7 +403,7 @@ class HTTPPair(PairLayer):
         )
 
         async def rescue() -> bool:
-            await self._prefill(dataclasses.replace(request, handle=None), request_id=shared)  # raises if it failed
+            await self._prefill(dataclasses.replace(request, pin=None), request_id=shared)  # raises if it failed
             return True
 
         return PushedStep(prefill, self._decode(body), rescue, timeout_s=self._transport.step_timeout_s)
@@ -412,7 +413,7 @@ class HTTPPair(PairLayer):
 
         ``request_id``: the ``X-Request-Id`` P gets (a pushed step's, which D waits on), or none.
         """
-        handle: KVHandle | None = request.handle
+        handle: KVHandle | None = handle_of(request.pin)
         dropped = False
         if handle is not None and handle.remote_engine_id in self._retired_engines:
             handle, dropped = None, True  # the server that pinned it was restarted: its blocks are gone

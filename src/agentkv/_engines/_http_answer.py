@@ -4,7 +4,8 @@
 reason, and D's last reply, which carries its handle). The rest reads agentkv's server
 additions (``src/agentkv/_engines/_server.py``): `NixlBaseline` turns each server's NIXL
 totals into per-step differences (`moved_kv`: a step's bytes and seconds, when it was the
-pair's only one), and `local_deadline` carries D's pin expiry into this process's clock.
+pair's only one), and `decode_pin` makes D's handle the step's `Pin`, its expiry carried into this
+process's clock.
 `HTTPPair` (``src/agentkv/_engines/_http.py``) builds the step's `StepDone` from them.
 """
 
@@ -16,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import EngineError
-from ._base import TokenDelta, TokenLogprob
-from ._handle import KVHandle
+from ._base import Pin, TokenDelta, TokenLogprob
+from ._handle import KVHandle, parse_handle, pin_of
 from ._http_transport import ServerReply, completion_logprobs
 from ._platforms import Role
 
-__all__ = ["NOTHING_MOVED", "DecodeAnswer", "NixlBaseline", "local_deadline", "moved_kv"]
+__all__ = ["NOTHING_MOVED", "DecodeAnswer", "NixlBaseline", "decode_pin", "moved_kv"]
 
 
 @dataclass
@@ -89,7 +90,13 @@ def moved_kv(p_moved: dict[str, float] | None, d_moved: dict[str, float] | None,
     }
 
 
-def local_deadline(handle: KVHandle | None, reply: ServerReply) -> float | None:
+def decode_pin(reply: ServerReply) -> tuple[Pin | None, str | None]:
+    """The `Pin` of D's handle in its last ``reply`` (None: D returned none), or None and why it is malformed."""
+    handle, problem = parse_handle(reply.kv_transfer_params)
+    return pin_of(handle, deadline=_local_deadline(handle, reply)), problem
+
+
+def _local_deadline(handle: KVHandle | None, reply: ServerReply) -> float | None:
     """``handle``'s expiry in this process's clock, from D's clock in its reply (None: no clock sent)."""
     clock = (reply.extras or {}).get("clock")
     if handle is None or clock is None:

@@ -9,13 +9,14 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Unpack
+from typing import Unpack
 
 import anyio
 import anyio.to_thread
 
 from .._errors import UserError
 from .._model import home_dir, prepare_model_off_loop
+from ._base import EngineDetails
 from ._http import HTTPPair
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
 from ._platforms import PairDevices, Platform, current_platform, pair_devices
@@ -129,7 +130,7 @@ class LaunchedPair(HTTPPair):
         if self._log_dir is None:
             self._log_dir = home_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self._tag}"
         self._platform = current_platform()
-        placement: dict[str, Any]
+        placement: EngineDetails
         if self._platform.pins_cores:
             p_cores, d_cores = (list(c) for c in self.config.cores) if self.config.cores else split_cores()
             placement = {"prefill_cores": p_cores, "decode_cores": d_cores}
@@ -155,7 +156,7 @@ class LaunchedPair(HTTPPair):
         await self._open_servers(
             self._servers["prefill"].url, self._servers["decode"].url, kind="launched", model_path=model_path
         )
-        self._info_extra({**placement, "log_dir": str(self._log_dir)})
+        self._info_details({**placement, "log_dir": str(self._log_dir)})
 
     def _server(self, role: Role, model_path: Path, cores: Sequence[int]) -> ServerProcess:
         index = 0 if role == "prefill" else 1
@@ -200,8 +201,8 @@ class LaunchedPair(HTTPPair):
         assert spec.engine_id is not None and spec.side_channel_port is not None
         self._prefill_coordinates = (spec.engine_id, self._hosts[0], spec.side_channel_port)
 
-    def _info_extra(self, extra: dict[str, Any]) -> None:
-        self._info = dataclasses.replace(self.info, extra={**self.info.extra, **extra})
+    def _info_details(self, details: EngineDetails) -> None:
+        self._info = dataclasses.replace(self.info, details={**self.info.details, **details})
 
     async def _warm_up(self) -> None:
         await super()._warm_up()

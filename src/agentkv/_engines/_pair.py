@@ -13,7 +13,7 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Unpack
+from typing import Unpack
 
 import anyio
 
@@ -22,7 +22,7 @@ from _agentkv_vllm._patches import AUTO_PLACEMENT, ELASTIC_CORES
 
 from .._errors import UserError
 from .._model import prepare_model_off_loop
-from ._base import EngineInfo, pair_modes
+from ._base import EngineDetails, EngineInfo
 from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
 from ._pair_step import PairSteps
 from ._platforms import Platform, current_platform, pair_devices
@@ -199,22 +199,24 @@ class EmbeddedPair(PairSteps):
         if failed:
             raise failed[0]
 
-    def _know_started(self, model_path: Path, placement: dict[str, Any]) -> None:
+    def _know_started(self, model_path: Path, placement: EngineDetails) -> None:
         """The pair's `EngineInfo`, once both engines run: ``placement`` says where each computes."""
         config = self.config
         assert self._d is not None
         problem = feature_problem(AUTO_PLACEMENT) if config.transfer == "pull" else None
         self._placement_off = problem if config.transfer == "pull" else "a push pair prefills every step on P"
-        modes_off = {}
+        off_reasons = {}
         if problem is not None and config.bidirectional:
-            modes_off["auto"] = f"auto placement is off on this vLLM ({problem})"
+            off_reasons["places_steps"] = f"auto placement is off on this vLLM ({problem})"
         self._info = EngineInfo(
             model_path=model_path,
             max_model_len=config.max_model_len,
-            modes=pair_modes(push_back=config.bidirectional, placement=self._placement_off is None),
-            extra={
+            pins=config.bidirectional,
+            disaggregated=True,
+            places_steps=config.bidirectional and self._placement_off is None,
+            off_reasons=off_reasons,
+            details={
                 **placement,
-                **({"modes_off": modes_off} if modes_off else {}),
                 "transfer": config.transfer,
                 "pin_ttl_s": config.pin_ttl_s,
                 "prefill_prefix_cache": config.prefill_prefix_cache,

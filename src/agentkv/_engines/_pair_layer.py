@@ -4,14 +4,15 @@ A pair is two engines joined by NIXL, in this process (`EmbeddedPair`) or behind
 servers (`LaunchedPair`, `RemotePair`). Whatever the engines are, the pair must
 
 * keep D's pins within D's cache (`PinBudget`): before a step, room for it is made by
-  releasing the least recently pinned conversations; a handle whose pin was released is
-  not forwarded (its blocks may hold another conversation now: ``miss_reason="evicted"``);
+  releasing the least recently pinned conversations; a pin the pair released is not
+  used (its blocks may hold another conversation now: ``miss_reason="evicted"``);
 * place each step (`PlacementCosts`): on P with push-back (the protocol), or on D alone
   from D's own cache of the pinned conversation, where the costs the pair measured say so;
 * release pins it no longer needs (a session's last, one a step on D alone replaced, a
   warm-up's), by a one-token request on P that carries the handle.
 
-`PairLayer._pinned_step` does this for every pair kind. Under it each kind implements the
+A pair's `Pin` carries D's `KVHandle` (``Pin.ref``, unwrapped by `handle_of`): its expiry
+in this process's clock, and the tokens D holds. `PairLayer._pinned_step` does this for every pair kind. Under it each kind implements the
 primitives: `_capacity` (D's blocks), `_requests_in_flight`, `_step_via_prefill`
 (P then D), `_step_on_decode` (D alone) and `_send_release`.
 """
@@ -30,10 +31,10 @@ from typing import Any
 from _agentkv_vllm._patches import PIN_ON_DECODE
 
 from .._errors import UserError
-from ._base import Engine, Sampling, StepDone, StepEvent, StepRequest
-from ._handle import KVHandle
+from ._base import Engine, Pin, Sampling, StepDone, StepEvent, StepRequest
+from ._handle import KVHandle, handle_of
 from ._pin_budget import PinBudget
-from ._pinning import Pin, choose_handle
+from ._pinning import HeldPin, choose_pin
 from ._placement import Placement, PlacementChoice, PlacementCosts
 
 __all__ = ["ON_DECODE_PARAMS", "RELEASE_MARGIN_S", "PairLayer", "run_warmup_steps"]
@@ -80,7 +81,7 @@ class PairLayer(Engine):
     def _step_via_prefill(
         self, request: StepRequest, started: float, choice: PlacementChoice
     ) -> AsyncGenerator[StepEvent, None]:
-        """The protocol's step: P prefills (pulling the handle's KV back), D pulls P's and decodes."""
+        """The protocol's step: P prefills (pulling the pin's KV back), D pulls P's and decodes."""
 
     @abstractmethod
     def _step_on_decode(
@@ -112,15 +113,16 @@ class PairLayer(Engine):
     async def _pinned_step(self, request: StepRequest) -> AsyncGenerator[StepEvent, None]:
         """One step within D's budget of pins, placed on P or D, teaching the placement its costs."""
         pins = self._pin_budget()
-        evicted = request.handle is not None and pins.was_evicted(request.handle)
+        handle = handle_of(request.pin)
+        evicted = handle is not None and pins.was_evicted(handle)
         if evicted:
-            request = dataclasses.replace(request, handle=None)
+            request, handle = dataclasses.replace(request, pin=None), None
         # What the step needs to start on D: vLLM grows a running answer by preempting other running requests,
         # but it never preempts a pin, so only the prompt and the answer's first block must fit beside the pins.
         tokens = len(request.prompt_token_ids) + min(request.sampling.max_tokens, pins.block_size)
-        for released in pins.reserve(request.request_id, tokens=tokens, reused=request.handle):
+        for released in pins.reserve(request.request_id, tokens=tokens, reused=handle):
             logger.debug("agentkv: D's cache is full; releasing the least recently pinned conversation")
-            self._spawn_release(released)
+            self._spawn_release(released, released.remote_blocks_expiry_time)
         try:
             started = time.perf_counter()
             choice = self._place(request)
@@ -132,8 +134,8 @@ class PairLayer(Engine):
                     async for event in events:
                         if isinstance(event, StepDone):
                             self._learn(event, pins, evicted=evicted)
-                            if on_decode and request.handle is not None:  # no P read frees the old pin
-                                self._spawn_release(request.handle)
+                            if on_decode and request.pin is not None and handle is not None:  # no P read frees it
+                                self._spawn_release(handle, request.pin.expires_at)
                         yield event
             finally:
                 self._steps_on_decode -= on_decode
@@ -143,8 +145,8 @@ class PairLayer(Engine):
     def _learn(self, done: StepDone, pins: PinBudget, *, evicted: bool) -> None:
         timings = done.timings
         timings.pin_evicted = evicted
-        if done.handle is not None:
-            pins.pinned(done.handle, deadline=done.handle_deadline)
+        if done.pin is not None:
+            pins.pinned(handle_of(done.pin), deadline=done.pin.expires_at)
         self.costs.observe(
             timings.prefill_engine or "prefill",
             computed_tokens=timings.computed_tokens,
@@ -162,21 +164,21 @@ class PairLayer(Engine):
             if request.placement == "decode":
                 raise UserError(f"a step on D alone needs agentkv's auto placement: {self._placement_off}")
             return PlacementChoice("prefill", f"auto placement is off ({self._placement_off})")
-        if request.handle is None or request.placement == "prefill":
+        if request.pin is None or request.placement == "prefill":
             return PlacementChoice("prefill", "no pin to extend on D" if request.placement != "prefill" else "asked")
         if request.placement == "decode":
             return PlacementChoice("decode", "asked")
         on_prefill, on_decode = self._requests_in_flight()
         return self.costs.choose(
             prompt_tokens=len(request.prompt_token_ids),
-            held_tokens=request.handle.remote_num_tokens,
+            held_tokens=request.pin.tokens,
             block_size=self._pin_budget().block_size,
             decode_in_flight=on_decode + self._steps_on_decode,
             prefill_in_flight=on_prefill,
         )
 
-    async def release(self, handle: KVHandle) -> None:
-        """Have D free the blocks ``handle`` pins, now rather than at their expiry.
+    async def release(self, pin: Pin) -> None:
+        """Have D free the blocks ``pin`` holds, now rather than at their expiry (a pin no pair made is ignored).
 
         vLLM 0.32 has no call that frees a pin. What frees one is P's notification after a
         read, and P also sends it when it finds nothing to read (a full local hit). So P gets
@@ -185,11 +187,14 @@ class PairLayer(Engine):
         of its expiry is left to expire (D counts a notification after expiry as an error).
         Best effort: a release that fails is logged, and the pin expires.
         """
-        deadline = handle.remote_blocks_expiry_time
+        if isinstance(pin.ref, KVHandle):
+            await self._release(pin.ref, pin.expires_at)
+
+    async def _release(self, handle: KVHandle, deadline: float) -> None:
+        """`release` of D's ``handle``, which expires at ``deadline`` in this process's clock."""
         if self._pins is not None:
-            deadline = self._pins.deadline(handle) or deadline
             self._pins.gone(handle)
-        if not self.is_open or self.is_dead or not self.info.push_back:
+        if not self.is_open or self.is_dead or not self.info.pins:
             return
         if time.perf_counter() + RELEASE_MARGIN_S >= deadline:
             return
@@ -198,17 +203,17 @@ class PairLayer(Engine):
         except Exception as exc:  # best effort: a pin that is not released expires on D
             logger.debug("agentkv: releasing a pin failed: %s", exc)
 
-    def _spawn_release(self, handle: KVHandle) -> None:
+    def _spawn_release(self, handle: KVHandle, deadline: float) -> None:
         """`release` off the step's path, on the pair's event loop."""
         if self.home is not None:
-            self.home.spawn(self.release, handle)
+            self.home.spawn(self._release, handle, deadline)
 
     async def _calibrate(self) -> None:
         """The warm-up: short steps run the kernels and NIXL handshakes once, then again from fresh costs, so
         that placement compares the warm costs of a step on P and on D (when steps can run on D)."""
         placements: tuple[Placement, ...] = ("prefill", "decode" if self._placement_off is None else "prefill")
-        await run_warmup_steps(self, push_back=self.info.push_back, placements=placements)  # first steps: cold
-        if self._placement_off is None and self.info.push_back:
+        await run_warmup_steps(self, push_back=self.info.pins, placements=placements)  # first steps: cold
+        if self._placement_off is None and self.info.pins:
             self.costs = PlacementCosts()
             await run_warmup_steps(self, push_back=True, placements=placements)
 
@@ -216,22 +221,22 @@ class PairLayer(Engine):
 async def run_warmup_steps(
     engine: Engine, *, push_back: bool, placements: tuple[Placement, ...] = ("prefill", "prefill")
 ) -> None:
-    """Short steps (each after the first pushing the last one's handle back): kernels and NIXL handshakes
+    """Short steps (each after the first giving the last one's pin back): kernels and NIXL handshakes
     run now. ``placements``: where each step is prefilled (without push-back, one step only).
 
     The second prompt extends exactly what D holds (the first prompt and its output), and the
-    handle goes through `choose_handle`, the rule every session step obeys. The last pin is
+    pin goes through `choose_pin`, the rule every session step obeys. The last pin is
     released: nothing of the warm-up stays parked on D.
     """
     prompt = [1] + [28] * 300  # two CPU blocks of one repeated token: shapes and handshakes only
-    pin: Pin | None = None
+    held: HeldPin | None = None
     for placement in placements if push_back else placements[:1]:
-        handle, _reason = choose_handle(pin, prompt, push_back=push_back, expiry_margin_s=RELEASE_MARGIN_S)
+        pin, _reason = choose_pin(held, prompt, push_back=push_back, expiry_margin_s=RELEASE_MARGIN_S)
         request = StepRequest(
             request_id=f"agentkv-warmup-{uuid.uuid4().hex}",
             prompt_token_ids=prompt,
             sampling=Sampling(max_tokens=4),
-            handle=handle,
+            pin=pin,
             placement=placement,
         )
         done: StepDone | None = None
@@ -239,8 +244,8 @@ async def run_warmup_steps(
             if isinstance(event, StepDone):
                 done = event
         assert done is not None
-        held = prompt + list(done.token_ids)
-        pin = Pin(done.handle, held, done.handle_deadline) if done.handle is not None else None
-        prompt = held + [28] * 40
-    if pin is not None:
-        await engine.release(pin.handle)
+        tokens = prompt + list(done.token_ids)
+        held = HeldPin(done.pin, tokens) if done.pin is not None else None
+        prompt = tokens + [28] * 40
+    if held is not None:
+        await engine.release(held.pin)

@@ -3,8 +3,8 @@
 `EmbeddedPair` (``src/agentkv/_engines/_pair.py``) starts and stops the two runners; this
 is what it does with them once they run (docs/concepts.md, "Turns, steps, P and D"): P
 prefills the prompt with ``max_tokens=1``, pulling the conversation's earlier KV back from
-D when given D's handle; D pulls from P what it lacks (or P pushes it, ``transfer="push"``),
-decodes, pins its blocks and returns a new handle. A step on D alone and a pin's release
+D when given D's pin; D pulls from P what it lacks (or P pushes it, ``transfer="push"``),
+decodes, pins its blocks and returns a new pin (D's handle in a `Pin`). A step on D alone and a pin's release
 are here too; the pin budget and the placement are every pair's (`PairLayer`).
 """
 
@@ -21,7 +21,16 @@ import anyio
 
 from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
 from ._base import StepDone, StepEvent, StepRequest, StepTimings, TokenDelta, prompt_split
-from ._handle import KVHandle, PushSource, parse_handle, parse_prefill_result, prefill_params, release_params
+from ._handle import (
+    KVHandle,
+    PushSource,
+    handle_of,
+    parse_handle,
+    parse_prefill_result,
+    pin_of,
+    prefill_params,
+    release_params,
+)
 from ._pair_config import PairConfig
 from ._pair_layer import ON_DECODE_PARAMS, PairLayer
 from ._placement import PlacementChoice
@@ -48,8 +57,9 @@ class PairSteps(PairLayer):
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
-        if request.handle is not None and not self.config.bidirectional:
-            raise UserError("this pair runs without bidirectional transfer: it takes no handle")
+        if request.pin is not None and not self.config.bidirectional:
+            raise UserError("this pair runs without bidirectional transfer: it takes no pin")
+        handle_of(request.pin)  # a pin of another engine is refused before any work
         try:
             async with contextlib.aclosing(
                 self._pinned_step(request)
@@ -126,7 +136,7 @@ class PairSteps(PairLayer):
             kv_wait_s=kv_wait_s,
             decode_s=decode_s,
             handoff_tokens=d_stats.num_external_cached_tokens if d_stats is not None else 0,
-            pullback_declined=declined or p_ledger.expired > 0,
+            pin_declined=declined or p_ledger.expired > 0,
             prefill_engine="prefill",
             placement_reason=choice.reason,
             **_transfer(p_ledger, d_ledger),
@@ -136,15 +146,15 @@ class PairSteps(PairLayer):
     def _done(
         self, first: TokenDelta | None, stream: DecodeStream, completion: Any, d_out: Any, timings: StepTimings
     ) -> StepDone:
-        """The step's end: its tokens (P's first, when streamed, then D's) and D's new handle."""
-        handle, handle_error = parse_handle(d_out.kv_transfer_params) if self.config.bidirectional else (None, None)
-        return stream.done(completion, timings, first=first, handle=handle, handle_error=handle_error)
+        """The step's end: its tokens (P's first, when streamed, then D's) and D's new handle as its pin."""
+        handle, pin_error = parse_handle(d_out.kv_transfer_params) if self.config.bidirectional else (None, None)
+        return stream.done(completion, timings, first=first, pin=pin_of(handle), pin_error=pin_error)
 
     async def _pushed_step(
         self, p: AsyncLLMRunner, d: AsyncLLMRunner, request: StepRequest, started: float, choice: PlacementChoice
     ) -> AsyncGenerator[StepEvent, None]:
         """One step with P pushing (``transfer="push"``): P and D start together under one request id. D
-        registers the blocks it lacks with P and waits; P prefills (pulling D's pin back when given the handle)
+        registers the blocks it lacks with P and waits; P prefills (pulling D's pin back when given one)
         and writes into them; D decodes. D samples the first token (it was sent before P's existed)."""
         shared_id = f"{request.request_id}-x"
         launch = p.launch
@@ -193,13 +203,14 @@ class PairSteps(PairLayer):
     async def _prefill_or_recompute(
         self, p: AsyncLLMRunner, request: StepRequest, *, request_id: str | None = None
     ) -> tuple[tuple[Any, Any, TransferLedger], bool]:
-        """P's half of a step: ((output, stats, ledger), whether D's handle was declined).
+        """P's half of a step: ((output, stats, ledger), whether D's pin was declined).
 
         A read P declined (D's pin expired or failed) spends the handle: P recomputes, under the same
         ``request_id`` when one is given (a pushed step's: D still waits for a push from that request).
         """
-        result = await self._prefill(p, request, request.handle, request_id=request_id)
-        declined = result[0] is None and request.handle is not None
+        handle = handle_of(request.pin)
+        result = await self._prefill(p, request, handle, request_id=request_id)
+        declined = result[0] is None and handle is not None
         if declined:
             result = await self._prefill(p, request, None, request_id=request_id)
         if result[0] is None:

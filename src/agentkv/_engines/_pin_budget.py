@@ -81,7 +81,7 @@ class PinBudget:
     def pinned(self, handle: KVHandle, *, deadline: float | None = None) -> None:
         """D returned ``handle``: its blocks stay held until read, released or expired.
 
-        ``deadline``: its expiry in this process's clock when D's clock is another host's (`StepDone.handle_deadline`).
+        ``deadline``: its expiry in this process's clock when D's clock is another host's (the pin's `Pin.expires_at`).
         """
         expires = deadline if deadline is not None else handle.remote_blocks_expiry_time
         self._pins[handle.remote_request_id] = _Pin(handle, frozenset(handle.remote_block_ids[0]), expires)

@@ -1,9 +1,10 @@
-"""The pin: D's handle on a conversation's KV, and the rule for pushing it back (docs/concepts.md, "The token-exact rule").
+"""The push-back rule: when a session gives a step the pin of the step before (docs/concepts.md, "The token-exact rule").
 
 vLLM never checks that a new prompt continues the tokens D holds; if it does not, P pulls
-KV for the wrong tokens and its output (and prefix cache) are silently wrong. So a handle
-is forwarded only when the new prompt extends the pinned tokens exactly, and the pin is
-not expired or about to be.
+KV for the wrong tokens and its output (and prefix cache) are silently wrong. So a pin is
+given back only when the new prompt extends the pinned tokens exactly, and the pin is not
+expired or about to be. The rule reads only what every engine's `Pin` says: how many tokens
+it keeps (`Pin.tokens`) and until when (`Pin.expires_at`).
 """
 
 from __future__ import annotations
@@ -12,42 +13,39 @@ import time
 from dataclasses import dataclass
 
 from .._stats._stats import MissReason
-from ._handle import KVHandle
+from ._base import Pin
 
-__all__ = ["Pin", "choose_handle", "miss_after_step"]
+__all__ = ["HeldPin", "choose_pin", "miss_after_step"]
 
 
 @dataclass(frozen=True)
-class Pin:
-    """D's handle and the tokens its blocks hold KV for (the prompt plus the output)."""
+class HeldPin:
+    """A pin as its user keeps it: the engine's `Pin` and the token ids of the step it came from."""
 
-    handle: KVHandle
-    tokens: list[int]
-    deadline: float | None = None
-    """When the pin expires, in this process's ``time.perf_counter()`` clock; None: the handle's own
-    ``remote_blocks_expiry_time`` (D's clock, the same clock when D runs on this host)."""
+    pin: Pin
+    token_ids: list[int]
+    """The step's prompt followed by its output (the pin keeps KV for the first ``pin.tokens`` of them)."""
 
 
-def choose_handle(
-    pin: Pin | None, prompt: list[int], *, push_back: bool, expiry_margin_s: float, now: float | None = None
-) -> tuple[KVHandle | None, MissReason | None]:
-    """The handle to push back with ``prompt``, or None and the reason why not."""
+def choose_pin(
+    held: HeldPin | None, prompt: list[int], *, push_back: bool, expiry_margin_s: float, now: float | None = None
+) -> tuple[Pin | None, MissReason | None]:
+    """The pin to give back with ``prompt``, or None and the reason why not."""
     if not push_back:
         return None, "push_back_off"
-    if pin is None:
+    if held is None:
         return None, "no_handle"
     moment = time.perf_counter() if now is None else now
-    deadline = pin.deadline if pin.deadline is not None else pin.handle.remote_blocks_expiry_time
-    if moment + expiry_margin_s >= deadline:
+    if moment + expiry_margin_s >= held.pin.expires_at:
         return None, "expired"
-    held = pin.handle.remote_num_tokens
-    if held > len(pin.tokens) or len(prompt) <= held or prompt[:held] != pin.tokens[:held]:
+    kept = held.pin.tokens
+    if kept > len(held.token_ids) or len(prompt) <= kept or prompt[:kept] != held.token_ids[:kept]:
         return None, "prefix_mismatch"
-    return pin.handle, None
+    return held.pin, None
 
 
 def miss_after_step(
-    handle: KVHandle | None,
+    pin: Pin | None,
     reason: MissReason | None,
     *,
     prompt_tokens: int,
@@ -58,8 +56,8 @@ def miss_after_step(
     evicted: bool = False,
 ) -> MissReason | None:
     """The step's miss reason once the engine has answered (a step D prefilled from its own cache of the
-    pin reused it: no miss; a handle whose pin the pair had released to make room was not used)."""
-    if handle is None:
+    pin reused it: no miss; a pin the engine had released to make room was not used)."""
+    if pin is None:
         return reason
     if evicted:
         return "evicted"
@@ -67,6 +65,6 @@ def miss_after_step(
         return None
     if declined:
         return "declined"
-    if pulled_tokens == 0 and local_hit_tokens < min(handle.remote_num_tokens, prompt_tokens):
+    if pulled_tokens == 0 and local_hit_tokens < min(pin.tokens, prompt_tokens):
         return "below_threshold"
     return None

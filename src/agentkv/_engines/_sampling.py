@@ -150,7 +150,7 @@ class Sampling:
     up to and including the token that completed the stop string (they are what the engine
     computed, and what the next prompt must extend). vLLM ends such a request by aborting it
     (the stop string is found outside its scheduler), so a pair's D pins nothing for it: the
-    step's `StepDone.handle` is None, and the next step recomputes rather than pulling back.
+    step's `StepDone.pin` is None, and the next step recomputes rather than pulling back.
     """
     options: SamplingOptions = field(default_factory=SamplingOptions)
 

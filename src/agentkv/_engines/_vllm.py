@@ -27,8 +27,7 @@ from _agentkv_vllm._cores import CoreSlot
 from _agentkv_vllm._patches import keep_prefill_stats, stop_output_handler
 
 from .._errors import EngineDeadError, EngineError, EngineStartError, UserError
-from ._base import StepDone, StepTimings, TokenDelta, TokenLogprob
-from ._handle import KVHandle
+from ._base import Pin, StepDone, StepTimings, TokenDelta, TokenLogprob
 from ._pair_config import EngineLaunch
 from ._spawn import SpawnTurn, quiet_env, spawn_turn, stop_signals_blocked
 from ._start_log import record_engine_start
@@ -436,11 +435,11 @@ class DecodeStream:
         timings: StepTimings,
         *,
         first: TokenDelta | None = None,
-        handle: KVHandle | None = None,
-        handle_error: str | None = None,
+        pin: Pin | None = None,
+        pin_error: str | None = None,
     ) -> StepDone:
         """The step's end: its tokens (``first``, the answer's first token when another engine streamed it,
-        then this stream's), its finish reason and timings, and the handle its engine returned."""
+        then this stream's), its finish reason and timings, and the pin its engine keeps."""
         logprobs = self.logprobs
         if first is not None and logprobs is not None:
             logprobs = [*(first.logprobs or ()), *logprobs]
@@ -448,8 +447,8 @@ class DecodeStream:
             token_ids=[*first.token_ids, *self.token_ids] if first is not None else self.token_ids,
             text=first.text + self.text if first is not None else self.text,
             finish_reason=completion.finish_reason,
-            handle=handle,
-            handle_error=handle_error,
+            pin=pin,
+            pin_error=pin_error,
             timings=timings,
             logprobs=logprobs,
         )

@@ -2,7 +2,7 @@
 
 ``_session_core`` (the conversation, its pin and engine, edits, snapshot and fork), ``_turn_api`` (``run``/``stream``:
 the SDK's tool loop) and ``_step_api`` (``step``/``extends``: caller-made messages) over it, ``_session`` (`Session`,
-both APIs), ``_session_config`` (the frozen arguments), ``_turn`` (one turn as named steps; the push-back rule it
+both APIs), ``_session_config`` (the frozen arguments), ``_modes`` (the session modes, read off the engine's flags), ``_turn`` (one turn as named steps; the push-back rule it
 obeys is ``agentkv._engines._pinning``), ``_results`` (what a turn returns and streams). The public names are
 re-exported by ``agentkv``.
 """

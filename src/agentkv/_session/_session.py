@@ -14,7 +14,8 @@ from .._conversation._tools import Tool, ToolChoice, ToolFormat
 from .._engines import Engine
 from .._engines._sampling import SamplingOptions
 from .._errors import UserError
-from ._session_config import Mode, SessionConfig
+from ._modes import Mode
+from ._session_config import SessionConfig
 from ._session_core import load_tokenizer, make_engine
 from ._step_api import StepAPI
 from ._turn_api import TurnAPI

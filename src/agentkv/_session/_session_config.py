@@ -10,14 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .._conversation._conversation import check_unicode
 from .._conversation._parsers import check_parser
 from .._conversation._tools import Tool, ToolChoice, ToolFormat, ToolSpec, check_tools, instructions
-from .._engines._base import Mode
 from .._engines._sampling import SamplingOptions
 from .._errors import InvalidMessageError, UserError
+from ._modes import Mode
 
 __all__ = [
     "MAX_STOP_STRINGS",
     "SESSION_OPTIONS",
-    "Mode",
     "SessionConfig",
     "check_count",
     "check_message",

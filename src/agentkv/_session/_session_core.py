@@ -25,14 +25,16 @@ from .._conversation._conversation import ChatRenderer, Conversation, Message
 from .._conversation._parsers import OutputParsers
 from .._conversation._tools import template_tools
 from .._conversation._transcript import Transcript, TranscriptKey
-from .._engines import Colocated, EmbeddedPair, Engine, KVHandle
-from .._engines._pinning import Pin
+from .._engines import Colocated, EmbeddedPair, Engine
+from .._engines._base import Pin
+from .._engines._pinning import HeldPin
 from .._errors import SessionClosedError, UserError
 from .._home import EventLoopHome
 from .._lifecycle import LifecycleState
 from .._stats._stats import SessionStats, TurnStats
 from ._engine_user import EngineUser
-from ._session_config import Mode, SessionConfig, check_count, check_message
+from ._modes import Mode, modes_of, natural_mode, off_reason, pushes_back
+from ._session_config import SessionConfig, check_count, check_message
 from ._snapshot import SessionSnapshot, load_transcript, save_transcript
 from ._turn import StepContext, Turn
 
@@ -56,7 +58,7 @@ class SessionCore(EngineUser):
         self._config = config
         self._use_engine(engine)
         self._conversation: Conversation | None = None
-        self._pin: Pin | None = None
+        self._pin: HeldPin | None = None
         self._turns: list[TurnStats] = []
         """One per turn of the conversation, in order (kept aligned through rewinds and forks)."""
         self._active: Turn | None = None
@@ -68,7 +70,7 @@ class SessionCore(EngineUser):
         `fork`, `extends`, the properties), and a pin is given up (`_discard_pin`) from either. Each of them
         checks and changes the state in one go (no turn running, then the edit; no turn running, then the
         claim), which the lock makes atomic. Reentrant: an edit holding it gives its pin up (`_drop_pin`)."""
-        self._releases: list[KVHandle] = []
+        self._releases: list[Pin] = []
         self._forks: weakref.WeakSet[SessionCore] = weakref.WeakSet()
         """Forks (and forks of forks) that run on this session's own engine: they close with it."""
         self._engine_owner: SessionCore | None = None
@@ -111,20 +113,21 @@ class SessionCore(EngineUser):
                 await fork.aclose()
         with self._lock:
             if self._pin is not None:
-                self._releases.append(self._pin.handle)
+                self._releases.append(self._pin.pin)
                 self._pin = None
         await self._release_pins()
         await self._close_engine()
 
     def _resolve_mode(self, engine: Engine) -> Mode:
         info = engine.info
-        wanted = self._config.mode or info.natural_mode
-        if wanted in ("bidirectional", "auto") and not info.push_back:
-            raise UserError(f"mode={wanted!r} needs an engine with push-back; this one is {info.natural_mode}")
-        if wanted not in info.modes:
-            why = info.extra.get("modes_off", {}).get(wanted)  # a feature the installed vLLM cannot serve
+        served = modes_of(info)
+        wanted = self._config.mode or natural_mode(info)
+        if pushes_back(wanted) and "bidirectional" not in served:
+            raise UserError(f"mode={wanted!r} needs an engine with push-back; this one is {natural_mode(info)}")
+        if wanted not in served:
+            why = off_reason(info, wanted)  # a feature the installed vLLM cannot serve
             raise UserError(
-                f"mode={wanted!r} does not fit this engine (it serves {', '.join(sorted(info.modes))})"
+                f"mode={wanted!r} does not fit this engine (it serves {', '.join(sorted(served))})"
                 + (f": {why}" if why else "")
             )
         return wanted
@@ -145,7 +148,7 @@ class SessionCore(EngineUser):
     def pinned_tokens(self) -> int:
         """Tokens whose KV D holds for this conversation now, for the next step to pull back (0: no pin)."""
         pin = self._pin
-        return pin.handle.remote_num_tokens if pin is not None else 0
+        return pin.pin.tokens if pin is not None else 0
 
     @property
     def stats(self) -> SessionStats:
@@ -177,7 +180,7 @@ class SessionCore(EngineUser):
         return StepContext(
             self.engine,
             config or self._config,
-            self.mode in ("bidirectional", "auto"),
+            pushes_back(self.mode),
             self._discard_pin,
             placement="auto" if self.mode == "auto" else "prefill",
             resumed=self._resumed,
@@ -234,10 +237,10 @@ class SessionCore(EngineUser):
 
     # ----------------------------------------------------------------- pins
 
-    def _discard_pin(self, pin: Pin) -> None:
-        """Give a pin up: D is asked (soon, on the session's loop) to drop its blocks."""
+    def _discard_pin(self, held: HeldPin) -> None:
+        """Give a pin up: the engine is asked (soon, on the session's loop) to drop its KV."""
         with self._lock:
-            self._releases.append(pin.handle)
+            self._releases.append(held.pin)
         if self.home is not None:
             self.home.spawn(self._release_pins)
 
@@ -249,14 +252,14 @@ class SessionCore(EngineUser):
                 await home.call_async(self._release_pins)
             return
         with self._lock:
-            handles, self._releases = self._releases, []
+            pins, self._releases = self._releases, []
         engine = self._engine
-        if not handles or engine is None or not engine.is_open or engine.is_dead:
+        if not pins or engine is None or not engine.is_open or engine.is_dead:
             return
         with anyio.CancelScope(shield=True):
-            for handle in handles:
+            for pin in pins:
                 try:
-                    await engine.release(handle)
+                    await engine.release(pin)
                 except Exception:  # best effort: an unreleased pin expires on D
                     logger.debug("agentkv: releasing a pin failed", exc_info=True)
 

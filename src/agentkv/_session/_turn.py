@@ -25,8 +25,9 @@ from .._conversation._tools import (
     result_message,
     run_tool_calls,
 )
-from .._engines import Engine, KVHandle, Placement, Sampling, StepDone, StepRequest, TokenDelta
-from .._engines._pinning import Pin, choose_handle, miss_after_step
+from .._engines import Engine, Placement, Sampling, StepDone, StepRequest, TokenDelta
+from .._engines._base import Pin
+from .._engines._pinning import HeldPin, choose_pin, miss_after_step
 from .._errors import ContextLengthError
 from .._stats._stats import MissReason, StepStats, TurnStats
 from ._answer_text import OutputReader, OutputShape, stream_events
@@ -44,9 +45,9 @@ class Turn:
 
     number: int
     conversation: Conversation
-    pin: Pin | None
+    pin: HeldPin | None
     """The pin this turn's next step may forward (taken from the session; single use)."""
-    taken_pin: Pin | None
+    taken_pin: HeldPin | None
     """The pin the turn took from the session (given back if the turn ends without using it)."""
     consumer: weakref.ref[Any] | None = None
     """For `Session.stream`: the caller's iterator; once it is gone, the turn is abandoned."""
@@ -66,7 +67,7 @@ class StepContext:
     engine: Engine
     config: SessionConfig
     push_back: bool
-    discard_pin: Callable[[Pin], None]
+    discard_pin: Callable[[HeldPin], None]
     """Called with a pin that is not forwarded (it is of use to no one any more)."""
     placement: Placement = "prefill"
     """Where a pair prefills each step (``"auto"`` in the session mode of the same name)."""
@@ -119,7 +120,7 @@ async def model_step(
     """One engine call on the turn's conversation: text deltas, then the `Step`.
 
     The prompt is the turn's conversation; the output is appended to it, and the turn's pin
-    is replaced by D's new handle.
+    is replaced by the engine's new one.
     """
     conversation, engine, config = turn.conversation, context.engine, context.config
     prompt = list(conversation.tokens)
@@ -138,19 +139,17 @@ async def model_step(
         stop=config.stop if json_schema is None else (),  # a stop string would cut the forced JSON
         options=config.sampling,
     )
-    handle, reason = choose_handle(
-        turn.pin, prompt, push_back=context.push_back, expiry_margin_s=config.expiry_margin_s
-    )
+    pin, reason = choose_pin(turn.pin, prompt, push_back=context.push_back, expiry_margin_s=config.expiry_margin_s)
     if reason == "no_handle" and context.resumed:
         reason = "resumed"
-    if turn.pin is not None and handle is None:
+    if turn.pin is not None and pin is None:
         context.discard_pin(turn.pin)
-    turn.pin = None  # a handle is single-use
+    turn.pin = None  # a pin is single-use
     request = StepRequest(
         request_id=f"agentkv-{uuid.uuid4().hex}",
         prompt_token_ids=prompt,
         sampling=sampling,
-        handle=handle,
+        pin=pin,
         cache_salt=config.cache_salt,
         placement=context.placement,
     )
@@ -169,14 +168,14 @@ async def model_step(
                 done = event
     assert done is not None
     conversation.add_output(done.token_ids, done.text)
-    if done.handle is not None:
-        turn.pin = Pin(done.handle, prompt + list(done.token_ids), done.handle_deadline)
+    if done.pin is not None:
+        turn.pin = HeldPin(done.pin, prompt + list(done.token_ids))
     yield Step(
         text=done.text,
         token_ids=list(done.token_ids),
         finish_reason=done.finish_reason,
         logprobs=None if done.logprobs is None else list(done.logprobs),
-        stats=_step_stats(turn.number, number, prompt, handle, reason, done),
+        stats=_step_stats(turn.number, number, prompt, pin, reason, done),
     )
 
 
@@ -254,7 +253,7 @@ async def _closing(events: AsyncIterator[T]) -> AsyncGenerator[AsyncIterator[T]]
 
 
 def _step_stats(
-    turn: int, number: int, prompt: list[int], handle: KVHandle | None, reason: MissReason | None, done: StepDone
+    turn: int, number: int, prompt: list[int], pin: Pin | None, reason: MissReason | None, done: StepDone
 ) -> StepStats:
     timings = done.timings
     return StepStats(
@@ -262,14 +261,14 @@ def _step_stats(
         step=number,
         prompt_tokens=len(prompt),
         output_tokens=len(done.token_ids),
-        handle_forwarded=handle is not None,
+        handle_forwarded=pin is not None,
         miss_reason=miss_after_step(
-            handle,
+            pin,
             reason,
             prompt_tokens=len(prompt),
             local_hit_tokens=timings.local_hit_tokens,
             pulled_tokens=timings.pulled_tokens,
-            declined=timings.pullback_declined,
+            declined=timings.pin_declined,
             placed_on_decode=timings.prefill_engine == "decode",
             evicted=timings.pin_evicted,
         ),

@@ -36,6 +36,7 @@ from .._engines import EmbeddedPair, Engine, LaunchedPair
 from .._engines._base import EngineInfo
 from .._engines._system import cpu_list
 from .._errors import AgentKVError
+from .._session._modes import modes_of, off_reason
 from .._session._session import Session
 from .._stats._stats import StepStats, text_table
 
@@ -224,8 +225,8 @@ def run_smoke(
     checks: list[SmokeCheck] = []
     notes: list[str] = []
     report = SmokeReport(engine=type(engine).__name__, model="?", platform="?", placement={}, turns=turns)
-    if mode == "auto" and engine.is_open and "auto" not in engine.info.modes:
-        why = engine.info.extra.get("modes_off", {}).get("auto", "it places every step on P")
+    if mode == "auto" and engine.is_open and "auto" not in modes_of(engine.info):
+        why = off_reason(engine.info, "auto") or "it places every step on P"
         return dataclasses.replace(report, checks=[SmokeCheck("push-back", False, f"the engine serves no auto: {why}")])
     with (
         Session(
@@ -248,7 +249,7 @@ def run_smoke(
                 SmokeCheck(
                     "push-back",
                     False,
-                    f"the engine does not push back: it serves {', '.join(sorted(info.modes))}, so a session runs "
+                    f"the engine does not push back: it serves {', '.join(sorted(modes_of(info)))}, so a session runs "
                     f"{session.mode!r} (a pair opened with bidirectional=False, or servers without push-back)",
                 )
             )
@@ -340,41 +341,41 @@ def _reused(stats: StepStats) -> bool:
 
 
 def engine_placement(info: EngineInfo, engine: Engine | None = None) -> tuple[str, dict[str, str]]:
-    """(the platform, where each engine computes by role), from what an engine reports in ``info.extra``.
+    """(the platform, where each engine computes by role), from what an engine reports in ``info.details``.
 
     A pair on CPU reports its engines' own cores (``prefill_cores``, ``decode_cores``), on a GPU host the
     platform and each engine's GPUs (``prefill_devices``, ``decode_devices``); ``Colocated`` its ``cores``
     or ``devices``; an HTTP pair its servers' URLs (their hosts do not report their platform).
     """
-    extra: Mapping[str, Any] = info.extra
+    details: Mapping[str, Any] = info.details
     config = getattr(engine, "config", None)
     placement: dict[str, str] = {}
-    platform: str = str(extra.get("platform", ""))
+    platform: str = str(details.get("platform", ""))
     for role in ("prefill", "decode"):
-        cores, devices = extra.get(f"{role}_cores"), extra.get(f"{role}_devices")
+        cores, devices = details.get(f"{role}_cores"), details.get(f"{role}_devices")
         if cores:
             placement[role] = f"cores {cpu_list(cores)}"
             platform = platform or "cpu"
         elif devices is not None:
             placement[role] = _gpus(devices, _tensor_parallel(config, role))
-        elif extra.get(f"{role}_url"):
-            placement[role] = f"server at {extra[f'{role}_url']}"
-    if "cores" in extra and extra["cores"]:
-        placement["engine"] = f"cores {cpu_list(extra['cores'])}"
+        elif details.get(f"{role}_url"):
+            placement[role] = f"server at {details[f'{role}_url']}"
+    if "cores" in details and details["cores"]:
+        placement["engine"] = f"cores {cpu_list(details['cores'])}"
         platform = platform or "cpu"
-    elif "devices" in extra:
-        placement["engine"] = _gpus(extra["devices"], None)
-    if extra.get("core_policy") and "prefill" in placement:
-        policy = extra["core_policy"]
+    elif "devices" in details:
+        placement["engine"] = _gpus(details["devices"], None)
+    if details.get("core_policy") and "prefill" in placement:
+        policy = details["core_policy"]
         placement["core policy"] = (
             f"{policy} (each engine also computes on the other's cores while that one is idle)"
             if policy == "elastic"
             else f"{policy} (each engine on its own cores only)"
         )
     if not platform:
-        platform = "not reported (remote servers)" if extra.get("prefill_url") else "not reported by this engine"
-    if extra.get("engines"):
-        placement["pairs"] = f"{extra['engines']} (the lines above are the first pair's)"
+        platform = "not reported (remote servers)" if details.get("prefill_url") else "not reported by this engine"
+    if details.get("engines"):
+        placement["pairs"] = f"{details['engines']} (the lines above are the first pair's)"
     return platform, placement
 
 
