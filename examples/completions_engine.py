@@ -48,7 +48,7 @@ class CompletionsEngine(Engine):
             raise UserError(f"{self._url} serves no model {self._model!r}")
         self._model = card["id"]  # vLLM's model card has the model's folder or hub id (the tokenizer's) and length
         path = Path(card.get("root") or card["id"])
-        self._info = EngineInfo(model_path=path, max_model_len=card["max_model_len"], modes=frozenset({"colocated"}))
+        self._info = EngineInfo(model_path=path, max_model_len=card["max_model_len"])
 
     async def _stop(self) -> None:
         if self._client is not None:
@@ -103,7 +103,7 @@ class CompletionsEngine(Engine):
         hits = min(cached, prompt)  # KV the server's prefix cache held; it computed the rest
         ttft = (first or time.perf_counter()) - started
         timings = StepTimings(ttft_s=ttft, local_hit_tokens=hits, computed_tokens=prompt - hits)
-        yield StepDone(token_ids=ids, text=text, finish_reason=finish, handle=None, timings=timings)
+        yield StepDone(token_ids=ids, text=text, finish_reason=finish, timings=timings)
 
 
 def main(url: str) -> None:
