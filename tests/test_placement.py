@@ -317,14 +317,15 @@ class _DecodePlacedPair(HonestPairEngine):
             if isinstance(event, StepDone) and request.pin is not None:
                 prompt = len(request.prompt_token_ids)
                 hit = request.pin.tokens // BLOCK * BLOCK
-                timings = dataclasses.replace(
-                    event.timings,
-                    local_hit_tokens=hit,
-                    pulled_tokens=0,
-                    computed_tokens=prompt - hit,
-                    handoff_tokens=0,
-                    prefill_engine="decode",
-                    placement_reason="estimated D (test)",
+                timings = event.timings.model_copy(
+                    update={
+                        "local_hit_tokens": hit,
+                        "pulled_tokens": 0,
+                        "computed_tokens": prompt - hit,
+                        "handoff_tokens": 0,
+                        "prefill_engine": "decode",
+                        "placement_reason": "estimated D (test)",
+                    }
                 )
                 event = dataclasses.replace(event, timings=timings)
             yield event

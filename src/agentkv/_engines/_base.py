@@ -9,15 +9,17 @@ implementation provides `Engine.info` and `Engine.step`, and `_start`/`_stop` fo
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
+from pydantic import ConfigDict
+
 from .._errors import EngineDeadError, SessionClosedError
 from .._lifecycle import Lifecycle, LifecycleState
+from .._stats._stats import StepMeasurements
 from ._placement import Placement, PrefillEngine
 from ._sampling import Sampling, SamplingOptions, TokenLogprob
 
@@ -84,42 +86,16 @@ class TokenDelta:
     """One per token of `token_ids` when the step asked for them (`SamplingOptions.logprobs`), else None."""
 
 
-@dataclass(kw_only=True)
-class StepTimings:
-    """Where one step's time went and where its prompt KV came from, as the engine measured.
+class StepTimings(StepMeasurements):
+    """Where one step's time went and where its prompt KV came from, as the engine measured (the fields of
+    `StepMeasurements`), and what became of the pin it was given.
 
-    Token counts are those of the engine that prefilled the prompt (P in a pair).
-    Every field documents its source; `None` means the source did not report it. The user sees
-    these numbers in `StepStats`, built with `stats_fields` (every field but `pin_declined` and
-    `pin_evicted`, which become the step's ``miss_reason``).
+    The user sees the measurements in `StepStats`, under the same names (`stats_fields`); `pin_declined`
+    and `pin_evicted` become the step's ``miss_reason``.
     """
 
-    ttft_s: float
-    """Client clock (``time.perf_counter``): submitted, to the first output token streamed (P's or D's)."""
-    prefill_s: float | None = None
-    """Prefilling engine: ``first_token_ts - scheduled_ts`` (vLLM ``RequestStateStats``)."""
-    kv_wait_s: float = 0.0
-    """Both engines: ``scheduled_ts - queued_ts``: time requests waited, mostly for KV to arrive."""
-    decode_s: float | None = None
-    """Decoding engine: ``last_token_ts - first_token_ts``."""
-    local_hit_tokens: int = 0
-    """Prefilling engine's own prefix cache (vLLM ``PrefillStats.num_local_cached_tokens``)."""
-    pulled_tokens: int = 0
-    """Pulled back from D over NIXL (``PrefillStats.num_external_cached_tokens`` on P)."""
-    computed_tokens: int = 0
-    """Computed by the prefilling engine (``PrefillStats.num_computed_tokens``)."""
-    handoff_tokens: int = 0
-    """Tokens D pulled from P to start decoding (``PrefillStats.num_external_cached_tokens`` on D)."""
-    kv_bytes: int | None = None
-    """NIXL bytes read by either engine while this step was the only one in flight on it."""
-    kv_transfer_s: float | None = None
-    """NIXL transfer time, same attribution as `kv_bytes`."""
-    prefill_engine: PrefillEngine | None = None
-    """The engine of a pair that computed the new prompt tokens: ``"prefill"`` (P, the protocol of
-    docs/concepts.md, "Turns, steps, P and D") or ``"decode"`` (D alone, from its own cache of the pinned conversation);
-    None for a single engine."""
-    placement_reason: str | None = None
-    """Why the step was prefilled where it was (``auto`` placement: the estimates compared)."""
+    model_config = ConfigDict(extra="forbid")  # a misspelt measurement is an error, not dropped
+
     pin_declined: bool = False
     """The engine could not use the pin it was given and computed its tokens (a pair: P declined to read
     D's blocks, NIXL ``num_kv_expired_reqs`` or a failed read)."""
@@ -128,9 +104,7 @@ class StepTimings:
 
     def stats_fields(self) -> dict[str, Any]:
         """The measurements a `StepStats` reports under the same names: ``StepStats(..., **timings.stats_fields())``."""
-        fields = dataclasses.asdict(self)
-        del fields["pin_declined"], fields["pin_evicted"]
-        return fields
+        return self.model_dump(include=set(StepMeasurements.model_fields))
 
 
 class PromptSplit(TypedDict):

@@ -149,7 +149,7 @@ class EngineGroup(Engine):
                         self._owners[handle.remote_engine_id] = member
                         member.pins.add(handle.remote_request_id)
                     if lost:
-                        timings = dataclasses.replace(event.timings, pin_declined=True)
+                        timings = event.timings.model_copy(update={"pin_declined": True})
                         event = dataclasses.replace(event, timings=timings)
                 yield event
         finally:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 
 from .._errors import UserError
 
-__all__ = ["MissReason", "SessionStats", "StepStats", "TurnStats", "plot_stats", "text_table"]
+__all__ = ["MissReason", "SessionStats", "StepMeasurements", "StepStats", "TurnStats", "plot_stats", "text_table"]
 
 MissReason = Literal[
     "no_handle", "push_back_off", "expired", "prefix_mismatch", "declined", "evicted", "below_threshold", "resumed"
@@ -42,15 +42,14 @@ MissReason = Literal[
 """
 
 
-class StepStats(BaseModel):
-    """One model call."""
+class StepMeasurements(BaseModel):
+    """What an engine measured of one step: where its time went and where its prompt KV came from.
 
-    model_config = ConfigDict(frozen=True)
+    Declared once for the engine's report (`agentkv.engines.StepTimings`) and the user's (`StepStats`,
+    which adds the session's own fields). Token counts are those of the engine that prefilled the
+    prompt (P in a pair). Every field documents its source; None means the source did not report it.
+    """
 
-    turn: int
-    """Turn number in the session, from 1."""
-    step: int
-    """Step number in the turn, from 1."""
     ttft_s: float
     """Client clock (``time.perf_counter``): step submitted -> its first output token (on a pair, P's sampled
     token when it can serve as the first, else D's)."""
@@ -60,28 +59,40 @@ class StepStats(BaseModel):
     """``scheduled_ts - queued_ts`` summed over the step's requests: waiting for KV (and any queue)."""
     decode_s: float | None = None
     """Decoding engine's ``last_token_ts - first_token_ts``."""
-    prompt_tokens: int
-    """Tokens in the prompt of this model call (the whole conversation so far)."""
-    local_hit_tokens: int
-    """KV found in the prefilling engine's own prefix cache (vLLM ``PrefillStats``)."""
-    pulled_tokens: int
+    local_hit_tokens: int = 0
+    """KV found in the prefilling engine's own prefix cache (vLLM ``PrefillStats.num_local_cached_tokens``)."""
+    pulled_tokens: int = 0
     """KV pulled back from D over NIXL (vLLM ``PrefillStats.num_external_cached_tokens`` on P)."""
-    computed_tokens: int
-    """KV computed by the prefilling engine."""
-    output_tokens: int
-    """Tokens generated."""
+    computed_tokens: int = 0
+    """KV computed by the prefilling engine (vLLM ``PrefillStats.num_computed_tokens``)."""
     handoff_tokens: int = 0
     """KV D pulled from P before decoding (vLLM ``PrefillStats`` on D); 0 for colocated engines."""
     kv_bytes: int | None = None
-    """NIXL bytes moved for this step, both directions (stat loggers on P and D); None if shared."""
+    """NIXL bytes moved for this step, both directions (stat loggers on P and D, while this step was the only
+    one in flight on the engine); None if shared."""
     kv_transfer_s: float | None = None
     """NIXL transfer time for this step (same source and attribution as `kv_bytes`)."""
     prefill_engine: Literal["prefill", "decode"] | None = None
-    """Where the new prompt tokens were computed: ``"prefill"`` (P, with push-back when a handle was
+    """Where the new prompt tokens were computed: ``"prefill"`` (P, with push-back when a pin was
     forwarded) or ``"decode"`` (D alone, from its own cache of the pinned conversation: mode ``"auto"``);
     None on a single engine. On D, `local_hit_tokens` are D's cache hits."""
     placement_reason: str | None = None
     """Why the step ran where it did (mode ``"auto"``: the two estimates it compared)."""
+
+
+class StepStats(StepMeasurements):
+    """One model call: the engine's measurements (`StepMeasurements`) and the session's view of the step."""
+
+    model_config = ConfigDict(frozen=True)
+
+    turn: int
+    """Turn number in the session, from 1."""
+    step: int
+    """Step number in the turn, from 1."""
+    prompt_tokens: int
+    """Tokens in the prompt of this model call (the whole conversation so far)."""
+    output_tokens: int
+    """Tokens generated."""
     handle_forwarded: bool = False
     """Whether D's handle was pushed back to the pair for this step."""
     miss_reason: MissReason | None = None
@@ -184,7 +195,7 @@ class SessionStats(BaseModel):
 
     def rows(self) -> list[dict[str, Any]]:
         """One flat dict per step (for CSV, pandas, plotting)."""
-        return [{"mode": self.mode, **step.model_dump()} for step in self.steps]
+        return [{"mode": self.mode, "turn": step.turn, "step": step.step, **step.model_dump()} for step in self.steps]
 
     def to_json(self, *, indent: int | None = 2) -> str:
         """Every turn and step, with aggregates, as JSON."""
