@@ -391,7 +391,7 @@ async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_pl
         ("EmbeddedPair", {"max_model_len": 1024, "core_policy": "split", "dtype": "bfloat16"}),
         (
             "EmbeddedPair",
-            {"max_model_len": 1024, "bidirectional": False, "prefill_prefix_cache": False, "dtype": "bfloat16"},
+            {"max_model_len": 1024, "push_back": False, "prefill_prefix_cache": False, "dtype": "bfloat16"},
         ),
         ("EmbeddedPair", {"max_model_len": 1024, "dtype": "bfloat16", "transfer": "push"}),  # both push rows
         ("Colocated", {"max_model_len": 1024, "dtype": "bfloat16"}),

@@ -157,7 +157,7 @@ def test_cpu_settings_are_unchanged() -> None:
     elastic = launch_of(TUNED, "prefill", CPU_PLATFORM, cores=[3, 1, 2], core_table="/x:0")
     assert elastic.env["VLLM_CPU_OMP_THREADS_BIND"] == "3,1,2" and elastic.env["AGENTKV_CORE_TABLE"] == "/x:0"
 
-    raw = launch_of(PairConfig(transfer="push", bidirectional=False, idle_poll_ms=None), "decode", CPU_PLATFORM)
+    raw = launch_of(PairConfig(transfer="push", push_back=False, idle_poll_ms=None), "decode", CPU_PLATFORM)
     assert raw.env == {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "AGENTKV_ENGINE": "1",

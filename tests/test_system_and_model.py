@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentkv import LaunchedPair, ModelPreparationError, PairConfig, UserError, prepare_model
+from agentkv import EmbeddedPair, LaunchedPair, ModelPreparationError, PairConfig, UserError, prepare_model
 from agentkv._engines._pair_config import pair_engine_launch
 from agentkv._engines._server_process import ServerSpec, server_command
 from agentkv._engines._system import alive, cpu_list, descendants, free_port, split_cores
@@ -77,6 +77,8 @@ def test_a_pair_config_refuses_settings_that_cannot_work() -> None:
         PairConfig.of(pin_ttl=60)
     assert PairConfig.of(PairConfig(pin_ttl_s=60), warmup=False) == PairConfig(pin_ttl_s=60, warmup=False)
     assert LaunchedPair(max_pinned_blocks=100)._max_pinned_blocks == 100  # every pair kind bounds D's pins
+    with pytest.warns(DeprecationWarning, match="push_back"):  # push-back's one name; the old one still works
+        assert not EmbeddedPair(bidirectional=False).config.push_back  # type: ignore[call-arg]
 
 
 def test_one_function_writes_each_engines_vllm_settings(tmp_path: Path) -> None:

@@ -65,7 +65,7 @@ def test_push_with_push_back_is_refused_by_name_and_the_stock_connectors_run(mis
     with pytest.raises(UserError, match="push with push-back") as refused:
         connector_choice(PairConfig(transfer="push"))
     assert MOVED in str(refused.value) and 'transfer="push"' in str(refused.value)
-    assert connector_choice(PairConfig(transfer="push", bidirectional=False)) == {"kv_connector": "NixlPushConnector"}
+    assert connector_choice(PairConfig(transfer="push", push_back=False)) == {"kv_connector": "NixlPushConnector"}
     assert connector_choice(PairConfig()) == {"kv_connector": "NixlConnector"}
 
 

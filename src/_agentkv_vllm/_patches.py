@@ -336,7 +336,7 @@ FEATURES: dict[str, Feature] = {
         ),
         Feature(
             PUSH_BACK,
-            serves='transfer="push" with push-back (bidirectional=True): agentkv\'s AgentKVPushConnector '
+            serves='transfer="push" with push-back (push_back=True): agentkv\'s AgentKVPushConnector '
             "(_agentkv_vllm._push_connector), a subclass of vLLM's NIXL push connector",
             when_off='refused by name before any engine starts; pull pairs (transfer="pull") and push without '
             "push-back (vLLM's own NixlPushConnector) run as usual",

@@ -98,7 +98,7 @@ def _starts(max_model_len: int, dtype: str, progress: Callable[[str], None]) -> 
         (frozenset({"bidirectional-split"}), lambda _: EmbeddedPair(core_policy="split", **common)),
         (
             frozenset({"disaggregated-nocache"}),
-            lambda _: EmbeddedPair(bidirectional=False, prefill_prefix_cache=False, **common),
+            lambda _: EmbeddedPair(push_back=False, prefill_prefix_cache=False, **common),
         ),
         (frozenset({"push", "push-disaggregated"}), lambda _: EmbeddedPair(transfer="push", **common)),
         (frozenset({"colocated"}), lambda _: Colocated(**common)),

@@ -38,7 +38,7 @@ class LaunchedPair(HTTPPair):
     the prefill split and NIXL totals (see ``docs/engines.md``).
 
     Its pair settings are `EmbeddedPair`'s: a `PairConfig` as ``config`` and/or its fields as
-    keyword arguments (``model``, ``bidirectional``, ``prefill_prefix_cache``, ``cores``,
+    keyword arguments (``model``, ``push_back``, ``prefill_prefix_cache``, ``cores``,
     ``prefill_devices``, ``decode_devices``, ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``,
     ``max_pinned_blocks``, ``recompute_threshold``, ``connector_options``, ``idle_poll_ms``, ``warmup``, ``step_timeout_s``,
     ``engine_args``, ``prefill_engine_args``, ``decode_engine_args``). The engine arguments become
@@ -79,14 +79,13 @@ class LaunchedPair(HTTPPair):
             attempts=attempts,
             warmup=self.config.warmup,
             progress=progress,
-            push_back=self.config.bidirectional,
+            push_back=self.config.push_back,
             exclusive=True,  # agentkv started the servers: nobody else talks to them
             transfer=self.config.transfer,
             max_pinned_blocks=self.config.max_pinned_blocks,
         )
         if len(hosts) != 2 or len(launch_prefixes) != 2:
             raise UserError("hosts and launch_prefixes take two entries: prefill's, then decode's")
-        self.bidirectional = self.config.bidirectional
         self._hosts = hosts
         self._prefixes = launch_prefixes
         self._server_env = dict(server_env or {})

@@ -47,7 +47,7 @@ class EmbeddedPair(PairSteps):
             from the HF cache (see `prepare_model`; default: the bundled SmolLM2-135M).
         config: the pair's settings (default: `PairConfig`'s defaults).
         progress: called with one line per start-up stage (default: the ``agentkv`` logger).
-        **settings: `PairConfig` fields (``bidirectional``, ``prefill_prefix_cache``, ``cores``,
+        **settings: `PairConfig` fields (``push_back``, ``prefill_prefix_cache``, ``cores``,
             ``prefill_devices``, ``decode_devices``, ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``,
             ``max_pinned_blocks``, ``recompute_threshold``, ``connector_options``, ``idle_poll_ms``, ``warmup``,
             ``step_timeout_s``, ``engine_args``, ``prefill_engine_args``, ``decode_engine_args``).
@@ -71,9 +71,9 @@ class EmbeddedPair(PairSteps):
         self._core_policy = self.config.core_policy
 
     @property
-    def bidirectional(self) -> bool:
+    def push_back(self) -> bool:
         """Whether D pins KV and P can pull it back."""
-        return self.config.bidirectional
+        return self.config.push_back
 
     @property
     def pin_ttl_s(self) -> float:
@@ -206,14 +206,14 @@ class EmbeddedPair(PairSteps):
         problem = feature_problem(AUTO_PLACEMENT) if config.transfer == "pull" else None
         self._placement_off = problem if config.transfer == "pull" else "a push pair prefills every step on P"
         off_reasons = {}
-        if problem is not None and config.bidirectional:
+        if problem is not None and config.push_back:
             off_reasons["places_steps"] = f"auto placement is off on this vLLM ({problem})"
         self._info = EngineInfo(
             model_path=model_path,
             max_model_len=config.max_model_len,
-            pins=config.bidirectional,
+            pins=config.push_back,
             disaggregated=True,
-            places_steps=config.bidirectional and self._placement_off is None,
+            places_steps=config.push_back and self._placement_off is None,
             off_reasons=off_reasons,
             details={
                 **placement,

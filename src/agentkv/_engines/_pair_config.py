@@ -18,6 +18,7 @@ import difflib
 import functools
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,9 +77,10 @@ class PairConfig:
     model: str | os.PathLike[str] | None = None
     """A bundled model name, a local HF folder or a Hugging Face id ``org/name[@revision]`` from the HF cache
     (see `prepare_model`; default: the bundled SmolLM2-135M)."""
-    bidirectional: bool = True
-    """D pins each step's KV and P can pull it back (vLLM ``bidirectional_kv_xfer``). Off, the pair is
-    standard disaggregated inference."""
+    push_back: bool = True
+    """Push-back: D pins each step's KV and P can pull it back (vLLM's bidirectional KV transfer,
+    ``bidirectional_kv_xfer``). Off, the pair is standard disaggregated inference. (Formerly
+    ``bidirectional=``, still taken by `EmbeddedPair` and `LaunchedPair` with a `DeprecationWarning`.)"""
     transfer: Transfer = "pull"
     """``"pull"``: D reads P's KV after P's prefill; ``"push"``: P writes it into D as soon as it is computed,
     D submitted beside P (with push-back: agentkv's connector, `_agentkv_vllm._push_connector`). See
@@ -174,6 +176,9 @@ class PairConfig:
         """``config`` (default: the defaults) with ``settings`` (and ``model``, unless None) replacing its fields."""
         if model is not None:
             settings["model"] = model
+        if "bidirectional" in settings and "push_back" not in settings:
+            warnings.warn("bidirectional= is now push_back=", DeprecationWarning, stacklevel=3)
+            settings["push_back"] = settings.pop("bidirectional")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(settings) - names)
         if unknown:
@@ -186,7 +191,7 @@ class PairConfig:
         """``kv_connector_extra_config`` of both engines (``connector_options`` win)."""
         push = {"push_registration_timeout": self.step_timeout_s} if self.transfer == "push" else {}
         return {
-            "bidirectional_kv_xfer": self.bidirectional,
+            "bidirectional_kv_xfer": self.push_back,
             "kv_recompute_threshold": self.recompute_threshold,
             "decoder_kv_blocks_ttl": self.pin_ttl_s,
             **push,  # vLLM logs a D still waiting for its push after this long (it does not give up: PushedStep)
@@ -197,7 +202,7 @@ class PairConfig:
 class PairSettings(TypedDict, total=False):
     """`PairConfig`'s fields as keyword arguments (``EmbeddedPair(max_model_len=2048)``)."""
 
-    bidirectional: bool
+    push_back: bool
     transfer: Transfer
     prefill_prefix_cache: bool
     cores: tuple[Sequence[int], Sequence[int]] | None
@@ -375,7 +380,7 @@ def role_engine_args(config: PairConfig, role: Role) -> dict[str, Any]:
 
 OWNED_ENGINE_ARGS: dict[str, str] = {
     "model": "use model=",
-    "kv_transfer_config": "agentkv sets the NIXL connector and each engine's role (transfer=, bidirectional=, "
+    "kv_transfer_config": "agentkv sets the NIXL connector and each engine's role (transfer=, push_back=, "
     "connector_options=)",
     "max_model_len": "use max_model_len=",
     "dtype": "use dtype=",
@@ -445,9 +450,9 @@ def connector_choice(config: PairConfig) -> dict[str, str]:
     """
     if config.transfer == "pull":
         return {"kv_connector": "NixlConnector"}
-    if not config.bidirectional:
+    if not config.push_back:
         return {"kv_connector": "NixlPushConnector"}
-    require_feature(PUSH_BACK, 'transfer="push" with push-back (bidirectional=True)')
+    require_feature(PUSH_BACK, 'transfer="push" with push-back (push_back=True)')
     return dict(PUSH_CONNECTOR)
 
 

@@ -57,7 +57,7 @@ class PairSteps(PairLayer):
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
-        if request.pin is not None and not self.config.bidirectional:
+        if request.pin is not None and not self.config.push_back:
             raise UserError("this pair runs without bidirectional transfer: it takes no pin")
         handle_of(request.pin)  # a pin of another engine is refused before any work
         try:
@@ -147,7 +147,7 @@ class PairSteps(PairLayer):
         self, first: TokenDelta | None, stream: DecodeStream, completion: Any, d_out: Any, timings: StepTimings
     ) -> StepDone:
         """The step's end: its tokens (P's first, when streamed, then D's) and D's new handle as its pin."""
-        handle, pin_error = parse_handle(d_out.kv_transfer_params) if self.config.bidirectional else (None, None)
+        handle, pin_error = parse_handle(d_out.kv_transfer_params) if self.config.push_back else (None, None)
         return stream.done(completion, timings, first=first, pin=pin_of(handle), pin_error=pin_error)
 
     async def _pushed_step(

@@ -41,7 +41,9 @@ def add_host_commands(commands: Commands) -> None:
     engine.add_argument("--max-model-len", type=int, default=4096)
     engine.add_argument("--kv-cache-gib", type=float, default=4.0)
     engine.add_argument("--pin-ttl-s", type=float, default=480.0)
-    engine.add_argument("--no-push-back", action="store_true", help="standard disaggregated (no bidirectional)")
+    engine.add_argument(
+        "--no-push-back", action="store_true", help="standard disaggregated: D keeps no KV for P to pull back"
+    )
     engine.add_argument(
         "--transfer", choices=get_args(Transfer), default="pull", help="the connector: pull (default) or push"
     )
@@ -112,7 +114,7 @@ def _engine_server(args: argparse.Namespace) -> int:
     from .._engines._server_process import ServerSpec, server_command, server_env
 
     config = PairConfig(
-        bidirectional=not args.no_push_back,
+        push_back=not args.no_push_back,
         transfer=args.transfer,
         prefill_prefix_cache=not args.no_prefix_cache,
         max_model_len=args.max_model_len,

@@ -61,9 +61,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         if args.engine == "embedded" and args.transfer == "pull":  # the session's own default pair
             return {"model": args.model, "engine_options": options} if options else {"model": args.model}
         return {"engine": kind(args.model, transfer=args.transfer, **options)}
-    bidirectional = args.mode in (None, "bidirectional", "auto")
+    push_back = args.mode in (None, "bidirectional", "auto")
     engines = [
-        kind(args.model, bidirectional=bidirectional, transfer=args.transfer, **placement, **options)
+        kind(args.model, push_back=push_back, transfer=args.transfer, **placement, **options)
         for placement in _pair_placements(pairs)
     ]
     return {"engine": EngineGroup(engines, replace=_replacement)}

@@ -250,7 +250,7 @@ def run_smoke(
                     "push-back",
                     False,
                     f"the engine does not push back: it serves {', '.join(sorted(modes_of(info)))}, so a session runs "
-                    f"{session.mode!r} (a pair opened with bidirectional=False, or servers without push-back)",
+                    f"{session.mode!r} (a pair opened with push_back=False, or servers without push-back)",
                 )
             )
             return dataclasses.replace(report, checks=checks)
