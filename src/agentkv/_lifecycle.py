@@ -19,7 +19,7 @@ import anyio
 
 from ._errors import SessionClosedError, UserError
 from ._home import EventLoopHome
-from ._notebook import StartsInCells
+from ._notebook import replace_previous_from_this_cell
 
 __all__ = ["Lifecycle", "LifecycleState"]
 
@@ -32,7 +32,7 @@ class LifecycleState(enum.Enum):
     CLOSED = "closed"
 
 
-class Lifecycle(StartsInCells):
+class Lifecycle:
     """Open once, close once. Subclasses implement `_open_resources` and `_close_resources`."""
 
     def __init__(self) -> None:
@@ -141,6 +141,16 @@ class Lifecycle(StartsInCells):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    def start(self) -> Self:
+        """Open on an event loop thread of its own, as ``with`` does; end it with ``close()``.
+
+        For notebook cells, where a ``with`` block cannot span the object's life. In a
+        notebook, re-running the cell closes what the cell's previous run started.
+        """
+        self.__enter__()
+        replace_previous_from_this_cell(self)
+        return self
 
     def close(self) -> None:
         """Blocking `aclose`, for what was opened with ``with`` or ``start()``. Safe to call twice."""

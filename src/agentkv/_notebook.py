@@ -13,9 +13,9 @@ import logging
 import re
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol, Self
+from typing import Protocol
 
-__all__ = ["StartsInCells", "replace_previous_from_this_cell"]
+__all__ = ["replace_previous_from_this_cell"]
 
 logger = logging.getLogger("agentkv")
 
@@ -39,26 +39,9 @@ def _cell_run() -> int | None:
     return getattr(shell, "execution_count", None)
 
 
-class StartsInCells:
-    """``start()`` for engines and sessions: ``with`` where a block cannot span their life."""
-
-    if TYPE_CHECKING:
-
-        def __enter__(self) -> Any: ...
-
-    def start(self) -> Self:
-        """Open on an event loop thread of its own, as ``with`` does; end it with ``close()``.
-
-        For notebook cells, where a ``with`` block cannot span the object's life. In a
-        notebook, re-running the cell closes what the cell's previous run started.
-        """
-        self.__enter__()
-        replace_previous_from_this_cell(self)  # type: ignore[arg-type]
-        return self
-
-
 def replace_previous_from_this_cell(started: Closable, *, depth: int = 2) -> None:
-    """Call from ``start()``: close what the calling notebook line started on an earlier run.
+    """Called by ``start()`` (`agentkv._lifecycle.Lifecycle`): close what the calling notebook line started on an
+    earlier run.
 
     Several objects started by one line in one run (a loop) are all kept.
     """
