@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ from pydantic import BaseModel
 from agentkv import EmbeddedPair, InvalidMessageError, Session
 from agentkv.engines import StepRequest
 from agentkv.integrations.openai_agents import AgentKVModel, AgentKVProvider
+from agentkv.serve import SqliteResponseStore
 from agentkv.testing import HonestPairEngine
 from scripted import Script, answer, calls, close_leftover_event_loop, with_logprobs
 
@@ -144,6 +146,25 @@ def test_previous_response_ids_continue_the_conversation_they_name(engine: Hones
     assert second.final_output == "You are welcome."
     assert [(s.turn, s.step) for s in steps] == [(1, 1), (1, 2), (2, 1)]
     assert all(s.handle_forwarded and s.miss_reason is None for s in steps[1:])
+
+
+def test_responses_and_named_conversations_outlive_the_model_in_a_sqlite_store(
+    engine: HonestPairEngine, script: Script, tokenizer: Any, tmp_path: Path
+) -> None:
+    """The adapter keeps what the front door keeps, in the door's `ResponseStore`: a model made again on the same
+    file (a restarted process) continues a response id and a named conversation it never saw."""
+    script.outputs = [answer("It is 5."), answer("It is 7."), answer("Noted."), answer("You are welcome.")]
+    path = tmp_path / "responses.sqlite3"
+    with SqliteResponseStore(path) as store, AgentKVModel(engine=engine, response_store=store) as model:
+        first = Runner.run_sync(adder(model), "What is 2 + 3?", auto_previous_response_id=True)
+        Runner.run_sync(adder(model), "And 3 + 4?", conversation_id="c1")
+    with SqliteResponseStore(path) as store, AgentKVModel(engine=engine, response_store=store) as model:
+        assert first.last_response_id is not None
+        Runner.run_sync(adder(model), "Remember that.", previous_response_id=first.last_response_id)
+        Runner.run_sync(adder(model), "Thanks!", conversation_id="c1")
+    by_response, by_conversation = (prompt_text(tokenizer, r) for r in script.requests[2:])
+    assert "What is 2 + 3?" in by_response and "It is 5." in by_response and "3 + 4" not in by_response
+    assert "And 3 + 4?" in by_conversation and "It is 7." in by_conversation and "2 + 3" not in by_conversation
 
 
 def test_a_handoff_is_a_function_tool_to_the_model() -> None:

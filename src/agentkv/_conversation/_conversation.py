@@ -71,6 +71,18 @@ class Message(BaseModel):
             raise ValueError("only tool messages answer a tool call")
         return self
 
+    def chat_dict(self) -> dict[str, Any]:
+        """The message as an OpenAI chat message (what the front door and the adapters store; sessions take it back)."""
+        written: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            written["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            written["tool_call_id"] = self.tool_call_id
+        return written
+
     def template_dict(self) -> dict[str, Any]:
         """The dict a chat template renders."""
         data: dict[str, Any] = {"role": self.role, "content": self.content}

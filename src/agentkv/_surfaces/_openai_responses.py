@@ -27,7 +27,6 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from .._conversation._conversation import Message
 from .._engines._sampling import SamplingOptions
 from .._errors import UserError
 from .._session._message_step import StepOptions
@@ -259,19 +258,6 @@ def _text(index: int, content: object) -> str:
     raise UserError(f"input[{index}]: content must be a string or a list of text parts")
 
 
-def _as_chat_dict(message: Message) -> dict[str, Any]:
-    """A `Message` as an OpenAI chat dict (as it is stored and read back)."""
-    written: dict[str, Any] = {"role": message.role, "content": message.content}
-    if message.tool_calls:
-        written["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
-            for c in message.tool_calls
-        ]
-    if message.tool_call_id is not None:
-        written["tool_call_id"] = message.tool_call_id
-    return written
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -314,7 +300,7 @@ class ResponseTurn:
 
     def stored(self, reply: StepReply, response: dict[str, Any]) -> StoredResponse:
         """The response as ``previous_response_id`` continues it (``response``: the object returned for it)."""
-        messages = (*self.conversation, _as_chat_dict(reply.message))
+        messages = (*self.conversation, reply.message.chat_dict())
         return StoredResponse(self.response_id, self.conversation_id, messages, response)
 
     def response(self, reply: StepReply | None, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from typing import Any, cast
 
@@ -64,6 +63,7 @@ from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
 from .._stats._stats import StepStats
 from .._surfaces._logprobs import logprob_writer
 from .._surfaces._openai_chat import StreamedCalls
+from .._surfaces._response_store import MemoryResponseStore, ResponseStore, StoredResponse
 from ._pooled import SAMPLING_NAMES, PooledAccess, PooledModel, sampling_of
 
 __all__ = ["AgentKVModel", "AgentKVProvider"]
@@ -104,6 +104,8 @@ class AgentKVModel(PooledAccess, Model):
         engine: an agentkv engine, open or not. One given open is its owner's to close; one given
             unopened, or the embedded pair started when none is given, `close` closes.
         pool: a `SessionPool` shared with other adapters (its owner closes it); not with ``engine``.
+        response_store: where responses and named conversations are kept (its owner closes it); default:
+            this model's memory, the last `REMEMBERED_RESPONSES` responses.
         session_options: keyword arguments of each `agentkv.Session` (``max_tokens``,
             ``temperature``, ``seed``, ``tool_format``, ``cache_salt``, ...).
 
@@ -113,7 +115,9 @@ class AgentKVModel(PooledAccess, Model):
     to the conversation it keeps for that id. With ``previous_response_id`` (or
     ``auto_previous_response_id``) the model continues the conversation of that response, which
     it keeps for its last `REMEMBERED_RESPONSES` responses; an id it does not know raises
-    `agents.exceptions.UserError`. These conversations live in this object's memory.
+    `agents.exceptions.UserError`. Both live in a `ResponseStore`, the front door's (`agentkv.serve`):
+    by default one in this object's memory; give ``response_store=SqliteResponseStore(path)`` and a
+    model made again on the same file (another process, after a restart) continues them.
 
     Sampling: ``temperature``, ``max_tokens``, ``top_p``, ``frequency_penalty``, ``presence_penalty`` and
     ``top_logprobs`` (the output text's ``logprobs``; `get_response` only) apply, and ``extra_args`` takes
@@ -124,12 +128,19 @@ class AgentKVModel(PooledAccess, Model):
     `agents.exceptions.UserError`.
     """
 
-    def __init__(self, *, engine: Engine | None = None, pool: SessionPool | None = None, **session_options: Any):
+    def __init__(
+        self,
+        *,
+        engine: Engine | None = None,
+        pool: SessionPool | None = None,
+        response_store: ResponseStore | None = None,
+        **session_options: Any,
+    ):
         self._pooled = PooledModel(engine=engine, pool=pool, **session_options)
-        self._responses: OrderedDict[str, list[MessageLike]] = OrderedDict()
-        """Recent response ids -> the conversation through that response (no system message)."""
-        self._conversations: dict[str, list[MessageLike]] = {}
-        """Conversation ids the runner named -> the conversation so far (no system message)."""
+        self._owns_store = response_store is None
+        self._store = MemoryResponseStore(REMEMBERED_RESPONSES) if response_store is None else response_store
+        """Response ids -> the conversation through that response (no system message); a named conversation's
+        latest under `_conversation_key` (its id)."""
 
     # ----------------------------------------------------------------- agentkv side
 
@@ -138,8 +149,8 @@ class AgentKVModel(PooledAccess, Model):
         await asyncio.to_thread(self._close)
 
     def _close(self) -> None:
-        self._responses.clear()
-        self._conversations.clear()
+        if self._owns_store:  # its memory is forgotten; a store the caller gave stays theirs
+            self._store = MemoryResponseStore(REMEMBERED_RESPONSES)
         self._pooled.close()
 
     def __enter__(self) -> AgentKVModel:
@@ -264,29 +275,28 @@ class AgentKVModel(PooledAccess, Model):
         if previous_response_id is not None and conversation_id is not None:
             raise AgentsUserError("give conversation_id or previous_response_id, not both")
         if conversation_id is not None:
-            return self._conversations.get(conversation_id, [])
+            kept = self._store.get(_conversation_key(conversation_id))
+            return list(kept.messages) if kept is not None else []
         if previous_response_id is None:
             return []
-        history = self._responses.get(previous_response_id)
-        if history is None:
+        stored = self._store.get(previous_response_id)
+        if stored is None:
             raise AgentsUserError(
-                f"previous_response_id {previous_response_id!r} is not one of this AgentKVModel's last "
-                f"{REMEMBERED_RESPONSES} responses: agentkv cannot rebuild that conversation from the new "
-                "items alone; send the whole conversation (result.to_input_list()) instead"
+                f"previous_response_id {previous_response_id!r} is not one this AgentKVModel's response store "
+                "keeps: agentkv cannot rebuild that conversation from the new items alone; send the whole "
+                "conversation (result.to_input_list()) instead"
             )
-        self._responses.move_to_end(previous_response_id)
-        return history
+        return list(stored.messages)
 
     def _remember(
         self, conversation: list[MessageLike], conversation_id: str | None, response_id: str | None = None
     ) -> str:
         """Keep the conversation through a reply under its response id (and conversation id); return the id."""
         response_id = response_id or _new_response_id()
-        self._responses[response_id] = conversation
-        while len(self._responses) > REMEMBERED_RESPONSES:
-            self._responses.popitem(last=False)
+        messages = tuple(m.chat_dict() if isinstance(m, Message) else dict(m) for m in conversation)
+        self._store.put(StoredResponse(response_id, conversation_id, messages, {}))
         if conversation_id is not None:
-            self._conversations[conversation_id] = conversation
+            self._store.put(StoredResponse(_conversation_key(conversation_id), conversation_id, messages, {}))
         return response_id
 
 
@@ -393,6 +403,11 @@ async def _attach_logprobs(items: list[Any], reply: StepReply, pool: SessionPool
             for part in item.content:
                 if isinstance(part, ResponseOutputText):
                     part.logprobs = logprobs
+
+
+def _conversation_key(conversation_id: str) -> str:
+    """Where a named conversation's latest state is kept in the response store (no response id has a colon)."""
+    return f"conversation:{conversation_id}"
 
 
 def _new_response_id() -> str:
