@@ -10,9 +10,10 @@ are closed, and D's blocks for them released.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ from ._session_store import SessionStore, check_session_store, conversation_key,
 __all__ = ["SessionPool"]
 
 logger = logging.getLogger("agentkv")
+
+_Piece = str | ToolCallDelta | ReasoningDelta | StepReply
+"""What `SessionPool.stream` yields: answer text, tool-call and reasoning pieces (``deltas``), then the reply."""
 
 
 @dataclass(eq=False)
@@ -191,7 +195,7 @@ class SessionPool(EngineUser):
         first_token: bool = False,
         deltas: bool = False,
         **options: Unpack[StepOptions],
-    ) -> AsyncGenerator[str | ToolCallDelta | ReasoningDelta | StepReply]:
+    ) -> AsyncGenerator[_Piece]:
         """`step`, as the answer's text pieces while they are generated, then the `StepReply`.
 
         With ``deltas``, the `ToolCallDelta` and `ReasoningDelta` pieces come too, in order with the text (a
@@ -204,40 +208,51 @@ class SessionPool(EngineUser):
         each text piece is a `TextPiece` carrying the log probabilities of the tokens since the last piece
         (all of them are in the reply's ``step.logprobs``).
         """
-        # asyncio, not anyio: the pool's loop (maybe another thread's) feeds this loop's queue through
-        # call_soon_threadsafe, and the step's task outlives each yield of this generator, which an anyio task group
-        # may not span
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[str | ToolCallDelta | ReasoningDelta | StepReply | BaseException] = asyncio.Queue()
+        self._require_open()
+        assert self._home is not None
+        pieces = self._pieces(messages, conversation_id, options, first_token=first_token, deltas=deltas)
+        async with contextlib.aclosing(self._home.iterate_async(pieces)) as reached:
+            async for piece in reached:
+                yield piece
 
-        def on_text(text: str | ToolCallDelta | ReasoningDelta) -> None:  # on the pool's loop, maybe another thread
-            loop.call_soon_threadsafe(queue.put_nowait, text)
-
-        streamed: StepOptions = {**options, "on_text": on_text}
+    async def _pieces(
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        conversation_id: str | None,
+        options: StepOptions,
+        *,
+        first_token: bool,
+        deltas: bool,
+    ) -> AsyncGenerator[_Piece]:
+        """`stream` on the pool's loop: the step runs as background work (`start_background`) and hands its pieces
+        over through a memory object stream; a consumer that leaves cancels it and waits for it to unwind."""
+        send, receive = anyio.create_memory_object_stream[_Piece | BaseException](math.inf)
+        streamed: StepOptions = {**options, "on_text": send.send_nowait}
         if first_token:
-            streamed["on_first_token"] = functools.partial(on_text, "")
+            streamed["on_first_token"] = functools.partial(send.send_nowait, "")
         if deltas:
-            streamed["on_tool_call"] = streamed["on_reasoning"] = on_text
+            streamed["on_tool_call"] = streamed["on_reasoning"] = send.send_nowait
 
         async def run() -> None:
-            try:
-                queue.put_nowait(await self.step(messages, conversation_id=conversation_id, **streamed))
-            except BaseException as exc:  # handed to the consumer, who raises it
-                queue.put_nowait(exc)
+            with send:
+                try:
+                    send.send_nowait(await self.step(messages, conversation_id=conversation_id, **streamed))
+                except BaseException as exc:  # handed to the consumer, who raises it
+                    send.send_nowait(exc)
+                    if not isinstance(exc, Exception):
+                        raise  # a cancellation (the consumer left) ends the background work too
 
-        task = asyncio.ensure_future(run())
+        assert self.home is not None
+        step = start_background(self.home, run)
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, StepReply):
-                    return
+            async for piece in receive:
+                if isinstance(piece, BaseException):
+                    raise piece
+                yield piece
         finally:
-            task.cancel()
             with anyio.CancelScope(shield=True):  # the step is cancelled (and unwound) before the consumer goes on,
-                await asyncio.gather(task, return_exceptions=True)  # even a consumer that was cancelled itself
+                await step.stop()  # even a consumer that was cancelled itself
+            receive.close()
 
     async def _step(
         self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, options: StepOptions
