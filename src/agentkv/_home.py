@@ -5,8 +5,7 @@ an engine lives on the caller's loop. Opened with plain ``with`` (scripts, noteb
 gets a loop of its own in a portal thread, so blocking calls work even where the calling
 thread already runs a loop (Jupyter). Ctrl-C during a blocking call cancels the task on the
 portal and waits for it to unwind before re-raising, so nothing keeps running behind the user.
-An async generator that runs on a home is read from elsewhere through it as well (`EventLoopHome.iterate`,
-`EventLoopHome.iterate_async`).
+An async generator that runs on a home is read from synchronous code through it as well (`EventLoopHome.iterate`).
 """
 
 from __future__ import annotations
@@ -167,27 +166,6 @@ class EventLoopHome:
             except BaseException:
                 if not self.is_current():  # else finalized on this loop, whose own finalizer closes ``items``
                     self.call(items.aclose)
-                raise
-
-    async def iterate_async(self, items: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
-        """Read ``items``, an async generator that runs on this loop, from a task on any loop: on this one as it is;
-        from another, each item is fetched with `call_async` (a fetch cancelled is cancelled here and unwinds
-        first), and ``items`` is closed on this loop when the reading stops early."""
-        if self.is_current():
-            async with contextlib.aclosing(items):
-                async for item in items:
-                    yield item
-            return
-        while True:
-            try:
-                item = await self.call_async(items.__anext__)
-            except StopAsyncIteration:
-                return
-            try:
-                yield item
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await self.call_async(items.aclose)
                 raise
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:

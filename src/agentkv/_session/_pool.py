@@ -10,10 +10,9 @@ are closed, and D's blocks for them released.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import functools
 import logging
-import math
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,9 +36,6 @@ from ._session_store import SessionStore, check_session_store, conversation_key,
 __all__ = ["SessionPool"]
 
 logger = logging.getLogger("agentkv")
-
-_Piece = str | ToolCallDelta | ReasoningDelta | StepReply
-"""What `SessionPool.stream` yields: answer text, tool-call and reasoning pieces (``deltas``), then the reply."""
 
 
 @dataclass(eq=False)
@@ -195,7 +191,7 @@ class SessionPool(EngineUser):
         first_token: bool = False,
         deltas: bool = False,
         **options: Unpack[StepOptions],
-    ) -> AsyncGenerator[_Piece]:
+    ) -> AsyncGenerator[str | ToolCallDelta | ReasoningDelta | StepReply]:
         """`step`, as the answer's text pieces while they are generated, then the `StepReply`.
 
         With ``deltas``, the `ToolCallDelta` and `ReasoningDelta` pieces come too, in order with the text (a
@@ -208,51 +204,40 @@ class SessionPool(EngineUser):
         each text piece is a `TextPiece` carrying the log probabilities of the tokens since the last piece
         (all of them are in the reply's ``step.logprobs``).
         """
-        self._require_open()
-        assert self._home is not None
-        pieces = self._pieces(messages, conversation_id, options, first_token=first_token, deltas=deltas)
-        async with contextlib.aclosing(self._home.iterate_async(pieces)) as reached:
-            async for piece in reached:
-                yield piece
+        # asyncio, not anyio: the pool's loop (maybe another thread's) feeds this loop's queue through
+        # loop.call_soon_threadsafe (anyio has no call from another thread that does not block it), and the step's
+        # task (asyncio.ensure_future) outlives each yield of this generator, which an anyio task group may not span
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[str | ToolCallDelta | ReasoningDelta | StepReply | BaseException] = asyncio.Queue()
 
-    async def _pieces(
-        self,
-        messages: Sequence[Message | Mapping[str, Any]],
-        conversation_id: str | None,
-        options: StepOptions,
-        *,
-        first_token: bool,
-        deltas: bool,
-    ) -> AsyncGenerator[_Piece]:
-        """`stream` on the pool's loop: the step runs as background work (`start_background`) and hands its pieces
-        over through a memory object stream; a consumer that leaves cancels it and waits for it to unwind."""
-        send, receive = anyio.create_memory_object_stream[_Piece | BaseException](math.inf)
-        streamed: StepOptions = {**options, "on_text": send.send_nowait}
+        def on_text(text: str | ToolCallDelta | ReasoningDelta | StepReply | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, text)  # from any thread, queued in call order
+
+        streamed: StepOptions = {**options, "on_text": on_text}
         if first_token:
-            streamed["on_first_token"] = functools.partial(send.send_nowait, "")
+            streamed["on_first_token"] = functools.partial(on_text, "")
         if deltas:
-            streamed["on_tool_call"] = streamed["on_reasoning"] = send.send_nowait
+            streamed["on_tool_call"] = streamed["on_reasoning"] = on_text
 
-        async def run() -> None:
-            with send:
-                try:
-                    send.send_nowait(await self.step(messages, conversation_id=conversation_id, **streamed))
-                except BaseException as exc:  # handed to the consumer, who raises it
-                    send.send_nowait(exc)
-                    if not isinstance(exc, Exception):
-                        raise  # a cancellation (the consumer left) ends the background work too
+        async def run() -> None:  # the reply or error queued after every piece before it, even on the pool's loop
+            try:
+                on_text(await self.step(messages, conversation_id=conversation_id, **streamed))
+            except BaseException as exc:  # handed to the consumer, who raises it
+                on_text(exc)
 
-        assert self.home is not None
-        step = start_background(self.home, run)
+        task = asyncio.ensure_future(run())
         try:
-            async for piece in receive:
-                if isinstance(piece, BaseException):
-                    raise piece
-                yield piece
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, StepReply):
+                    return
         finally:
+            task.cancel()
             with anyio.CancelScope(shield=True):  # the step is cancelled (and unwound) before the consumer goes on,
-                await step.stop()  # even a consumer that was cancelled itself
-            receive.close()
+                await asyncio.gather(task, return_exceptions=True)  # even a consumer that was cancelled itself
 
     async def _step(
         self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, options: StepOptions
