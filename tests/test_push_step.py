@@ -20,9 +20,16 @@ class Halves:
     """A scripted P and D: D's first output comes once some prefill (P or the rescue) has pushed."""
 
     def __init__(
-        self, *, p_fails: bool = False, p_seconds: float = 0.01, push_arrives: bool = True, d_seconds: float = 0.0
+        self,
+        *,
+        p_fails: bool = False,
+        p_seconds: float = 0.01,
+        push_arrives: bool = True,
+        d_seconds: float = 0.0,
+        d_refuses: bool = False,
     ) -> None:
         self.p_fails, self.p_seconds, self.push_arrives, self.d_seconds = p_fails, p_seconds, push_arrives, d_seconds
+        self.d_refuses = d_refuses
         self.pushed = asyncio.Event()
         self.events: list[str] = []
 
@@ -47,6 +54,8 @@ class Halves:
 
     async def outputs(self) -> AsyncGenerator[str, None]:
         try:
+            if self.d_refuses:  # refused when added (a bad request): D waits for nothing
+                raise EngineError("the decode engine refused the request")
             try:
                 with anyio.fail_after(0.5):
                     await self.pushed.wait()
@@ -106,3 +115,20 @@ async def test_a_step_cancelled_after_p_pushed_still_waits_for_ds_kv() -> None:
         async for _ in halves.step():
             pass
     assert halves.events == ["p pushed", "d arrived", "d closed"]  # D not aborted while its KV was in flight
+
+
+async def test_a_refused_d_fails_the_step_once_p_has_ended_unaborted(caplog: pytest.LogCaptureFixture) -> None:
+    halves = Halves(p_seconds=0.1, d_refuses=True)
+    with pytest.raises(EngineError, match="decode engine refused"):
+        async for _ in halves.step():
+            pass
+    assert halves.events == ["d closed", "p pushed"]  # P ran to its end; D's error is the step's
+    assert "D gave no output" in caplog.text
+
+
+async def test_a_consumer_that_leaves_after_the_first_output_closes_d() -> None:
+    halves = Halves()
+    outputs = aiter(halves.step())
+    assert await anext(outputs) == "a"
+    await outputs.aclose()  # type: ignore[attr-defined]  # an async generator's
+    assert halves.events == ["p pushed", "d arrived", "d closed"]

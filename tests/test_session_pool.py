@@ -6,15 +6,17 @@ Routing logic on `HonestPairEngine`, which checks every pushed-back handle; no m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 
 import agentkv
-from agentkv import Message, SessionPool, StepReply, UserError
+from agentkv import EngineError, Message, SessionPool, StepReply, UserError
 from agentkv.integrations import PooledModel
 from agentkv.testing import HonestPairEngine
 
@@ -91,6 +93,38 @@ def test_the_adapter_base_streams_the_answer_then_the_reply(pair: HonestPairEngi
     finally:
         model.close()
     assert pair.is_open  # an engine given open is its owner's to close
+
+
+async def _stream_left_early_then_failed(pool: SessionPool, pair: HonestPairEngine) -> None:
+    await pool.step([user("Warm up")])  # the tokenizer loads
+    pair.inject("stall")  # the step hangs after its first piece
+    with anyio.fail_after(30):  # far below the stall: leaving cancels the step
+        async with contextlib.aclosing(pool.stream([user("Hi")])) as items:
+            assert isinstance(await anext(items), str)
+    assert pair.steps[-1].outcome == "cancelled"  # unwound before the consumer went on
+    assert len(pool.sessions) == 1  # the warm-up's: a cancelled first step keeps no session
+    pair.inject("error_mid_stream")
+    pieces: list[object] = []
+    with pytest.raises(EngineError, match="mid-stream"):
+        async for piece in pool.stream([user("Hi")]):
+            pieces.append(piece)
+    assert len(pieces) == 1 and isinstance(pieces[0], str)  # the text before the error came first
+    assert isinstance([piece async for piece in pool.stream([user("Hi")])][-1], StepReply)  # the pool serves on
+
+
+@pytest.mark.parametrize("where", ["on the pool's loop", "from another loop"])
+def test_a_stream_left_early_cancels_its_step_and_one_that_fails_raises(where: str) -> None:
+    async def on_the_pools_loop() -> None:
+        async with HonestPairEngine(answer) as pair, SessionPool(engine=pair) as pool:
+            await _stream_left_early_then_failed(pool, pair)
+            assert pair.violations == []
+
+    if where == "on the pool's loop":
+        asyncio.run(on_the_pools_loop())
+        return
+    with HonestPairEngine(answer) as pair, SessionPool(engine=pair) as pool:
+        asyncio.run(_stream_left_early_then_failed(pool, pair))
+    assert pair.violations == []
 
 
 def test_pool_arguments_are_checked_at_once() -> None:

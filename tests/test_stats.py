@@ -145,3 +145,17 @@ def test_a_bench_record_is_the_steps_stats_plus_the_clients_clock() -> None:
     assert (record.ttft_s, record.engine_ttft_s) == (0.3, stats.ttft_s)  # the client's clock, and the engine's
     shared = (TurnRecord.model_fields.keys() & StepStats.model_fields.keys()) - {"ttft_s"}
     assert record.model_dump(include=shared) == stats.model_dump(include=shared)
+
+
+def test_prefill_stats_are_handed_over_once_and_those_nobody_takes_age_out() -> None:
+    from agentkv._engines import _server
+    from agentkv._engines._vllm_readouts import PrefillStatsKeeper, Readouts
+
+    kept = PrefillStatsKeeper()
+    for index in range(PrefillStatsKeeper.LIMIT + 2):
+        kept[f"request-{index}"] = index
+    assert len(kept) == PrefillStatsKeeper.LIMIT and "request-0" not in kept  # the oldest went first
+    assert kept.take(f"request-{PrefillStatsKeeper.LIMIT}") == PrefillStatsKeeper.LIMIT
+    assert kept.take(f"request-{PrefillStatsKeeper.LIMIT}") is None  # once only
+    assert isinstance(Readouts().prefill_stats, PrefillStatsKeeper)  # the in-process engines' keeper ...
+    assert isinstance(_server._PREFILL_STATS, PrefillStatsKeeper)  # ... is the server's

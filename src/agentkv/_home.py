@@ -5,6 +5,7 @@ an engine lives on the caller's loop. Opened with plain ``with`` (scripts, noteb
 gets a loop of its own in a portal thread, so blocking calls work even where the calling
 thread already runs a loop (Jupyter). Ctrl-C during a blocking call cancels the task on the
 portal and waits for it to unwind before re-raising, so nothing keeps running behind the user.
+An async generator that runs on a home is read from synchronous code through it as well (`EventLoopHome.iterate`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -150,6 +151,22 @@ class EventLoopHome:
             with anyio.CancelScope(shield=True), anyio.move_on_after(_CANCEL_GRACE_S):
                 await unwound.wait()
             raise
+
+    def iterate(self, items: AsyncGenerator[T, None]) -> Iterator[T]:
+        """Read ``items``, an async generator that runs on this loop, from synchronous code in another thread:
+        each item is fetched with `call` (Ctrl-C cancels the fetch, which unwinds first), and ``items`` is closed
+        on this loop when the reading stops early."""
+        while True:
+            try:
+                item = self.call(items.__anext__)
+            except StopAsyncIteration:
+                return
+            try:
+                yield item
+            except BaseException:
+                if not self.is_current():  # else finalized on this loop, whose own finalizer closes ``items``
+                    self.call(items.aclose)
+                raise
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Start ``fn(*args)`` on this loop and return at once, from any thread (fire and forget).

@@ -13,7 +13,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["MAX_LOGPROBS", "Sampling", "SamplingOptions", "TokenLogprob", "response_format_outputs"]
+__all__ = [
+    "MAX_LOGPROBS",
+    "Sampling",
+    "SamplingOptions",
+    "TokenLogprob",
+    "format_outputs",
+    "response_format_outputs",
+]
 
 MAX_LOGPROBS = 20
 """The most alternatives per token a step reports (vLLM's default ``--max-logprobs``, OpenAI's ``top_logprobs``)."""
@@ -106,22 +113,26 @@ class SamplingOptions(BaseModel):
 
 
 def response_format_outputs(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
-    """OpenAI's ``response_format`` as `SamplingOptions.structured_outputs`, as vLLM's server maps it:
-    ``text`` (None), ``json_object`` (any JSON object), ``json_schema`` (its ``json_schema.schema``)."""
+    """OpenAI's ``response_format`` as `SamplingOptions.structured_outputs`, as vLLM's server maps it
+    (`format_outputs`); ``json_schema`` takes its ``json_schema.schema``, which must be an object."""
     if response_format is None:
         return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
+    kind, spec = response_format.get("type"), response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if kind == "json_schema" and not isinstance(schema, dict):
+        raise ValueError("response_format json_schema needs json_schema.schema (an object)")
+    return format_outputs(kind, schema)
+
+
+def format_outputs(kind: Any, schema: Any) -> dict[str, Any] | None:
+    """An OpenAI response format (chat's ``response_format``, the Responses API's ``text.format``) as
+    `SamplingOptions.structured_outputs`, as vLLM's servers map both: ``text`` (None), ``json_object`` (any JSON
+    object), ``json_schema`` (``schema``; None: no schema, no constraint). Another type is a ValueError."""
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(f"type {kind!r} is not one of text, json_object, json_schema")
     if kind == "json_object":
         return {"json_object": True}
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise ValueError("response_format json_schema needs json_schema.schema (an object)")
-        return {"json": schema}
-    raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+    return {"json": schema} if kind == "json_schema" and schema is not None else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,6 @@ responses takes the difference. ``clock`` lets a client on another host turn D's
 
 from __future__ import annotations
 
-import collections
 import functools
 import threading
 import time
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._handle import SERVER_EXTRAS_FIELD
+from ._vllm_readouts import PrefillStatsKeeper
 
 if TYPE_CHECKING:
     from ._vllm_readouts import TransferStats
@@ -55,20 +55,9 @@ class _Totals:
             self.expired += moved.expired
 
 
-class _Recent(collections.OrderedDict[str, Any]):
-    """The prefill stats of the latest requests (those no completion reply took, e.g. chat, age out)."""
-
-    LIMIT = 4096
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        while len(self) > self.LIMIT:
-            self.popitem(last=False)
-
-
 _LOCK = threading.Lock()
 _TOTALS = _Totals()
-_PREFILL_STATS = _Recent()
+_PREFILL_STATS = PrefillStatsKeeper()
 
 
 @functools.cache
@@ -86,7 +75,7 @@ def _extras(output: Any) -> dict[str, Any]:
     """The ``agentkv`` object for one finished request (a vLLM ``RequestOutput``)."""
     from ._vllm_readouts import engine_seconds
 
-    stats = _PREFILL_STATS.pop(output.request_id, None)
+    stats = _PREFILL_STATS.take(output.request_id)
     prefill_s, wait_s, decode_s = engine_seconds(output)
     with _LOCK:
         nixl = {"bytes": _TOTALS.bytes, "seconds": _TOTALS.seconds, "expired": _TOTALS.expired}

@@ -324,19 +324,19 @@ class AsyncLLMRunner:
             raise EngineError(f"the {self.name} engine did not finish a request within {timeout_s} s") from exc
         if hold_ledger:
             ledger = self._readouts.in_flight.get(request_id, TransferLedger(shared=True))
-            return final, self._readouts.prefill_stats.pop(request_id, None), ledger
+            return final, self._readouts.prefill_stats.take(request_id), ledger
         stats, ledger = self.finish(request_id)
         return final, stats, ledger
 
     def finish(self, request_id: str) -> tuple[Any, TransferLedger]:
         """Take a finished request's prefill stats (or None) and its transfer ledger."""
         ledger = self._readouts.in_flight.pop(request_id, TransferLedger(shared=True))
-        return self._readouts.prefill_stats.pop(request_id, None), ledger
+        return self._readouts.prefill_stats.take(request_id), ledger
 
     def forget(self, request_id: str) -> None:
         """Drop the read-outs of a request that will not finish (aborted)."""
         self._readouts.in_flight.pop(request_id, None)
-        self._readouts.prefill_stats.pop(request_id, None)
+        self._readouts.prefill_stats.take(request_id)
 
     # ----------------------------------------------------------------- read-outs
 

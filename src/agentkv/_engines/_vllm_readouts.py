@@ -2,13 +2,15 @@
 
 NIXL's statistics come per engine step from a stat logger (`transfer_stat_logger`), summed
 over the step's transfers; `Readouts` gives them to the requests in flight (a request's
-`TransferLedger` holds them when it was alone). `engine_seconds` reads a finished request's
+`TransferLedger` holds them when it was alone). `PrefillStatsKeeper` holds each request's
+prefix-cache split until the request's reader takes it. `engine_seconds` reads a finished request's
 times. The in-process engines (`AsyncLLMRunner` in ``src/agentkv/_engines/_vllm.py``) and
 agentkv's server (``src/agentkv/_engines/_server.py``) read them alike.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -16,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm import RequestOutput
 
-__all__ = ["Readouts", "TransferLedger", "TransferStats", "engine_seconds", "transfer_stat_logger"]
+__all__ = [
+    "PrefillStatsKeeper",
+    "Readouts",
+    "TransferLedger",
+    "TransferStats",
+    "engine_seconds",
+    "transfer_stat_logger",
+]
 
 
 @dataclass
@@ -30,11 +39,31 @@ class TransferLedger:
     """Another request was in flight at the same time: bytes and seconds are not this one's alone."""
 
 
+class PrefillStatsKeeper(collections.OrderedDict[str, Any]):
+    """vLLM's ``PrefillStats`` (the local/external prefix-cache split) of one engine's requests, by request id, as
+    ``keep_prefill_stats`` (``src/_agentkv_vllm/_patches.py``) stores them; `take` hands one over, once.
+
+    The oldest beyond `LIMIT` age out: stats nobody takes (the server's chat requests, which no completion reply
+    reads; an in-process pin's release) are not kept for ever.
+    """
+
+    LIMIT = 4096
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        while len(self) > self.LIMIT:
+            self.popitem(last=False)
+
+    def take(self, request_id: str) -> Any:
+        """The request's ``PrefillStats`` (None when none were stored), no longer kept."""
+        return self.pop(request_id, None)
+
+
 @dataclass
 class Readouts:
     """One engine's read-outs: the prefill stats of finished requests, and the ledgers of those in flight."""
 
-    prefill_stats: dict[str, Any] = field(default_factory=dict[str, Any])
+    prefill_stats: PrefillStatsKeeper = field(default_factory=PrefillStatsKeeper)
     in_flight: dict[str, TransferLedger] = field(default_factory=dict[str, TransferLedger])
 
     def attribute(self, moved: TransferStats) -> None:

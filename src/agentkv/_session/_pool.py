@@ -205,13 +205,13 @@ class SessionPool(EngineUser):
         (all of them are in the reply's ``step.logprobs``).
         """
         # asyncio, not anyio: the pool's loop (maybe another thread's) feeds this loop's queue through
-        # call_soon_threadsafe, and the step's task outlives each yield of this generator, which an anyio task group
-        # may not span
+        # loop.call_soon_threadsafe (anyio has no call from another thread that does not block it), and the step's
+        # task (asyncio.ensure_future) outlives each yield of this generator, which an anyio task group may not span
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[str | ToolCallDelta | ReasoningDelta | StepReply | BaseException] = asyncio.Queue()
 
-        def on_text(text: str | ToolCallDelta | ReasoningDelta) -> None:  # on the pool's loop, maybe another thread
-            loop.call_soon_threadsafe(queue.put_nowait, text)
+        def on_text(text: str | ToolCallDelta | ReasoningDelta | StepReply | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, text)  # from any thread, queued in call order
 
         streamed: StepOptions = {**options, "on_text": on_text}
         if first_token:
@@ -219,11 +219,11 @@ class SessionPool(EngineUser):
         if deltas:
             streamed["on_tool_call"] = streamed["on_reasoning"] = on_text
 
-        async def run() -> None:
+        async def run() -> None:  # the reply or error queued after every piece before it, even on the pool's loop
             try:
-                queue.put_nowait(await self.step(messages, conversation_id=conversation_id, **streamed))
+                on_text(await self.step(messages, conversation_id=conversation_id, **streamed))
             except BaseException as exc:  # handed to the consumer, who raises it
-                queue.put_nowait(exc)
+                on_text(exc)
 
         task = asyncio.ensure_future(run())
         try:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from .._engines._sampling import SamplingOptions
+from .._engines._sampling import SamplingOptions, format_outputs
 from .._errors import UserError
 from .._session._message_step import StepOptions
 from .._session._results import StepReply
@@ -135,7 +135,10 @@ class ResponsesRequest(SamplingFields):
         if text_format is not None:
             if structured is not None:
                 raise UserError("structured_outputs: cannot specify both structured_outputs and text.format")
-            structured = _format_outputs(text_format)
+            try:  # as vLLM's Responses server maps it
+                structured = format_outputs(text_format.get("type"), text_format.get("schema"))
+            except ValueError as exc:
+                raise UserError(f"text.format: {exc}") from None
         if structured is not None:
             options["structured_outputs"] = structured
         return sampling_options(options, {}) if options else None
@@ -152,19 +155,6 @@ class ResponsesRequest(SamplingFields):
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         return _chat_messages(self.input)
-
-
-def _format_outputs(text_format: Mapping[str, Any]) -> dict[str, Any] | None:
-    """``text.format`` as structured outputs, as vLLM's Responses server maps it."""
-    kind = text_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        schema = text_format.get("schema")
-        return {"json": schema} if schema is not None else None  # vLLM: no schema, no constraint
-    raise UserError(f"text.format: type {kind!r} is not supported (text, json_schema or json_object)")
 
 
 def read_responses_request(body: bytes) -> ResponsesRequest:

@@ -5,9 +5,7 @@ Needs ``langchain-core`` (``pip install "agentkv[langchain]"``); LangGraph is op
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
@@ -197,8 +195,10 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         chat, options = _openai_messages(messages), self._call_options(stop, kwargs)
         with self._conversation(run_manager) as conversation_id, _langchain_errors():
+            home = self.pool.home  # the pool's loop thread: the stream runs there; closed early, it cancels the step
+            assert home is not None  # set when the pool opened
             items = self._pooled.stream(chat, conversation_id=conversation_id, deltas=True, **options)
-            yield from _chunks(_iterate_blocking(items))
+            yield from _chunks(home.iterate(items))
 
     async def _astream(
         self,
@@ -402,39 +402,3 @@ def _langchain_errors() -> Iterator[None]:
             if isinstance(exc, agentkv_error):
                 raise langchain_error(str(exc)) from exc
         raise
-
-
-def _iterate_blocking(items: AsyncIterator[_Item]) -> Iterator[_Item]:
-    """An async iterator read from synchronous code, on an event loop in a thread of its own.
-
-    Closing early cancels the iteration (and with it the step).
-    """
-    received: queue.Queue[_Item | BaseException] = queue.Queue()
-
-    async def pump() -> None:
-        try:
-            async for item in items:
-                received.put(item)
-        except BaseException as exc:  # handed to the reader, who raises it
-            received.put(exc)
-        # asyncio: anyio cannot see tasks started outside its task groups (a step's task in
-        # SessionPool.stream_step, the home's fire-and-forget pin releases); they unwind before the loop closes
-        others = asyncio.all_tasks() - {asyncio.current_task()}  # a step stopped early, still unwinding
-        await asyncio.gather(*others, return_exceptions=True)
-
-    loop = asyncio.new_event_loop()
-    task = loop.create_task(pump())
-    thread = threading.Thread(target=loop.run_until_complete, args=(task,), name="agentkv-langchain", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = received.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if isinstance(item, StepReply):
-                return
-    finally:
-        loop.call_soon_threadsafe(task.cancel)
-        thread.join()
-        loop.close()
