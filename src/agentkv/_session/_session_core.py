@@ -401,7 +401,8 @@ def make_engine(config: SessionConfig) -> Engine:
     options = dict(config.engine_options)
     if mode == "colocated":
         return Colocated(config.model, **options)
-    options.setdefault("bidirectional", mode in ("bidirectional", "auto"))
+    if "bidirectional" not in options:  # the old name, given by the caller: the pair maps it (with a warning)
+        options.setdefault("push_back", mode in ("bidirectional", "auto"))
     return EmbeddedPair(config.model, **options)
 
 
