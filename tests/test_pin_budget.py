@@ -25,8 +25,8 @@ def handle(name: str, blocks: list[int], *, ttl_s: float = 60.0) -> KVHandle:
     )
 
 
-def names(handles: list[KVHandle]) -> list[str]:
-    return [h.remote_request_id for h in handles]
+def names(released: list[tuple[KVHandle, float]]) -> list[str]:
+    return [h.remote_request_id for h, _ in released]
 
 
 def test_pins_that_fit_beside_a_step_are_kept() -> None:
@@ -104,10 +104,14 @@ def test_a_pin_expires_at_its_deadline_in_this_process_s_clock() -> None:
     budget = PinBudget(10, 128)
     far_in_d_s_clock = handle("a", [1, 2], ttl_s=600)
     budget.pinned(far_in_d_s_clock, deadline=time.perf_counter() - 1)  # already past here
-    assert budget.pinned_blocks == 0 and budget.deadline(far_in_d_s_clock) is None
-    kept = handle("b", [3])
-    budget.pinned(kept)
-    assert budget.deadline(kept) == kept.remote_blocks_expiry_time  # D shares this host's clock
+    assert budget.pinned_blocks == 0
+    remote, local_deadline = handle("b", [3, 4, 5], ttl_s=600), time.perf_counter() + 42.0
+    budget.pinned(remote, deadline=local_deadline)
+    shared = handle("c", [6, 7, 8])
+    budget.pinned(shared)
+    # released to make room, each comes with the deadline its release is timed by: ours, or D's when shared
+    released = budget.reserve("s", tokens=9 * 128, reused=None)
+    assert released == [(remote, local_deadline), (shared, shared.remote_blocks_expiry_time)]
 
 
 def test_a_d_of_unknown_size_is_bounded_by_the_cap_alone() -> None:

@@ -120,9 +120,9 @@ class PairLayer(Engine):
         # What the step needs to start on D: vLLM grows a running answer by preempting other running requests,
         # but it never preempts a pin, so only the prompt and the answer's first block must fit beside the pins.
         tokens = len(request.prompt_token_ids) + min(request.sampling.max_tokens, pins.block_size)
-        for released in pins.reserve(request.request_id, tokens=tokens, reused=handle):
+        for released, deadline in pins.reserve(request.request_id, tokens=tokens, reused=handle):
             logger.debug("agentkv: D's cache is full; releasing the least recently pinned conversation")
-            self._spawn_release(released, released.remote_blocks_expiry_time)
+            self._spawn_release(released, deadline)
         try:
             started = time.perf_counter()
             choice = self._place(request)

@@ -73,11 +73,6 @@ class PinBudget:
 
     # ----------------------------------------------------------------- changes
 
-    def deadline(self, handle: KVHandle) -> float | None:
-        """When ``handle``'s pin expires in this process's clock (None: not a live pin of this budget)."""
-        pin = self._pins.get(handle.remote_request_id)
-        return pin.deadline if pin is not None and pin.handle == handle else None
-
     def pinned(self, handle: KVHandle, *, deadline: float | None = None) -> None:
         """D returned ``handle``: its blocks stay held until read, released or expired.
 
@@ -90,8 +85,9 @@ class PinBudget:
         """``handle``'s pin was released (or a step that extended it ended, see `finished`)."""
         self._pins.pop(handle.remote_request_id, None)
 
-    def reserve(self, step_id: str, *, tokens: int, reused: KVHandle | None) -> list[KVHandle]:
-        """Reserve D's blocks for a step of ``tokens`` (prompt + answer); the pins to release to make room.
+    def reserve(self, step_id: str, *, tokens: int, reused: KVHandle | None) -> list[tuple[KVHandle, float]]:
+        """Reserve D's blocks for a step of ``tokens`` (prompt + answer); the pins to release to make room, each
+        with its expiry in this process's clock (D's may be another host's).
 
         ``reused``: the pin the step extends. Its blocks stay held on D for the whole step (P reads
         them, and D's new request finds them in its cache as its prefix), so the pin stays counted,
@@ -103,14 +99,14 @@ class PinBudget:
             held_by_reused = len(self._pins[reused.remote_request_id].blocks)
             self._extended[step_id] = reused.remote_request_id
         self._reserved[step_id] = max(1, next_pin - held_by_reused)
-        evict: list[KVHandle] = []
+        evict: list[tuple[KVHandle, float]] = []
         while self._over_budget(next_pin=next_pin - held_by_reused):
             oldest = next((key for key in self._pins if key not in self._extended.values()), None)
             if oldest is None:
                 break
             pin = self._pins.pop(oldest)
             self._evicted.append(oldest)
-            evict.append(pin.handle)
+            evict.append((pin.handle, pin.deadline))
         return evict
 
     def finished(self, step_id: str) -> None:
