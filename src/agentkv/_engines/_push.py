@@ -8,19 +8,19 @@ goes wrong (measured, docs/transfer.md) sets the rules here:
   while it waits keeps its blocks until some P with that id writes into them. So D is closed
   only once its KV has arrived (its first output).
 * An aborted P pushes nothing; a P that failed (a declined read, an error) pushed nothing either.
-  So P is never aborted while D may still wait for it, and a P that failed is replaced by ``rescue``:
-  a plain prefill under the same id, which completes D's push. P's write then never lands in blocks
-  D has freed.
+  So P is never aborted, and a P that failed is replaced by ``rescue``: a plain prefill under the
+  same id, which completes D's push. P's write then never lands in blocks D has freed.
 
 `EmbeddedPair` and the HTTP pairs run their pushed steps through `PushedStep`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 
@@ -30,16 +30,10 @@ logger = logging.getLogger("agentkv")
 
 T = TypeVar("T")
 R = TypeVar("R")
-V = TypeVar("V")
 
 
 class PushedStep(Generic[T, R]):
     """Iterate D's outputs while P runs beside it; afterwards `prefill_result` holds P's.
-
-    Both halves run in a task group until D's first output has arrived and P has ended (P's request ends once
-    it has prefilled, as its write to D starts: D's first output comes after that anyway); D's outputs are
-    then given, the first one included, with nothing left running beside them, so no task group or task spans
-    this generator's yields.
 
     Args:
         prefill: P's half (started at once, as D's first output is awaited).
@@ -70,87 +64,48 @@ class PushedStep(Generic[T, R]):
         return self._prefill_result
 
     async def __aiter__(self) -> AsyncIterator[T]:
+        # asyncio futures, not an anyio task group: P's half runs on while this generator yields D's outputs, and a
+        # task group may not span a generator's yields (its cancel scope would cancel the consumer's code, and a
+        # generator closed by the loop's finalizer exits it from another task)
+        prefill = asyncio.ensure_future(self._prefill_half)
+        arrived = asyncio.ensure_future(anext(self._outputs, None))  # D's first output: its KV is there
         try:
-            first, prefill_result = await self._halves()
+            await asyncio.wait({prefill, arrived}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and prefill.exception() is not None:
+                await prefill  # P failed: D still waits for a push (the cleanup completes it, then closes D)
+            first = await asyncio.shield(arrived)  # a cancelled step must not abort D before its KV is in
             if first is not None:
                 yield first
                 async for output in self._outputs:
                     yield output
-            self._prefill_result = prefill_result
+            self._prefill_result = await asyncio.shield(prefill)
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._outputs.aclose()
+            await self._end(prefill, arrived)
 
-    async def _halves(self) -> tuple[T | None, R]:
-        """P's result and D's first output (None: D gave none), or the error of the half that failed first;
-        both halves have ended (in the safe order) when this returns or raises, even when it is cancelled."""
-        either = anyio.Event()
-        p: _Half[R] = _Half(either)
-        d: _Half[T | None] = _Half(either)
-        failure: Exception | None = None
-        async with anyio.create_task_group() as group:  # the halves end before it does: no task spans a yield
-            group.start_soon(p.run, self._prefill_half)
-            group.start_soon(d.run, anext(self._outputs, None))  # D's first output: its KV is there
-            try:
-                await either.wait()
-                failure = p.error  # P failed: D still waits for a push (the cleanup completes it, then closes D)
-                if failure is None:
-                    await d.ended.wait()
-                    failure = d.error
-                if failure is None:
-                    await p.ended.wait()
-                    failure = p.error
-            finally:
-                await self._end(p, d)
-        if failure is not None:
-            raise failure
-        return d.value, p.value  # type: ignore[return-value]  # both succeeded: their values are set
-
-    async def _end(self, p: _Half[R], d: _Half[T | None]) -> None:
+    async def _end(self, prefill: asyncio.Future[R], arrived: asyncio.Future[T | None]) -> None:
         with anyio.CancelScope(shield=True):  # a cancelled step still ends both halves, in this order
-            with anyio.move_on_after(self._timeout_s):
-                await p.ended.wait()
-            pushed = p.succeeded
-            if not d.ended.is_set() and not pushed:
-                p.abort()
+            with contextlib.suppress(Exception, asyncio.CancelledError), anyio.move_on_after(self._timeout_s):
+                await asyncio.shield(prefill)
+            pushed = _succeeded(prefill)
+            if not arrived.done() and not pushed:
+                prefill.cancel()
                 with contextlib.suppress(Exception), anyio.move_on_after(self._timeout_s):
                     pushed = await self._rescue()
                 if not pushed:
                     logger.error("agentkv: no prefill could push a step's KV; D keeps its blocks for it until restart")
             if pushed:
-                with anyio.move_on_after(self._timeout_s):
-                    await d.ended.wait()
-                if not d.succeeded:
+                with contextlib.suppress(Exception, asyncio.CancelledError), anyio.move_on_after(self._timeout_s):
+                    await asyncio.shield(arrived)
+                if not _succeeded(arrived):
                     logger.error(
                         "agentkv: a step's KV was pushed but D gave no output; D may keep its blocks until restart"
                     )
-            p.abort()  # D's KV is in, or will not come: nothing waits for P any more
-            d.abort()
+            if not arrived.done():
+                arrived.cancel()
+            with contextlib.suppress(BaseException):
+                await arrived
+            await self._outputs.aclose()
 
 
-class _Half(Generic[V]):
-    """One half of a pushed step, run in the step's task group but shielded from the step's cancellation: only
-    `abort` ends it early. Its end sets ``either``."""
-
-    def __init__(self, either: anyio.Event) -> None:
-        self._either = either
-        self._scope = anyio.CancelScope(shield=True)
-        self.ended = anyio.Event()
-        self.value: V | None = None
-        self.error: Exception | None = None
-        self.succeeded = False
-
-    async def run(self, work: Awaitable[V]) -> None:
-        try:
-            with self._scope:
-                self.value = await work
-                self.succeeded = True
-        except Exception as exc:
-            self.error = exc
-        finally:
-            self.ended.set()
-            self._either.set()
-
-    def abort(self) -> None:
-        """Cancel the half, if it runs still."""
-        self._scope.cancel()
+def _succeeded(future: asyncio.Future[Any]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
