@@ -90,7 +90,8 @@ class CompletionsEngine(Engine):
                         if new is None:
                             raise EngineError(f"{self._url} returns no token ids (vLLM's return_token_ids)")
                         first = first or time.perf_counter()
-                        ids, text, finish = ids + new, text + choice.text, choice.finish_reason or finish
+                        ids += new
+                        text, finish = text + choice.text, choice.finish_reason or finish
                         if new or choice.text:
                             yield TokenDelta(token_ids=new, text=choice.text)
             finally:
