@@ -281,9 +281,7 @@ class HTTPPair(PairLayer):
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
-        if request.pin is not None and not self.info.pins:
-            raise UserError("this pair runs without push-back: it takes no pin")
-        handle_of(request.pin)  # a pin of another engine is refused before any work
+        self._check_pin(request)
         check_sampling(request.sampling)  # what D would refuse after P's work (P refuses the rest before it)
         await self._before_step()
         self._in_flight += 1

@@ -110,6 +110,12 @@ class PairLayer(Engine):
         """D was replaced (a restarted server): none of its pins exist any more."""
         self._pins = None
 
+    def _check_pin(self, request: StepRequest) -> None:
+        """Before any work: a pin is taken only by a pair with push-back, and only one a pair made (`UserError`)."""
+        if request.pin is not None and not self.info.pins:
+            raise UserError("this pair runs without push-back: it takes no pin")
+        handle_of(request.pin)
+
     async def _pinned_step(self, request: StepRequest) -> AsyncGenerator[StepEvent, None]:
         """One step within D's budget of pins, placed on P or D, teaching the placement its costs."""
         pins = self._pin_budget()

@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from .._errors import EngineDeadError, EngineError, SessionClosedError, UserError
+from .._errors import EngineDeadError, EngineError, SessionClosedError
 from ._base import StepDone, StepEvent, StepRequest, StepTimings, TokenDelta, prompt_split
 from ._handle import (
     KVHandle,
@@ -57,9 +57,7 @@ class PairSteps(PairLayer):
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
-        if request.pin is not None and not self.config.push_back:
-            raise UserError("this pair runs without bidirectional transfer: it takes no pin")
-        handle_of(request.pin)  # a pin of another engine is refused before any work
+        self._check_pin(request)
         try:
             async with contextlib.aclosing(
                 self._pinned_step(request)
