@@ -171,6 +171,17 @@ _REQUEST = "vllm.v1.request"
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 _SERVING = "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion"
 
+# Signatures that several connector classes share (the NIXL push and pull schedulers and workers).
+_CONNECTOR_INIT = ("self", "vllm_config", "engine_id", "kv_cache_config")
+_AFTER_ALLOC = ("self", "request", "blocks", "num_external_tokens")
+_FINISHED = ("self", "request", "block_ids")
+
+
+def _methods(cls: str, **params: tuple[str, ...]) -> tuple[Target, ...]:
+    """A target for each named method of ``cls`` (``"module:Class"``), with the parameters it relies on."""
+    return tuple(Target(f"{cls}.{name}", params=names) for name, names in params.items())
+
+
 FEATURES: dict[str, Feature] = {
     feature.name: feature
     for feature in (
@@ -352,40 +363,28 @@ FEATURES: dict[str, Feature] = {
                     attrs=("engine_id", "connector_scheduler", "connector_worker"),
                 ),
                 Target(f"{_NIXL}.connector:NixlPushConnector"),
-                Target(
-                    f"{_NIXL}.push_scheduler:NixlPushConnectorScheduler.__init__",
-                    params=("self", "vllm_config", "engine_id", "kv_cache_config"),
-                ),
-                Target(
-                    f"{_NIXL}.push_scheduler:NixlPushConnectorScheduler.update_state_after_alloc",
-                    params=("self", "request", "blocks", "num_external_tokens"),
-                ),
-                Target(
-                    f"{_NIXL}.push_scheduler:NixlPushConnectorScheduler.request_finished",
-                    params=("self", "request", "block_ids"),
+                *_methods(
+                    f"{_NIXL}.push_scheduler:NixlPushConnectorScheduler",
+                    __init__=_CONNECTOR_INIT,
+                    update_state_after_alloc=_AFTER_ALLOC,
+                    request_finished=_FINISHED,
                 ),
                 Target(f"{_NIXL}.push_scheduler:NixlPushConnectorScheduler", attrs=("_push_registration_deadlines",)),
-                Target(
-                    f"{_NIXL}.pull_scheduler:NixlPullConnectorScheduler.get_num_new_matched_tokens",
-                    params=("self", "request", "num_computed_tokens"),
-                ),
-                Target(
-                    f"{_NIXL}.pull_scheduler:NixlPullConnectorScheduler.update_state_after_alloc",
-                    params=("self", "request", "blocks", "num_external_tokens"),
-                ),
-                Target(
-                    f"{_NIXL}.pull_scheduler:NixlPullConnectorScheduler.request_finished",
-                    params=("self", "request", "block_ids"),
+                *_methods(
+                    f"{_NIXL}.pull_scheduler:NixlPullConnectorScheduler",
+                    get_num_new_matched_tokens=("self", "request", "num_computed_tokens"),
+                    update_state_after_alloc=_AFTER_ALLOC,
+                    request_finished=_FINISHED,
                 ),
                 Target(
                     f"{_NIXL}.pull_scheduler:NixlPullConnectorScheduler",
                     attrs=("_reqs_in_batch", "is_bidirectional_kv_xfer_enabled"),
                 ),
-                Target(
-                    f"{_NIXL}.push_worker:NixlPushConnectorWorker.__init__",
-                    params=("self", "vllm_config", "engine_id", "kv_cache_config"),
+                *_methods(
+                    f"{_NIXL}.push_worker:NixlPushConnectorWorker",
+                    __init__=_CONNECTOR_INIT,
+                    start_load_kv=("self", "metadata"),
                 ),
-                Target(f"{_NIXL}.push_worker:NixlPushConnectorWorker.start_load_kv", params=("self", "metadata")),
                 Target(f"{_NIXL}.pull_worker:NixlPullConnectorWorker.start_load_kv", params=("self", "metadata")),
                 Target(f"{_NIXL}.metadata:NixlConnectorMetadata", attrs=("reqs_to_recv",)),
                 Target(f"{_NIXL}.metadata:ReqMeta", attrs=("remote",)),
@@ -958,38 +957,35 @@ def add_server_readouts(
     first and left off, with one warning, where the installed vLLM lacks its targets.
     """
     warn_if_untested()
-    readouts = _apply(SERVER_READOUTS, lambda: _add_readouts(extras_field, extras, stat_logger, prefill_stats))
+
+    def add_readouts() -> None:
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        construct = AsyncLLM.from_vllm_config.__func__  # type: ignore[attr-defined]
+        response_original = OpenAIServingCompletion.request_output_to_completion_response
+
+        def from_vllm_config(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            kwargs["stat_loggers"] = [*(kwargs.get("stat_loggers") or []), stat_logger]
+            llm = construct(cls, *args, **kwargs)
+            keep_prefill_stats(llm, prefill_stats)
+            return llm
+
+        def request_output_to_completion_response(
+            self: Any, final_res_batch: list[Any], *args: Any, **kwargs: Any
+        ) -> Any:
+            response = response_original(self, final_res_batch, *args, **kwargs)
+            if len(final_res_batch) == 1:
+                setattr(response, extras_field, extras(final_res_batch[0]))
+            return response
+
+        from_vllm_config.__wrapped__ = construct  # type: ignore[attr-defined]
+        request_output_to_completion_response.__wrapped__ = response_original  # type: ignore[attr-defined]
+        AsyncLLM.from_vllm_config = classmethod(from_vllm_config)  # type: ignore[method-assign,assignment]
+        OpenAIServingCompletion.request_output_to_completion_response = request_output_to_completion_response  # type: ignore[method-assign]
+
+    readouts = _apply(SERVER_READOUTS, add_readouts)
     _apply(STREAMED_HANDLE, lambda: _end_streams_with_the_handle(extras_field, extras if readouts else None))
-
-
-def _add_readouts(
-    extras_field: str,
-    extras: Callable[[Any], dict[str, Any]],
-    stat_logger: Callable[..., Any],
-    prefill_stats: dict[str, Any],
-) -> None:
-    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    construct = AsyncLLM.from_vllm_config.__func__  # type: ignore[attr-defined]
-    response_original = OpenAIServingCompletion.request_output_to_completion_response
-
-    def from_vllm_config(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        kwargs["stat_loggers"] = [*(kwargs.get("stat_loggers") or []), stat_logger]
-        llm = construct(cls, *args, **kwargs)
-        keep_prefill_stats(llm, prefill_stats)
-        return llm
-
-    def request_output_to_completion_response(self: Any, final_res_batch: list[Any], *args: Any, **kwargs: Any) -> Any:
-        response = response_original(self, final_res_batch, *args, **kwargs)
-        if len(final_res_batch) == 1:
-            setattr(response, extras_field, extras(final_res_batch[0]))
-        return response
-
-    from_vllm_config.__wrapped__ = construct  # type: ignore[attr-defined]
-    request_output_to_completion_response.__wrapped__ = response_original  # type: ignore[attr-defined]
-    AsyncLLM.from_vllm_config = classmethod(from_vllm_config)  # type: ignore[method-assign,assignment]
-    OpenAIServingCompletion.request_output_to_completion_response = request_output_to_completion_response  # type: ignore[method-assign]
 
 
 def _end_streams_with_the_handle(extras_field: str, extras: Callable[[Any], dict[str, Any]] | None) -> None:

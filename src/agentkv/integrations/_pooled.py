@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ from .._session._pool import SessionPool
 from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
 from .._stats._stats import StepStats
 
-__all__ = ["SAMPLING_NAMES", "PooledAccess", "PooledModel", "sampling_of"]
+__all__ = ["SAMPLING_NAMES", "PooledAccess", "PooledModel", "joined_text", "sampling_of"]
 
 SAMPLING_NAMES = frozenset(SamplingOptions.model_fields)
 """The settings adapters pass on under vLLM's names (`SamplingOptions`' fields)."""
@@ -27,6 +27,16 @@ def sampling_of(values: Mapping[str, Any]) -> dict[str, Any]:
     """The `SamplingOptions` fields among a framework's settings that are set (not None), for ``sampling=``; the
     pool checks them (a bad value is a `UserError` naming ``sampling.<field>``)."""
     return {name: value for name, value in values.items() if name in SAMPLING_NAMES and value is not None}
+
+
+def joined_text(content: str | Sequence[Any], text_of: Callable[[Any], str | None], *, sep: str = "") -> str:
+    """A framework message's content as one text: a str as it is; in a list of parts, each str part and what
+    ``text_of`` gives for the others, joined by ``sep`` (``text_of`` gives None for a part to skip and raises the
+    framework's error for one agentkv cannot take)."""
+    if isinstance(content, str):
+        return content
+    pieces = (part if isinstance(part, str) else text_of(part) for part in content)
+    return sep.join(piece for piece in pieces if piece is not None)
 
 
 class PooledModel:

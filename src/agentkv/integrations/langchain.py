@@ -43,7 +43,7 @@ from .._session._pool import SessionPool
 from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
 from .._stats._stats import StepStats
 from .._surfaces._openai_chat import StreamedCalls
-from ._pooled import SAMPLING_NAMES, PooledAccess, PooledModel, sampling_of
+from ._pooled import SAMPLING_NAMES, PooledAccess, PooledModel, joined_text, sampling_of
 
 __all__ = ["ChatAgentKV"]
 
@@ -300,20 +300,17 @@ def _openai_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
 
 
 def _text(index: int, message: BaseMessage) -> str:
-    if isinstance(message.content, str):
-        return message.content
-    parts: list[str] = []
-    for block in message.content:
-        if isinstance(block, str):
-            parts.append(block)
-        elif block.get("type") == "text":
-            parts.append(str(block.get("text", "")))
-        elif block.get("type") != "tool_call":  # output_version="v1" repeats the tool calls as blocks
-            raise NotImplementedError(
-                f"message {index}: ChatAgentKV reads text only, not {block.get('type')!r} content "
-                "(images, audio and files are not supported)"
-            )
-    return "".join(parts)
+    def block_text(block: dict[str, Any]) -> str | None:
+        if block.get("type") == "text":
+            return str(block.get("text", ""))
+        if block.get("type") == "tool_call":  # output_version="v1" repeats the tool calls as blocks
+            return None
+        raise NotImplementedError(
+            f"message {index}: ChatAgentKV reads text only, not {block.get('type')!r} content "
+            "(images, audio and files are not supported)"
+        )
+
+    return joined_text(message.content, block_text)
 
 
 def _result(reply: StepReply) -> ChatResult:

@@ -49,14 +49,24 @@ from .._errors import ContextLengthError, EngineError, EngineUnavailableError, S
 from .._session._pool import SessionPool
 from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
 from .._stats._stats import StepStats
-from ._pooled import SAMPLING_NAMES, PooledAccess, PooledModel, sampling_of
+from ._pooled import SAMPLING_NAMES, PooledAccess, PooledModel, joined_text, sampling_of
 
 __all__ = ["AgentKVModel", "AgentKVStreamedResponse"]
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "tool_calls": "tool_call"}
 
 
-class AgentKVModel(PooledAccess, Model):
+class _Named:
+    """The model's name, as the model and each of its streamed answers report it to pydantic-ai."""
+
+    _model_name: str
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+
+class AgentKVModel(_Named, PooledAccess, Model):
     """A pydantic-ai model served by agentkv: each conversation's calls run on the session holding its KV.
 
     Example::
@@ -125,10 +135,6 @@ class AgentKVModel(PooledAccess, Model):
         super().__init__(
             settings=settings, profile=ModelProfile(json_schema_transformer=InlineDefsJsonSchemaTransformer)
         )
-
-    @property
-    def model_name(self) -> str:
-        return self._model_name
 
     @property
     def system(self) -> str:
@@ -216,7 +222,7 @@ class AgentKVModel(PooledAccess, Model):
 
 
 @dataclass
-class AgentKVStreamedResponse(StreamedResponse):
+class AgentKVStreamedResponse(_Named, StreamedResponse):
     """A streamed `AgentKVModel` answer: its text as it is generated, then its tool calls and usage."""
 
     _model_name: str
@@ -264,10 +270,6 @@ class AgentKVStreamedResponse(StreamedResponse):
 
     async def close_stream(self) -> None:
         await self._rest.aclose()
-
-    @property
-    def model_name(self) -> str:
-        return self._model_name
 
     @property
     def provider_name(self) -> str:
@@ -322,17 +324,14 @@ def _chat_messages(messages: Sequence[ModelMessage], instructions: str | None) -
 
 
 def _user_text(part: UserPromptPart) -> str:
-    if isinstance(part.content, str):
-        return part.content
-    texts: list[str] = []
-    for item in part.content:
-        if isinstance(item, str):
-            texts.append(item)
-        elif isinstance(item, TextContent):
-            texts.append(item.content)
-        elif not isinstance(item, CachePoint):  # agentkv caches every prefix anyway
-            raise PydanticAIUserError(f"AgentKVModel takes text only; {type(item).__name__} is not supported")
-    return "\n\n".join(texts)
+    def item_text(item: object) -> str | None:
+        if isinstance(item, TextContent):
+            return item.content
+        if isinstance(item, CachePoint):  # agentkv caches every prefix anyway
+            return None
+        raise PydanticAIUserError(f"AgentKVModel takes text only; {type(item).__name__} is not supported")
+
+    return joined_text(part.content, item_text, sep="\n\n")
 
 
 def _tool_message(part: ToolReturnPart) -> Message:
