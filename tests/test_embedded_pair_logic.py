@@ -25,7 +25,7 @@ from agentkv._engines._base import Pin, Sampling
 from agentkv._engines._handle import handle_of
 from agentkv._engines._pair_config import engine_launch
 from agentkv._engines._pair_layer import run_warmup_steps
-from agentkv._engines._vllm import AsyncLLMRunner
+from agentkv._engines._vllm import AsyncLLMRunner, EngineRequest
 from agentkv.testing import HonestPairEngine
 from test_handle import d_reply, p_reply
 
@@ -365,7 +365,7 @@ async def test_a_request_waiting_for_a_push_counts_as_busy_only_from_its_first_o
         yield _output(token_ids=[12], finished=True)
 
     engine, _ = fake_engine("decode", decode)
-    outputs = engine.generate([1, 2], None, "r-x", busy_from_first_output=True)
+    outputs = engine.generate(EngineRequest([1, 2], None, "r-x"), busy_from_first_output=True)
     first = asyncio.ensure_future(anext(outputs))
     await anyio.sleep(0.01)
     arrived.set()
@@ -373,7 +373,7 @@ async def test_a_request_waiting_for_a_push_counts_as_busy_only_from_its_first_o
     async for _ in outputs:
         pass
     assert seen == [0, 1] and engine.in_flight == 0
-    plain = engine.generate([1, 2], None, "r-d")
+    plain = engine.generate(EngineRequest([1, 2], None, "r-d"))
     arrived = anyio.Event()
     arrived.set()
     async for _ in plain:

@@ -19,7 +19,7 @@ from ._pair_config import check_engine_args, engine_launch
 from ._pair_layer import run_warmup_steps
 from ._platforms import current_platform
 from ._system import available_cores
-from ._vllm import AsyncLLMRunner, DecodeStream
+from ._vllm import AsyncLLMRunner, DecodeStream, EngineRequest
 from ._vllm_readouts import engine_seconds
 from ._vllm_sampling import vllm_sampling
 
@@ -139,14 +139,8 @@ class Colocated(Engine):
         assert engine is not None
         started = time.perf_counter()
         params = vllm_sampling(request.sampling, kv_transfer_params=None, stream=True)
-        stream = DecodeStream(
-            engine,
-            request.prompt_token_ids,
-            params,
-            request.request_id,
-            idle_timeout_s=self._step_timeout_s,
-            cache_salt=request.cache_salt,
-        )
+        asked = EngineRequest(request.prompt_token_ids, params, request.request_id, request.cache_salt)
+        stream = DecodeStream(engine, asked, idle_timeout_s=self._step_timeout_s)
         try:
             async with contextlib.aclosing(aiter(stream)) as deltas:  # a caller leaving early closes it now
                 async for delta in deltas:

@@ -35,7 +35,7 @@ from ._pair_config import PairConfig
 from ._pair_layer import ON_DECODE_PARAMS, PairLayer
 from ._placement import PlacementChoice
 from ._push import PushedStep
-from ._vllm import AsyncLLMRunner, DecodeStream
+from ._vllm import AsyncLLMRunner, DecodeStream, EngineRequest
 from ._vllm_readouts import TransferLedger, engine_seconds
 from ._vllm_sampling import continued_sampling, first_token_of_prefill, prefill_sampling, vllm_sampling
 
@@ -251,15 +251,8 @@ class PairSteps(PairLayer):
         *,
         waits_for_push: bool = False,
     ) -> DecodeStream:
-        return DecodeStream(
-            d,
-            prompt,
-            params,
-            f"{request.request_id}-{suffix}",
-            idle_timeout_s=self.config.step_timeout_s,
-            cache_salt=request.cache_salt,
-            busy_from_first_output=waits_for_push,
-        )
+        asked = EngineRequest(prompt, params, f"{request.request_id}-{suffix}", request.cache_salt)
+        return DecodeStream(d, asked, idle_timeout_s=self.config.step_timeout_s, busy_from_first_output=waits_for_push)
 
     async def _prefill(
         self, p: AsyncLLMRunner, request: StepRequest, handle: KVHandle | None, *, request_id: str | None = None
@@ -272,13 +265,10 @@ class PairSteps(PairLayer):
         params = vllm_sampling(
             prefill_sampling(request.sampling), kv_transfer_params=prefill_params(handle), stream=False
         )
+        own_id = request_id or f"{request.request_id}-p{'h' if handle else ''}"
+        asked = EngineRequest(request.prompt_token_ids, params, own_id, request.cache_salt)
         final, stats, ledger = await p.run(
-            request.prompt_token_ids,
-            params,
-            request_id or f"{request.request_id}-p{'h' if handle else ''}",
-            timeout_s=self.config.step_timeout_s,
-            cache_salt=request.cache_salt,
-            hold_ledger=request_id is not None,
+            asked, timeout_s=self.config.step_timeout_s, hold_ledger=request_id is not None
         )
         if final is None or final.outputs[0].finish_reason == "error" or final.kv_transfer_params is None:
             return None, stats, ledger
@@ -301,7 +291,8 @@ class PairSteps(PairLayer):
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": release_params(handle)},
         )
-        outputs = self._p.generate([_RELEASE_TOKEN], params, f"agentkv-release-{uuid.uuid4().hex}", in_ledger=False)
+        release = EngineRequest([_RELEASE_TOKEN], params, f"agentkv-release-{uuid.uuid4().hex}")
+        outputs = self._p.generate(release, in_ledger=False)
         try:
             with anyio.fail_after(self.config.step_timeout_s):
                 await anext(outputs)  # P has notified D before its first token

@@ -18,6 +18,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncLLMRunner",
+    "EngineRequest",
     "check_vllm_version",
     "could_stop",
     "first_token_of_prefill",
@@ -81,6 +83,17 @@ def _stop_first_at_exit() -> None:
 
 
 _stop_first_at_exit()
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request to a vLLM engine: its prompt's token ids, sampling parameters and id, and the salt of its
+    prefix-cache keys (None: vLLM's default)."""
+
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    request_id: str
+    cache_salt: str | None = None
 
 
 class AsyncLLMRunner:
@@ -222,14 +235,7 @@ class AsyncLLMRunner:
     # ----------------------------------------------------------------- requests
 
     async def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        cache_salt: str | None = None,
-        in_ledger: bool = True,
-        busy_from_first_output: bool = False,
+        self, request: EngineRequest, *, in_ledger: bool = True, busy_from_first_output: bool = False
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream ``RequestOutput``s for one request, with errors translated to agentkv's.
 
@@ -245,6 +251,7 @@ class AsyncLLMRunner:
         from vllm.inputs import TokensPrompt
 
         llm = self.llm
+        request_id = request.request_id
         if in_ledger:
             self._readouts.in_flight[request_id] = TransferLedger()
         ran_to_end = False
@@ -252,10 +259,10 @@ class AsyncLLMRunner:
         if counted:
             self._count_request(1)
         try:
-            prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
-            if cache_salt is not None:
-                prompt["cache_salt"] = cache_salt
-            async with contextlib.aclosing(llm.generate(prompt, params, request_id)) as outputs:
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+            if request.cache_salt is not None:
+                prompt["cache_salt"] = request.cache_salt
+            async with contextlib.aclosing(llm.generate(prompt, request.params, request_id)) as outputs:
                 async for output in outputs:  # closing vLLM's generator early aborts the request
                     if not counted:
                         counted = True
@@ -300,14 +307,7 @@ class AsyncLLMRunner:
             self.core_slot.set_in_flight(self.in_flight)
 
     async def run(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        timeout_s: float,
-        cache_salt: str | None = None,
-        hold_ledger: bool = False,
+        self, request: EngineRequest, *, timeout_s: float, hold_ledger: bool = False
     ) -> tuple[RequestOutput | None, Any, TransferLedger]:
         """Run a request to its end: (final output or None, ``PrefillStats`` or None, transfer ledger).
 
@@ -318,14 +318,14 @@ class AsyncLLMRunner:
         final: RequestOutput | None = None
         try:
             with anyio.fail_after(timeout_s):
-                async for output in self.generate(prompt_token_ids, params, request_id, cache_salt=cache_salt):
+                async for output in self.generate(request):
                     final = output
         except TimeoutError as exc:
             raise EngineError(f"the {self.name} engine did not finish a request within {timeout_s} s") from exc
         if hold_ledger:
-            ledger = self._readouts.in_flight.get(request_id, TransferLedger(shared=True))
-            return final, self._readouts.prefill_stats.take(request_id), ledger
-        stats, ledger = self.finish(request_id)
+            ledger = self._readouts.in_flight.get(request.request_id, TransferLedger(shared=True))
+            return final, self._readouts.prefill_stats.take(request.request_id), ledger
+        stats, ledger = self.finish(request.request_id)
         return final, stats, ledger
 
     def finish(self, request_id: str) -> tuple[Any, TransferLedger]:
@@ -353,23 +353,17 @@ class DecodeStream:
     def __init__(
         self,
         engine: AsyncLLMRunner,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        request_id: str,
+        request: EngineRequest,
         *,
         idle_timeout_s: float,
-        cache_salt: str | None = None,
         busy_from_first_output: bool = False,
     ) -> None:
         self._engine = engine
         self._busy_from_first_output = busy_from_first_output
-        self._cache_salt = cache_salt
-        self._prompt = prompt_token_ids
-        self._params = params
-        self._request_id = request_id
+        self._request = request
         self._idle_timeout_s = idle_timeout_s
         self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
         """One per token of `token_ids` when ``params`` ask for logprobs, else None."""
         self._text: list[str] = []
         self.first_token_at: float | None = None
@@ -382,13 +376,7 @@ class DecodeStream:
         return "".join(self._text)
 
     async def __aiter__(self) -> AsyncGenerator[TokenDelta, None]:
-        outputs = self._engine.generate(
-            self._prompt,
-            self._params,
-            self._request_id,
-            cache_salt=self._cache_salt,
-            busy_from_first_output=self._busy_from_first_output,
-        )
+        outputs = self._engine.generate(self._request, busy_from_first_output=self._busy_from_first_output)
         try:
             while True:
                 with anyio.fail_after(self._idle_timeout_s):
@@ -404,7 +392,7 @@ class DecodeStream:
                 self._final = output
                 logprobs = None
                 if self.logprobs is not None:
-                    logprobs = vllm_logprobs(completion.token_ids, completion.logprobs, self._params.logprobs)
+                    logprobs = vllm_logprobs(completion.token_ids, completion.logprobs, self._request.params.logprobs)
                     self.logprobs.extend(logprobs)
                 if completion.token_ids or completion.text:
                     yield TokenDelta(token_ids=list(completion.token_ids), text=completion.text, logprobs=logprobs)
@@ -412,7 +400,7 @@ class DecodeStream:
             raise EngineError(f"the {self._engine.name} engine made no progress for {self._idle_timeout_s} s") from exc
         finally:
             await outputs.aclose()  # a request left early is aborted, and its read-outs dropped
-        stats, ledger = self._engine.finish(self._request_id)
+        stats, ledger = self._engine.finish(self._request.request_id)
         self._result = (self._final, stats, ledger)
 
     def result(self) -> tuple[Any, Any, TransferLedger]:
