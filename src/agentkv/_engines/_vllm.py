@@ -34,7 +34,7 @@ from ._spawn import SpawnTurn, quiet_env, spawn_turn, stop_signals_blocked
 from ._start_log import record_engine_start
 from ._system import descendants, kill_and_reap, repin_threads
 from ._vllm_features import check_vllm_version, warn_engine_features
-from ._vllm_readouts import Readouts, TransferLedger, transfer_stat_logger
+from ._vllm_readouts import Readouts, TransferLedger, no_prometheus_logger, transfer_stat_logger
 from ._vllm_sampling import could_stop, first_token_of_prefill, refused, vllm_logprobs, vllm_sampling
 from ._watchdog import forget_pids, stop_watching, watch_pids
 
@@ -164,7 +164,8 @@ class AsyncLLMRunner:
             settings["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
         # request metrics (RequestStateStats) need stats on
         args = AsyncEngineArgs(**settings, disable_log_stats=False)
-        return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
+        loggers = [self._stat_logger_factory(), no_prometheus_logger()]  # no vLLM metrics in the user's registry
+        return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
 
     async def start_async(self, progress: Callable[[str], None]) -> None:
         """`start` in a worker thread, with a progress line before and after."""

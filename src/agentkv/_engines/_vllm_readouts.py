@@ -24,6 +24,7 @@ __all__ = [
     "TransferLedger",
     "TransferStats",
     "engine_seconds",
+    "no_prometheus_logger",
     "transfer_stat_logger",
 ]
 
@@ -121,6 +122,39 @@ def transfer_stat_logger(on_stats: Callable[[TransferStats], None]) -> Callable[
             pass
 
     return TransferStatLogger
+
+
+def no_prometheus_logger() -> Callable[..., Any]:
+    """A vLLM stat logger class that stands in for vLLM's Prometheus logger in an engine inside agentkv's process.
+
+    vLLM adds its `PrometheusStatLogger` to every ``AsyncLLM`` unless a logger given to it is one; that logger first
+    unregisters every ``vllm:`` collector of the process's global registry, then registers its own. Two engines in
+    one process (a pair) so drop each other's metrics, and when both get ready at once (their loggers are made
+    after their engine cores answer, in two threads) one registers between the other's unregistering and
+    registering: ``DuplicateTimeseries``, and the engine does not start (measured: every start of a pair in one
+    test run, on this 2-core machine under load). agentkv reads what it needs through `transfer_stat_logger` and
+    request metrics, and a library's engines have no business in its user's global registry; so in-process
+    engines get this logger, which records nothing. Engines that agentkv starts as servers keep vLLM's metrics.
+    """
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class NoPrometheusLogger(PrometheusStatLogger):  # type: ignore[misc]  # vLLM is not type-checked here
+        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+            pass
+
+        def record(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record_admission_rejection(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return NoPrometheusLogger
 
 
 def engine_seconds(output: RequestOutput) -> tuple[float | None, float, float | None]:
