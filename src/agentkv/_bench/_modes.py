@@ -9,7 +9,8 @@ baseline); ``colocated`` one engine with prefix caching; ``launched`` the bidire
 as two API-server processes over HTTP (`LaunchedPair`); ``netns`` the same with P and D in
 two network namespaces (KV over UCX/TCP; needs root: `two_hosts`); ``served`` sends the conversation
 through the front door (`FrontDoor`) to sessions on the bidirectional pair; ``push`` and ``push-disaggregated``
-get a pair with push transfer (P writes each step's KV into D), with push-back and without. All stay up for the
+get a pair with push transfer (P writes each step's KV into D), with push-back and without; ``vllm-serve`` is stock
+``vllm serve`` with vLLM's defaults, driven as ``served`` is (src/agentkv/_bench/_stock.py). All stay up for the
 whole run, all with the run's dtype.
 """
 
@@ -66,6 +67,7 @@ MODES = (
     "served",
     "push",
     "push-disaggregated",
+    "vllm-serve",
 )
 DEFAULT_MODES = MODES[:6]
 """What ``agentkv bench`` runs unless told: the modes of one embedded pair, the source's baseline and the

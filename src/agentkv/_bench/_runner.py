@@ -12,7 +12,7 @@ import hashlib
 import random
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -21,12 +21,14 @@ from .._conversation._conversation import ChatRenderer
 from .._engines import Engine
 from .._engines._base import Sampling, StepRequest
 from .._engines._system import free_port
+from .._model import prepare_model
 from .._session._pool import SessionPool
 from .._session._session import Session, load_tokenizer
 from .._surfaces._serve import FrontDoor
 from ._conversations import BenchConversation, Clock, RawConversation, ServedConversation, SessionConversation, drain
 from ._modes import SESSION_MODES, open_engines
 from ._records import FloorFit, FloorPoint, TurnRecord
+from ._stock import STOCK_MODE, StockConversation, StockServer, stock_server
 from ._workloads import Workload
 
 __all__ = ["FloorSampler", "Progress", "run_modes"]
@@ -143,7 +145,11 @@ async def run_modes(
     log: Callable[[str], None],
 ) -> tuple[list[TurnRecord], dict[str, float], FloorFit | None]:
     """Replay the workload in every mode; return the records, each mode's round wall time, the floor."""
-    async with open_engines(modes, given=engines, max_model_len=max_model_len, dtype=dtype, progress=log) as by_mode:
+    engine_modes = [mode for mode in modes if mode != STOCK_MODE]
+    async with (
+        open_engines(engine_modes, given=engines, max_model_len=max_model_len, dtype=dtype, progress=log) as by_mode,
+        _stock_if_asked(modes, max_model_len=max_model_len, dtype=dtype, log=log) as stock,
+    ):
         floor = None
         if "colocated" in by_mode:
             log("agentkv bench: measuring the floor on the colocated engine (before the first turn and after each)")
@@ -151,6 +157,8 @@ async def run_modes(
             await floor.sample()
         async with contextlib.AsyncExitStack() as opened:
             lanes = await _open_lanes(workload, by_mode, sessions, opened)
+            if stock is not None:
+                lanes.append(await _stock_lane(workload, stock, sessions, opened))
             records: list[TurnRecord] = []
             walls = dict.fromkeys(modes, 0.0)
             total = len(workload.turns) * len(modes) * sessions
@@ -204,6 +212,33 @@ async def _open_lanes(
                 conversations.append(SessionConversation(session))
         lanes.append(_Lane(mode, conversations, [0] * sessions))
     return lanes
+
+
+@contextlib.asynccontextmanager
+async def _stock_if_asked(
+    modes: Sequence[str], *, max_model_len: int, dtype: str, log: Callable[[str], None]
+) -> AsyncIterator[StockServer | None]:
+    """Stock ``vllm serve`` when the modes name it (started after agentkv's engines, stopped before them)."""
+    if STOCK_MODE not in modes:
+        yield None
+        return
+    model = await anyio.to_thread.run_sync(prepare_model)
+    log(f"agentkv bench: starting stock vllm serve on {model.name} (vLLM's defaults: it compiles the model first)")
+    async with stock_server(model, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=1.0) as server:
+        log(f"agentkv bench: stock vllm serve up at {server.url} (its output: {server.log_path})")
+        yield server
+
+
+async def _stock_lane(
+    workload: Workload, server: StockServer, sessions: int, stack: contextlib.AsyncExitStack
+) -> _Lane:
+    """The ``vllm-serve`` mode's conversations, one `openai` client each."""
+    conversations: list[BenchConversation] = []
+    for _ in range(sessions):
+        conversation = StockConversation(server.url + "/v1", workload.system, workload.max_tokens)
+        stack.push_async_callback(conversation.aclose)
+        conversations.append(conversation)
+    return _Lane(STOCK_MODE, conversations, [0] * sessions)
 
 
 async def _served(

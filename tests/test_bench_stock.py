@@ -1,0 +1,145 @@
+"""The bench's ``vllm-serve`` mode without vLLM (src/agentkv/_bench/_stock.py): its command line and environment,
+its server's start and stop (a scripted stand-in process), and how its conversation reads a vLLM chat stream
+(a scripted server that streams as vLLM's does with ``return_token_ids`` and ``include_usage``). The real
+server runs in ``agentkv bench --modes ...,vllm-serve`` (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from agentkv import EngineStartError
+from agentkv._bench import _stock
+from agentkv._bench._conversations import Clock
+from agentkv._bench._stock import StockConversation, stock_command, stock_env, stock_server
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_the_command_is_vllm_serve_with_only_the_runs_shared_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    words = stock_command(Path("/models/m"), 8123, max_model_len=4096, dtype="float32")
+    assert words[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/models/m"]
+    flags = dict(zip(words[5::2], words[6::2], strict=False))
+    assert flags["--port"] == "8123" and flags["--max-model-len"] == "4096" and flags["--dtype"] == "float32"
+    assert "--enforce-eager" not in words  # vLLM's own default stands
+    monkeypatch.setenv("AGENTKV_HOME", "/tmp/x")
+    env = stock_env(2.0)
+    assert not [key for key in env if key.startswith("AGENTKV_")]  # no agentkv plugin in the stock server
+    assert env.get("VLLM_CPU_KVCACHE_SPACE") == "2"  # this machine is a CPU: agentkv's engines' KV size
+
+
+def test_the_server_is_waited_for_and_leaves_no_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A stand-in (Python's HTTP server, which answers /health with a file) started and stopped as vllm serve is."""
+    (tmp_path / "health").write_text("ok")
+
+    def command(model: Path, port: int, **_: Any) -> list[str]:
+        return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+
+    monkeypatch.setattr(_stock, "stock_command", command)
+    monkeypatch.setenv("AGENTKV_HOME", str(tmp_path))
+
+    async def main() -> int:
+        async with stock_server(tmp_path, max_model_len=64, dtype="float32", kv_cache_gib=1.0) as server:
+            assert server.process.poll() is None
+            return server.process.pid
+
+    pid = anyio.run(main)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert list((tmp_path / "logs").glob("bench-vllm-serve-*.log"))
+
+
+def test_a_server_that_exits_at_start_is_an_engine_start_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(_stock, "stock_command", lambda *_, **__: [sys.executable, "-c", "raise SystemExit(3)"])
+    monkeypatch.setenv("AGENTKV_HOME", str(tmp_path))
+
+    async def main() -> None:
+        async with stock_server(tmp_path, max_model_len=64, dtype="float32", kv_cache_gib=1.0):
+            pass
+
+    with pytest.raises(EngineStartError, match="exited with 3"):
+        anyio.run(main)
+
+
+class _ChatServer:
+    """Streams "Par", "is", "." (ids 10, 11, 12) as vLLM's chat server does with ``return_token_ids``: the prompt's
+    ids on the first chunk, each choice's ``token_ids``, then a usage chunk whose cached tokens are 4."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
+        self._server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    async def _chat(self, request: Request) -> Response:
+        self.bodies.append(await request.json())
+        return StreamingResponse(self._stream(), media_type="text/event-stream")
+
+    async def _stream(self) -> AsyncIterator[str]:
+        head = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": None}
+        yield f"data: {json.dumps(head | {'choices': [role], 'prompt_token_ids': PROMPT})}\n\n"
+        for token, text in zip((10, 11, 12), ("Par", "is", "."), strict=True):
+            choice = {"index": 0, "delta": {"content": text}, "token_ids": [token]}
+            yield f"data: {json.dumps(head | {'choices': [choice]})}\n\n"
+        usage = {"prompt_tokens": 8, "completion_tokens": 3, "total_tokens": 11}
+        usage |= {"prompt_tokens_details": {"cached_tokens": 4}}
+        yield f"data: {json.dumps(head | {'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def __enter__(self) -> _ChatServer:
+        self._thread.start()
+        while not self._server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join()
+
+
+@pytest.fixture
+def chat_server() -> Iterator[_ChatServer]:
+    with _ChatServer() as server:
+        yield server
+
+
+def test_a_stock_turn_reads_the_ids_the_usage_and_the_first_token(chat_server: _ChatServer) -> None:
+    async def main() -> tuple[Any, Any, Clock]:
+        conversation = StockConversation(f"http://127.0.0.1:{chat_server.port}/v1", "Be terse.", 16)
+        try:
+            clock = Clock()
+            first = await conversation.turn("Capital of France?", clock)
+            second = await conversation.turn("And of Italy?", Clock())
+            return first, second, clock
+        finally:
+            await conversation.aclose()
+
+    first, second, clock = anyio.run(main)
+    assert first.prompt == PROMPT and first.output == [10, 11, 12]
+    stats = first.stats
+    assert (stats.turn, stats.prompt_tokens, stats.output_tokens) == (1, 8, 3)
+    assert (stats.local_hit_tokens, stats.computed_tokens) == (4, 4)
+    assert len(clock.arrivals) == 3 and clock.first is not None and 0 < stats.ttft_s == clock.ttft_s
+    assert second.stats.turn == 2
+    body = chat_server.bodies[1]
+    assert body["return_token_ids"] is True and body["stream_options"] == {"include_usage": True}
+    assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "user"]
+    assert body["messages"][2]["content"] == "Paris."
