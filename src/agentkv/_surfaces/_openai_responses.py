@@ -49,6 +49,8 @@ __all__ = [
     "text_part",
     "read_responses_request",
     "refuse_retrieve_options",
+    "response_object",
+    "response_usage",
 ]
 
 
@@ -295,36 +297,56 @@ class ResponseTurn:
 
     def response(self, reply: StepReply | None, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The ``response`` object: in progress (no reply yet), or completed with ``reply`` (``output``: its items)."""
-        request = self.request
-        status = status_of(reply)
-        body: dict[str, Any] = {
-            "id": self.response_id,
-            "object": "response",
-            "created_at": self.created_at,
-            "model": self.model,
-            "status": status,
-            "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": request.instructions,
-            "output": output if output is not None else _output_items(reply) if reply is not None else [],
-            "parallel_tool_calls": request.parallel_tool_calls is not False,
-            "tool_choice": request.tool_choice,
-            "tools": request.tools or [],
-            "temperature": request.temperature,
-            "top_p": request.top_p if request.top_p is not None else 1.0,
-            "max_output_tokens": request.max_output_tokens,
-            "previous_response_id": request.previous_response_id,
-            "store": request.keeps,
-            "text": {"format": request.text_format() or {"type": "text"}},
-            "truncation": "disabled",
-            "user": request.user,
-            "metadata": request.metadata or {},
-            "usage": None,
-        }
-        if reply is not None:
-            body["usage"] = _usage(reply)
-            body["agentkv"] = {"stats": reply.stats.model_dump(mode="json"), "error": reply.error}
-        return body
+        return response_object(
+            self.request,
+            response_id=self.response_id,
+            created_at=self.created_at,
+            model=self.model,
+            reply=reply,
+            output=output,
+        )
+
+
+def response_object(
+    request: ResponsesRequest,
+    *,
+    response_id: str,
+    created_at: int,
+    model: str,
+    reply: StepReply | None = None,
+    output: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A ``response`` object (``Response``'s shape) answering ``request``: in progress (no reply yet), or completed
+    with ``reply`` (``output``: its items; default: the reply's, new)."""
+    status = status_of(reply)
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "model": model,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": request.instructions,
+        "output": output if output is not None else _output_items(reply) if reply is not None else [],
+        "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "tool_choice": request.tool_choice,
+        "tools": request.tools or [],
+        "temperature": request.temperature,
+        "top_p": request.top_p if request.top_p is not None else 1.0,
+        "max_output_tokens": request.max_output_tokens,
+        "previous_response_id": request.previous_response_id,
+        "store": request.keeps,
+        "text": {"format": request.text_format() or {"type": "text"}},
+        "truncation": "disabled",
+        "user": request.user,
+        "metadata": request.metadata or {},
+        "usage": None,
+    }
+    if reply is not None:
+        body["usage"] = response_usage(reply)
+        body["agentkv"] = {"stats": reply.stats.model_dump(mode="json"), "error": reply.error}
+    return body
 
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -336,7 +358,9 @@ def status_of(reply: StepReply | None) -> ItemStatus:
     return "incomplete" if reply.finish_reason == "length" else "completed"
 
 
-def _usage(reply: StepReply) -> dict[str, Any]:
+def response_usage(reply: StepReply) -> dict[str, Any]:
+    """A response's ``usage`` (``ResponseUsage``'s shape): cached tokens are the prompt tokens whose KV was not
+    computed."""
     stats = reply.stats
     return {
         "input_tokens": stats.prompt_tokens,

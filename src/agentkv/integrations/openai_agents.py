@@ -31,27 +31,12 @@ from agents.models.chatcmpl_stream_handler import ChatCmplStreamHandler
 from agents.models.interface import Model, ModelProvider, ModelTracing
 from agents.retry import ModelRetryAdvice, ModelRetryAdviceRequest
 from agents.tool import FunctionTool, Tool
-from agents.tracing import generation_span
+from agents.tracing import GenerationSpanData, Span, generation_span
 from agents.usage import Usage
 from openai import AsyncStream, omit
-from openai.types.chat import (
-    ChatCompletionChunk,
-    ChatCompletionMessage,
-    ChatCompletionMessageFunctionToolCall,
-    ChatCompletionMessageToolCallUnion,
-    ChatCompletionTokenLogprob,
-)
-from openai.types.chat.chat_completion_chunk import (
-    Choice,
-    ChoiceDelta,
-    ChoiceDeltaToolCall,
-    ChoiceDeltaToolCallFunction,
-)
-from openai.types.chat.chat_completion_message_function_tool_call import Function
-from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
-from openai.types.responses import Response, ResponseOutputMessage, ResponseOutputText
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessage, ChatCompletionTokenLogprob
+from openai.types.responses import Response, ResponseOutputMessage, ResponseOutputText, ResponseUsage
 from openai.types.responses.response_prompt_param import ResponsePromptParam
-from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
 from .._conversation._conversation import Message
 from .._conversation._transcript import MessageLike
@@ -60,9 +45,9 @@ from .._errors import EngineUnavailableError
 from .._errors import UserError as AgentKVUserError
 from .._session._pool import SessionPool
 from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
-from .._stats._stats import StepStats
 from .._surfaces._logprobs import logprob_writer
-from .._surfaces._openai_chat import StreamedCalls
+from .._surfaces._openai_chat import CompletionIds, StreamedCalls, chat_message, chunk
+from .._surfaces._openai_responses import ResponsesRequest, response_object, response_usage, status_of
 from .._surfaces._response_store import MemoryResponseStore, ResponseStore, StoredResponse
 from ._pooled import SAMPLING_NAMES, PooledAccess, PooledModel, sampling_of
 
@@ -73,6 +58,10 @@ MODEL_NAME = "agentkv"
 
 REMEMBERED_RESPONSES = 256
 """How many recent responses a model keeps the conversation of, for ``previous_response_id``."""
+
+_ECHOED_REQUEST = ResponsesRequest(input=[], parallel_tool_calls=False)
+"""What a streamed response says of its request (the door's `response_object` of it): tool choice auto, no tools
+listed, no parallel calls."""
 
 _SAMPLING_SETTINGS = ("top_p", "frequency_penalty", "presence_penalty")
 """`ModelSettings` fields that are `SamplingOptions` fields of the same name (``top_logprobs`` is ``logprobs``)."""
@@ -183,15 +172,17 @@ class AgentKVModel(PooledAccess, Model):
     ) -> ModelResponse:
         call = _Call.build(system_instructions, input, model_settings, tools, output_schema, handoffs, prompt)
         history = self._history(previous_response_id, conversation_id)
-        with generation_span(model=MODEL_NAME, disabled=tracing.is_disabled()) as span, _framework_errors():
+        with _generation(tracing) as span:
             reply = await self._pooled.call(
                 [*call.system, *history, *call.new], conversation_id=conversation_id, **call.options
             )
-            usage = _usage(reply.stats)
-            span.span_data.usage = {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens}
+            usage = Usage(requests=1, **response_usage(reply))
+            _record_usage(span, usage)
         _check_readable(reply)
         response_id = self._remember([*history, *call.new, reply.message], conversation_id)
-        items = Converter.message_to_output_items(_chat_message(reply.message))
+        # the door's message without its reasoning: get_response has given no reasoning item (stream_response does)
+        message = {key: value for key, value in chat_message(reply).items() if key != "reasoning_content"}
+        items = Converter.message_to_output_items(ChatCompletionMessage.model_validate(message))
         if model_settings.top_logprobs is not None:
             await _attach_logprobs(items, reply, self._pooled.pool, model_settings.top_logprobs)
         return ModelResponse(output=items, usage=usage, response_id=response_id)
@@ -217,18 +208,12 @@ class AgentKVModel(PooledAccess, Model):
             raise AgentsUserError("AgentKVModel writes top_logprobs in get_response only, not when streaming")
         history = self._history(previous_response_id, conversation_id)
         response_id = _new_response_id()
-        response = Response(
-            id=response_id,
-            created_at=time.time(),
-            model=MODEL_NAME,
-            object="response",
-            output=[],
-            tool_choice="auto",
-            tools=[],
-            parallel_tool_calls=False,
-        )
+        ids = CompletionIds(response_id, int(time.time()), MODEL_NAME)
+        opened = response_object(_ECHOED_REQUEST, response_id=response_id, created_at=ids.created, model=MODEL_NAME)
+        finished: list[StepReply] = []
 
         async def chunks() -> AsyncGenerator[ChatCompletionChunk]:
+            """The door's chunks of the step (`agentkv._surfaces._openai_chat.chunk`), the usage in one of its own."""
             messages = [*call.system, *history, *call.new]
             stream = self._pooled.stream(messages, conversation_id=conversation_id, deltas=True, **call.options)
             streamed = StreamedCalls()
@@ -236,30 +221,29 @@ class AgentKVModel(PooledAccess, Model):
                 async for item in items:
                     if isinstance(item, ToolCallDelta):  # the handler streams a call's arguments as they come
                         streamed.add(item)
-                        yield _chunk(response_id, ChoiceDelta(tool_calls=[_call_delta(item)]))
-                        continue
-                    if isinstance(item, ReasoningDelta):  # the handler makes a reasoning item of these
-                        yield _chunk(response_id, ChoiceDelta.model_validate({"reasoning_content": item.text}))
-                        continue
-                    if isinstance(item, str):
-                        yield _chunk(response_id, ChoiceDelta(content=item))
-                        continue
-                    _check_readable(item)
-                    self._remember([*history, *call.new, item.message], conversation_id, response_id)
-                    yield _last_chunk(response_id, item, streamed)
+                        pieces = [chunk("tool_call", ids, call=item)]
+                    elif isinstance(item, ReasoningDelta):  # the handler makes a reasoning item of these
+                        pieces = [chunk("reasoning", ids, text=item.text)]
+                    elif isinstance(item, str):
+                        pieces = [chunk("text", ids, text=item)]
+                    else:
+                        _check_readable(item)
+                        self._remember([*history, *call.new, item.message], conversation_id, response_id)
+                        finished.append(item)
+                        pieces = [chunk("end", ids, reply=item, streamed=streamed), chunk("usage", ids, reply=item)]
+                    for piece in pieces:
+                        yield ChatCompletionChunk.model_validate(piece)
 
-        with generation_span(model=MODEL_NAME, disabled=tracing.is_disabled()) as span, _framework_errors():
+        with _generation(tracing) as span:
             async with contextlib.aclosing(chunks()) as stream:
                 events = ChatCmplStreamHandler.handle_stream(
-                    response, cast(AsyncStream[ChatCompletionChunk], stream), model=MODEL_NAME
+                    Response.model_validate(opened), cast(AsyncStream[ChatCompletionChunk], stream), model=MODEL_NAME
                 )
                 async for event in events:
-                    if event.type == "response.completed" and event.response.usage is not None:
-                        usage = event.response.usage
-                        span.span_data.usage = {
-                            "input_tokens": usage.input_tokens,
-                            "output_tokens": usage.output_tokens,
-                        }
+                    if event.type == "response.completed":  # the handler's copy of the opened response, finished
+                        event.response.status = status_of(finished[-1])
+                        if event.response.usage is not None:
+                            _record_usage(span, event.response.usage)
                     yield event
 
     def get_retry_advice(self, request: ModelRetryAdviceRequest) -> ModelRetryAdvice | None:
@@ -415,12 +399,18 @@ def _new_response_id() -> str:
 
 
 @contextlib.contextmanager
-def _framework_errors() -> Iterator[None]:
-    """agentkv's usage errors as the framework's (engine and context-length errors stay agentkv's)."""
-    try:
-        yield
-    except AgentKVUserError as exc:
-        raise AgentsUserError(str(exc)) from exc
+def _generation(tracing: ModelTracing) -> Iterator[Span[GenerationSpanData]]:
+    """The model call's trace span; agentkv's usage errors in it as the framework's (engine and context-length
+    errors stay agentkv's)."""
+    with generation_span(model=MODEL_NAME, disabled=tracing.is_disabled()) as span:
+        try:
+            yield span
+        except AgentKVUserError as exc:
+            raise AgentsUserError(str(exc)) from exc
+
+
+def _record_usage(span: Span[GenerationSpanData], usage: Usage | ResponseUsage) -> None:
+    span.span_data.usage = {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens}
 
 
 def _check_readable(reply: StepReply) -> None:
@@ -428,72 +418,3 @@ def _check_readable(reply: StepReply) -> None:
         raise ModelBehaviorError(
             f"agentkv could not read the model's output ({reply.error}; finish_reason {reply.finish_reason})"
         )
-
-
-def _chat_message(message: Message) -> ChatCompletionMessage:
-    """An agentkv assistant message as a Chat Completions message (arguments as JSON text)."""
-    calls: list[ChatCompletionMessageToolCallUnion] = [
-        ChatCompletionMessageFunctionToolCall(
-            id=call.id, type="function", function=Function(name=call.name, arguments=call.arguments_json)
-        )
-        for call in message.tool_calls
-    ]
-    return ChatCompletionMessage(role="assistant", content=message.content or None, tool_calls=calls or None)
-
-
-def _completion_usage(stats: StepStats) -> CompletionUsage:
-    return CompletionUsage(
-        prompt_tokens=stats.prompt_tokens,
-        completion_tokens=stats.output_tokens,
-        total_tokens=stats.prompt_tokens + stats.output_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.prompt_tokens - stats.computed_tokens),
-    )
-
-
-def _usage(stats: StepStats) -> Usage:
-    """The framework's usage: cached tokens are the prompt tokens whose KV was not computed."""
-    return Usage(
-        requests=1,
-        input_tokens=stats.prompt_tokens,
-        output_tokens=stats.output_tokens,
-        total_tokens=stats.prompt_tokens + stats.output_tokens,
-        input_tokens_details=InputTokensDetails(
-            cached_tokens=stats.prompt_tokens - stats.computed_tokens, cache_write_tokens=0
-        ),
-        output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
-    )
-
-
-def _chunk(
-    response_id: str, delta: ChoiceDelta, finish_reason: Any = None, usage: CompletionUsage | None = None
-) -> ChatCompletionChunk:
-    return ChatCompletionChunk(
-        id=response_id,
-        choices=[Choice(index=0, delta=delta, finish_reason=finish_reason)],
-        created=int(time.time()),
-        model=MODEL_NAME,
-        object="chat.completion.chunk",
-        usage=usage,
-    )
-
-
-def _call_delta(delta: ToolCallDelta) -> ChoiceDeltaToolCall:
-    """A piece of a tool call as a Chat Completions chunk carries it (id, type and name on the first only)."""
-    if delta.name is None:
-        return ChoiceDeltaToolCall(index=delta.index, function=ChoiceDeltaToolCallFunction(arguments=delta.arguments))
-    function = ChoiceDeltaToolCallFunction(name=delta.name, arguments=delta.arguments)
-    return ChoiceDeltaToolCall(index=delta.index, id=delta.id, type="function", function=function)
-
-
-def _last_chunk(response_id: str, reply: StepReply, streamed: StreamedCalls) -> ChatCompletionChunk:
-    """The reply's tool calls (what of them was not streamed), its finish reason and its usage."""
-    calls: list[ChoiceDeltaToolCall] = []
-    for index, call in enumerate(reply.tool_calls):
-        rest = streamed.rest(index, call)
-        if index not in streamed.announced:
-            function = ChoiceDeltaToolCallFunction(name=call.name, arguments=rest)
-            calls.append(ChoiceDeltaToolCall(index=index, id=call.id, type="function", function=function))
-        elif rest:
-            calls.append(ChoiceDeltaToolCall(index=index, function=ChoiceDeltaToolCallFunction(arguments=rest)))
-    delta = ChoiceDelta(tool_calls=calls or None)
-    return _chunk(response_id, delta, reply.finish_reason, _completion_usage(reply.stats))
