@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 import openai
-from openai.types.chat import ChatCompletionMessageParam
+from openai import AsyncStream
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
 from .._conversation._conversation import ChatRenderer, Conversation, Message
 from .._engines import Engine
@@ -26,6 +27,7 @@ __all__ = [
     "Answer",
     "Clock",
     "BenchConversation",
+    "ClientConversation",
     "RawConversation",
     "ServedConversation",
     "SessionConversation",
@@ -145,21 +147,16 @@ class SessionConversation:
         return Answer(step.stats, list(step.token_ids), self.session.token_ids[: step.stats.prompt_tokens])
 
 
-class ServedConversation:
-    """A conversation sent through the front door by the `openai` client, as an app sends it: the whole
-    conversation each turn, streamed, under its own ``x-session-id``; the answer goes back as the
-    assistant message. TTFT runs from the HTTP request sent (the client's own work before it, building
-    the request from the messages, is `TurnRecord.request_s`) to the first chunk, which the door sends at
-    the model's first token; the step's stats come from the ``agentkv`` object of the last chunk."""
+class ClientConversation:
+    """What the conversations sent over HTTP share: an `openai` client whose request hook marks the request sent
+    on the turn's clock, the messages so far, and one streamed chat completion a turn (`_send`)."""
 
-    def __init__(self, url: str, pool: SessionPool, model: str, system: str, max_tokens: int) -> None:
+    def __init__(self, url: str, model: str, system: str, max_tokens: int) -> None:
         self._clock: Clock | None = None
         http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [self._sent]})
         self._client = openai.AsyncOpenAI(base_url=url, api_key="agentkv-bench", max_retries=0, http_client=http)
-        self._pool = pool
         self._model = model
         self._max_tokens = max_tokens
-        self._id = f"agentkv-bench-{uuid.uuid4().hex}"
         self._messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": system}]
 
     async def _sent(self, request: httpx.Request) -> None:
@@ -169,18 +166,41 @@ class ServedConversation:
     async def aclose(self) -> None:
         await self._client.close()
 
-    async def turn(self, message: str, clock: Clock) -> Answer:
-        messages: list[ChatCompletionMessageParam] = [*self._messages, {"role": "user", "content": message}]
+    async def _send(self, message: str, clock: Clock, **extra: Any) -> AsyncStream[ChatCompletionChunk]:
+        """The whole conversation with ``message`` added, sent as one streamed, greedy chat completion with its
+        usage at the end (``extra``: the mode's own arguments of ``chat.completions.create``)."""
+        self._messages = [*self._messages, {"role": "user", "content": message}]
         self._clock = clock
-        stream = await self._client.chat.completions.create(
+        stream: AsyncStream[ChatCompletionChunk] = await self._client.chat.completions.create(
             model=self._model,
-            messages=messages,
+            messages=self._messages,
             max_tokens=self._max_tokens,
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
-            extra_headers={"x-session-id": self._id},
+            **extra,
         )
+        return stream
+
+    def _answered(self, text: str) -> None:
+        """The answer goes back as the assistant message of the next turns."""
+        self._messages = [*self._messages, {"role": "assistant", "content": text}]
+
+
+class ServedConversation(ClientConversation):
+    """A conversation sent through the front door by the `openai` client, as an app sends it: the whole
+    conversation each turn, streamed, under its own ``x-session-id``; the answer goes back as the
+    assistant message. TTFT runs from the HTTP request sent (the client's own work before it, building
+    the request from the messages, is `TurnRecord.request_s`) to the first chunk, which the door sends at
+    the model's first token; the step's stats come from the ``agentkv`` object of the last chunk."""
+
+    def __init__(self, url: str, pool: SessionPool, model: str, system: str, max_tokens: int) -> None:
+        super().__init__(url, model, system, max_tokens)
+        self._pool = pool
+        self._id = f"agentkv-bench-{uuid.uuid4().hex}"
+
+    async def turn(self, message: str, clock: Clock) -> Answer:
+        stream = await self._send(message, clock, extra_headers={"x-session-id": self._id})
         text, stats = "", None
         async for chunk in stream:
             clock.first_token()
@@ -195,7 +215,7 @@ class ServedConversation:
                 stats = StepStats.model_validate(extension["stats"])
         if stats is None:
             raise AgentKVError("agentkv bench: the front door's stream ended without the step's stats")
-        self._messages = [*messages, {"role": "assistant", "content": text}]
+        self._answered(text)
         session = self._pool.session_for(self._id)
         if session is None:
             raise AgentKVError(f"agentkv bench: the front door holds no session {self._id!r} after its step")

@@ -23,8 +23,6 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 import httpx
-import openai
-from openai.types.chat import ChatCompletionMessageParam
 
 from .._engines._platform_settings import kv_cache_space
 from .._engines._platforms import current_platform
@@ -32,7 +30,7 @@ from .._engines._system import descendants, free_port, kill_and_reap
 from .._errors import AgentKVError, EngineStartError
 from .._model import home_dir
 from .._stats._stats import StepStats
-from ._conversations import Answer, Clock
+from ._conversations import Answer, ClientConversation, Clock
 
 __all__ = ["STOCK_MODE", "StockConversation", "StockServer", "stock_server"]
 
@@ -141,39 +139,18 @@ async def _wait_healthy(server: StockServer) -> None:
             await anyio.sleep(1.0)
 
 
-class StockConversation:
+class StockConversation(ClientConversation):
     """A conversation sent to stock ``vllm serve`` as `ServedConversation` sends one to the front door: the whole
     conversation each turn, streamed, by the `openai` client. The step's figures come from the stream itself:
     the prompt's and the answer's token ids (vLLM's ``return_token_ids``) and the usage (its cached tokens);
-    TTFT is the client's, from the HTTP request sent to the first chunk with text or a token."""
+    TTFT is the client's, from the HTTP request sent to the first chunk that carries a token."""
 
     def __init__(self, url: str, system: str, max_tokens: int) -> None:
-        self._clock: Clock | None = None
-        http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [self._sent]})
-        self._client = openai.AsyncOpenAI(base_url=url, api_key="agentkv-bench", max_retries=0, http_client=http)
-        self._max_tokens = max_tokens
-        self._messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": system}]
+        super().__init__(url, _MODEL_NAME, system, max_tokens)
         self._turns = 0
 
-    async def _sent(self, request: httpx.Request) -> None:
-        if self._clock is not None:
-            self._clock.request_sent()
-
-    async def aclose(self) -> None:
-        await self._client.close()
-
     async def turn(self, message: str, clock: Clock) -> Answer:
-        messages: list[ChatCompletionMessageParam] = [*self._messages, {"role": "user", "content": message}]
-        self._clock = clock
-        stream = await self._client.chat.completions.create(
-            model=_MODEL_NAME,
-            messages=messages,
-            max_tokens=self._max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"return_token_ids": True},
-        )
+        stream = await self._send(message, clock, extra_body={"return_token_ids": True})
         text, prompt, output, usage = "", list[int](), list[int](), None
         async for chunk in stream:
             extra = chunk.model_extra or {}
@@ -188,7 +165,7 @@ class StockConversation:
             usage = chunk.usage or usage
         if usage is None or not prompt:
             raise AgentKVError("agentkv bench: vllm serve's stream ended without its usage or prompt token ids")
-        self._messages = [*messages, {"role": "assistant", "content": text}]
+        self._answered(text)
         self._turns += 1
         details = usage.prompt_tokens_details
         cached = (details.cached_tokens or 0) if details is not None else 0
