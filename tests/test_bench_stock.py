@@ -33,8 +33,9 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 def test_the_command_is_vllm_serve_with_only_the_runs_shared_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     words = stock_command(Path("/models/m"), 8123, max_model_len=4096, dtype="float32")
-    assert words[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/models/m"]
-    flags = dict(zip(words[5::2], words[6::2], strict=False))
+    assert words[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(words[3::2], words[4::2], strict=False))
+    assert flags["--model"] == "/models/m"
     assert flags["--port"] == "8123" and flags["--max-model-len"] == "4096" and flags["--dtype"] == "float32"
     assert "--enforce-eager" not in words  # vLLM's own default stands
     monkeypatch.setenv("AGENTKV_HOME", "/tmp/x")

