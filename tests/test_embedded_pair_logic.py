@@ -51,10 +51,12 @@ class FakeLLM:
     def __init__(self, script: Script) -> None:
         self.script = script
         self.requests: list[tuple[list[int], Any, str]] = []
+        self.priorities: dict[str, int] = {}
         self.closed: list[str] = []
 
-    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+    async def generate(self, prompt: Any, params: Any, request_id: str, *, priority: int = 0) -> AsyncIterator[Any]:
         self.requests.append((list(prompt["prompt_token_ids"]), params, request_id))
+        self.priorities[request_id] = priority
         try:
             async for output in self.script(list(prompt["prompt_token_ids"]), params, request_id):
                 yield output
@@ -194,6 +196,8 @@ async def test_release_asks_p_for_a_notify_only_read_then_aborts_it() -> None:
     assert len(prompt) == 1 and sent["remote_num_tokens"] == 0 and sent["remote_request_id"] == live.remote_request_id
     assert params.max_tokens > 1 and params.ignore_eos  # it cannot finish (and lease P's block) before the abort
     assert request_id in pair.p_llm.closed and pair.p._readouts.in_flight == {}
+    step_id = pair.p_llm.requests[0][2]
+    assert pair.p_llm.priorities == {step_id: 0, request_id: -1}  # scheduled before P's queued prefills
 
 
 async def test_release_after_close_does_nothing() -> None:

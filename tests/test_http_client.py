@@ -174,6 +174,7 @@ def test_the_handle_from_the_stream_is_pushed_back(servers: tuple[ScriptedServer
     assert d.bodies[1]["prompt"][: len(d.bodies[0]["prompt"])] == d.bodies[0]["prompt"]  # token-exact history
     assert [_sent_handle(body) for body in p.releases] == [True]  # the pin the closed session gave up
     assert p.releases[0]["kv_transfer_params"]["remote_num_tokens"] == 0  # P reads none of it, D frees it
+    assert p.releases[0]["priority"] == -1 and all("priority" not in body for body in p.bodies)  # releases first
 
 
 def test_the_servers_are_probed_once_at_open_without_kv(servers: tuple[ScriptedServer, ScriptedServer]) -> None:

@@ -106,6 +106,7 @@ def test_cpu_settings_are_unchanged() -> None:
                 "decoder_kv_blocks_ttl": 60,
             },
         },
+        "scheduling_policy": "priority",  # since pin releases go first (docs/engines.md)
     }
     assert list(p.engine_args) == [
         "model",
@@ -115,6 +116,7 @@ def test_cpu_settings_are_unchanged() -> None:
         "enforce_eager",
         "enable_prefix_caching",
         "kv_transfer_config",
+        "scheduling_policy",
     ]  # the order of the server's flags too
     assert p.env == {
         "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -215,6 +217,8 @@ def test_cpu_server_command_line_is_unchanged() -> None:
         "--no-enable-prefix-caching",
         "--kv-transfer-config",
         kv,
+        "--scheduling-policy",
+        "priority",
         "--served-model-name",
         "agentkv",
         "--host",
@@ -459,6 +463,19 @@ def test_engine_args_go_over_agentkvs_per_role(monkeypatch: pytest.MonkeyPatch) 
         "--compilation-config",
         '{"mode": 3}',
     ]
+
+
+def test_p_schedules_by_priority_so_that_pin_releases_go_first_unless_the_user_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_pair_config, "vllm_engine_arg_names", lambda: None)
+    p = launch_of(PairConfig(), "prefill", cuda(2))
+    assert p.engine_args["scheduling_policy"] == "priority"  # on every platform, not only this CPU
+    assert "scheduling_policy" not in launch_of(PairConfig(), "decode", CPU_PLATFORM, cores=[0]).engine_args
+    command = server_command(ServerSpec(role="prefill", launch=p, port=8000))
+    assert command[command.index("--scheduling-policy") + 1] == "priority"  # a launched P too
+    fcfs = PairConfig(prefill_engine_args={"scheduling_policy": "fcfs"})
+    assert launch_of(fcfs, "prefill", CPU_PLATFORM, cores=[0]).engine_args["scheduling_policy"] == "fcfs"
 
 
 @pytest.mark.parametrize("name", [*OWNED_ENGINE_ARGS, "kv-transfer-config", "kv_connector_extra_config"])

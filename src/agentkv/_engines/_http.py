@@ -55,7 +55,7 @@ from ._http_transport import (
     retrying,
     translated,
 )
-from ._pair_config import Transfer
+from ._pair_config import RELEASE_PRIORITY, Transfer
 from ._pair_layer import ON_DECODE_PARAMS, PairLayer
 from ._placement import PlacementChoice
 from ._platforms import Role
@@ -265,7 +265,7 @@ class HTTPPair(PairLayer):
             sampling=Sampling(max_tokens=_RELEASE_MAX_TOKENS),
             kv_transfer_params=release_params(handle),
         )
-        body["extra_body"]["ignore_eos"] = True
+        body["extra_body"] |= {"ignore_eos": True, "priority": RELEASE_PRIORITY}  # before P's queued prefills
         async with contextlib.aclosing(self._transport.stream("prefill", body)) as chunks:
             async for _ in chunks:
                 break  # P has notified D before its first token

@@ -40,7 +40,9 @@ from ._system import cpu_list
 from ._vllm_features import require_feature
 
 __all__ = [
+    "PREFILL_SCHEDULING",
     "PUSH_CONNECTOR",
+    "RELEASE_PRIORITY",
     "CorePolicy",
     "OWNED_ENGINE_ARGS",
     "EngineLaunch",
@@ -362,7 +364,9 @@ def pair_engine_launch(
         platform=platform,
         devices=devices.of(role),
         memory_fraction=memory_fraction,
-        engine_args=role_engine_args(config, role),
+        engine_args={**PREFILL_SCHEDULING, **role_engine_args(config, role)}
+        if role == "prefill"
+        else role_engine_args(config, role),
     )
     if core_table is not None and platform.pins_cores:
         launch.env[CORE_TABLE_ENV] = core_table
@@ -370,6 +374,15 @@ def pair_engine_launch(
 
 
 _ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+PREFILL_SCHEDULING = {"scheduling_policy": "priority"}
+"""P schedules by priority (the user's ``prefill_engine_args`` may say otherwise): a pin's release, a one-token
+request that lets D free a conversation's blocks, is sent with `RELEASE_PRIORITY` and so is scheduled before the
+prefills queued on P; every other request has vLLM's default priority 0, which keeps them first come, first
+served."""
+RELEASE_PRIORITY = -1
+"""A pin release's priority on P (vLLM schedules lower values first; a server that schedules first come, first
+served ignores it)."""
 
 
 def role_engine_args(config: PairConfig, role: Role) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from ._handle import (
     prefill_params,
     release_params,
 )
-from ._pair_config import PairConfig
+from ._pair_config import RELEASE_PRIORITY, PairConfig
 from ._pair_layer import ON_DECODE_PARAMS, PairLayer
 from ._placement import PlacementChoice
 from ._push import PushedStep
@@ -291,7 +291,8 @@ class PairSteps(PairLayer):
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": release_params(handle)},
         )
-        release = EngineRequest([_RELEASE_TOKEN], params, f"agentkv-release-{uuid.uuid4().hex}")
+        release_id = f"agentkv-release-{uuid.uuid4().hex}"
+        release = EngineRequest([_RELEASE_TOKEN], params, release_id, priority=RELEASE_PRIORITY)  # before prefills
         outputs = self._p.generate(release, in_ledger=False)
         try:
             with anyio.fail_after(self.config.step_timeout_s):

@@ -87,13 +87,15 @@ _stop_first_at_exit()
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """One request to a vLLM engine: its prompt's token ids, sampling parameters and id, and the salt of its
-    prefix-cache keys (None: vLLM's default)."""
+    """One request to a vLLM engine: its prompt's token ids, sampling parameters and id, the salt of its
+    prefix-cache keys (None: vLLM's default) and its priority (lower first, where the engine schedules by
+    priority)."""
 
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     request_id: str
     cache_salt: str | None = None
+    priority: int = 0
 
 
 class AsyncLLMRunner:
@@ -263,7 +265,8 @@ class AsyncLLMRunner:
             prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
             if request.cache_salt is not None:
                 prompt["cache_salt"] = request.cache_salt
-            async with contextlib.aclosing(llm.generate(prompt, request.params, request_id)) as outputs:
+            generated = llm.generate(prompt, request.params, request_id, priority=request.priority)
+            async with contextlib.aclosing(generated) as outputs:
                 async for output in outputs:  # closing vLLM's generator early aborts the request
                     if not counted:
                         counted = True
