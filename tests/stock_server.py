@@ -6,7 +6,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from agentkv._bench._stock import vllm_server_command
 from agentkv._engines._start_log import record_engine_start
 from agentkv._engines._system import alive, descendants
 from freed import assert_ports_freed, running_pids
@@ -63,10 +63,9 @@ def stock_vllm_starting(model: Path, port: int, args: Sequence[str], log: Path) 
     running_before = running_pids()
     env = {key: value for key, value in os.environ.items() if not key.startswith("AGENTKV_")}
     record_engine_start(kind="stock-server", role="colocated")  # counted in the suite's engine summary (conftest)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [*command, *args],
+            vllm_server_command(model, port, *args),
             env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"},
             stdout=out,
             stderr=subprocess.STDOUT,

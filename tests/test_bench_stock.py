@@ -6,10 +6,8 @@ server runs in ``agentkv bench --modes ...,vllm-serve`` (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from agentkv import EngineStartError
 from agentkv._bench import _stock
 from agentkv._bench._conversations import Clock
 from agentkv._bench._stock import StockConversation, stock_command, stock_env, stock_server
+from test_http_client import ScriptedServer
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -76,15 +75,12 @@ def test_a_server_that_exits_at_start_is_an_engine_start_error(monkeypatch: pyte
         anyio.run(main)
 
 
-class _ChatServer:
+class _ChatServer(ScriptedServer):
     """Streams "Par", "is", "." (ids 10, 11, 12) as vLLM's chat server does with ``return_token_ids``: the prompt's
     ids on the first chunk, each choice's ``token_ids``, then a usage chunk whose cached tokens are 4."""
 
     def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        super().__init__("chat", agentkv=False)
         app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
         self._server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
@@ -104,16 +100,6 @@ class _ChatServer:
         usage |= {"prompt_tokens_details": {"cached_tokens": 4}}
         yield f"data: {json.dumps(head | {'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
-
-    def __enter__(self) -> _ChatServer:
-        self._thread.start()
-        while not self._server.started:
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join()
 
 
 @pytest.fixture

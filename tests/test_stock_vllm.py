@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ import anyio
 import pytest
 
 from agentkv import RemotePair, Session, TurnResult, UserError
+from agentkv._bench._stock import vllm_server_command
 from agentkv._engines._start_log import record_engine_start
 from agentkv._engines._system import descendants, free_port, repin_threads, split_cores
 from agentkv._model import prepare_model
@@ -53,20 +53,15 @@ prefix cache that is most short turns, so nothing would come back. agentkv's pai
 
 def stock_server_command(model: Path, port: int) -> list[str]:
     """The command of docs/engines.md's "stock vLLM 0.32" rows (each server's environment adds its cores and port)."""
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
+    return vllm_server_command(
+        model,
+        port,
         "--enforce-eager",
         "--max-model-len",
         "2048",
         "--kv-transfer-config",
         json.dumps(KV_TRANSFER_CONFIG),
-    ]
+    )
 
 
 @pytest.fixture(scope="module")

