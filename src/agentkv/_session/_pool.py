@@ -63,7 +63,8 @@ class SessionPool(EngineUser):
         store: where each session's snapshot is saved after every step (e.g. `SqliteSessionStore`): a
             conversation not live in the pool (closed when idle, or before a restart) resumes from it,
             token for token. Default: none (such a conversation is rebuilt from its messages).
-            The caller closes a store it passes. A step that cannot be saved (`StoreUnavailableError`:
+            The caller closes a store it passes; a ``postgresql://`` URL opens a `PostgresSessionStore`
+            that the pool closes. A step that cannot be saved (`StoreUnavailableError`:
             the store's file locked, full, read-only) raises instead of answering, and its session is
             closed: the conversation's next step resumes from its last saved step.
         session_options: keyword arguments of each `Session` (``system``, ``mode``, ``tool_format``,
@@ -78,7 +79,7 @@ class SessionPool(EngineUser):
         engine: Engine | None = None,
         max_sessions: int = 64,
         idle_ttl_s: float = 600.0,
-        store: SessionStore | None = None,
+        store: SessionStore | str | None = None,
         **session_options: Any,
     ) -> None:
         super().__init__()
@@ -90,8 +91,10 @@ class SessionPool(EngineUser):
             raise UserError("model= and engine_options= configure the pool's own engine; not with engine=")
         self._config = SessionConfig.of_options(session_options, owner=type(self).__name__)
         """Every session's configuration (each step's request is read once, with it), and the pool's own engine's."""
-        self.store = check_session_store(store)
         self._use_engine(engine)
+        self.store = check_session_store(store)
+        self._owns_store = self.store is not store
+        """Whether the pool opened its store (from a URL), and so closes it."""
         self._members: list[_Member] = []
         self._reaper: Background | None = None
         self.max_sessions = max_sessions
@@ -120,6 +123,8 @@ class SessionPool(EngineUser):
         for member in members:
             await member.session.aclose()
         await self._close_engine()
+        if self._owns_store and self.store is not None:
+            await anyio.to_thread.run_sync(self.store.close)
 
     # ----------------------------------------------------------------- reading
 
