@@ -19,12 +19,12 @@ import httpx
 import psycopg
 import pytest
 
-from agentkv import PostgresSessionStore, SessionPool, StoreUnavailableError, UserError
+from agentkv import PostgresSessionStore, SessionBusyError, SessionPool, StoreUnavailableError, UserError
 from agentkv._engines._system import free_port
-from agentkv._postgres import SCHEMA_VERSION, shown_url
+from agentkv._postgres import _MIGRATIONS, SCHEMA_VERSION, shown_url
 from agentkv._session._session_store import conversation_key
 from agentkv._surfaces._cli import main
-from agentkv.serve import FrontDoor, PostgresResponseStore
+from agentkv.serve import FrontDoor, PostgresResponseStore, StoredResponse
 from agentkv.testing import HonestPairEngine
 from postgres_server import PostgresServer, postgres_server
 from serve_cli import serve_with_doubles
@@ -133,7 +133,22 @@ def test_a_fresh_database_gets_the_layout_once_whoever_opens_it(url: str) -> Non
     with psycopg.connect(url) as db:
         assert db.execute("SELECT version FROM agentkv_schema").fetchall() == [(SCHEMA_VERSION,)]
         tables = db.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE 'agentkv_%' ORDER BY 1").fetchall()
-    assert tables == [("agentkv_responses",), ("agentkv_schema",), ("agentkv_sessions",)]
+    assert tables == [("agentkv_leases",), ("agentkv_responses",), ("agentkv_schema",), ("agentkv_sessions",)]
+
+
+def test_an_older_layout_is_migrated_keeping_its_rows(url: str) -> None:
+    """A database at layout version 1 (sessions and responses, no leases) is brought to this one at open."""
+    with psycopg.connect(url) as db:
+        db.execute("CREATE TABLE agentkv_schema (version integer NOT NULL)")
+        for statement in _MIGRATIONS[0]:
+            db.execute(statement)
+        db.execute("INSERT INTO agentkv_schema (version) VALUES (1)")
+        db.execute("INSERT INTO agentkv_responses (response_id, messages, response) VALUES ('r1', '[]', '{}')")
+    with PostgresResponseStore(url) as store:
+        assert store.get("r1") == StoredResponse("r1", None, (), {})
+    with psycopg.connect(url) as db:
+        assert db.execute("SELECT version FROM agentkv_schema").fetchall() == [(SCHEMA_VERSION,)]
+        assert db.execute("SELECT count(*) FROM agentkv_leases").fetchone() == (0,)
 
 
 def test_a_newer_layout_is_refused(url: str) -> None:
@@ -176,8 +191,10 @@ def refused(response: httpx.Response, url: str, why: str) -> None:
 
 def test_a_stopped_server_gets_503s_and_saving_resumes_once_it_is_back(server: PostgresServer, url: str) -> None:
     """The server stops under a running door: each step is refused within the store's timeout, its conversation's
-    last saved turn untouched; started again, each conversation resumes from it and saving goes on (the store's
-    connection, lost with the server, is opened afresh)."""
+    last saved turn untouched (a named one's before it runs: its lease cannot be taken, and its live session is
+    kept; an unnamed one's after, at its save, and its live session is closed); started again, saving goes on
+    (the store's connection, lost with the server, is opened afresh), the unnamed conversation resumed from the
+    store."""
     timeout_s = 1.0
     with door_on(url, timeout_s=timeout_s) as (door, pool):
         named, unnamed = Chat(door, "s1"), Chat(door)
@@ -188,12 +205,13 @@ def test_a_stopped_server_gets_503s_and_saving_resumes_once_it_is_back(server: P
                 started = time.monotonic()
                 refused(chat.ask("Three?"), url, "the server could not be reached")
                 assert time.monotonic() - started < timeout_s + 1.0  # the store's timeout, and the step
-            assert pool.session_for("s1") is None  # the live session is not kept past its unsaved step
+            assert pool.session_for("s1") is not None and len(pool.sessions) == 1  # the unnamed one's closed
         finally:
             server.start()
         assert saved_turns(url, "s1") == 2  # nothing of the refused turn
+        assert stats(named.ask("Three?"))["handle_forwarded"]  # its live session, as it was
+        resumed(unnamed.ask("Three?"), turn=3)
         for chat in (named, unnamed):
-            resumed(chat.ask("Three?"), turn=3)
             assert stats(chat.ask("Four?"))["handle_forwarded"]
     assert saved_turns(url, "s1") == 4
 
@@ -271,3 +289,45 @@ def test_without_psycopg_a_url_says_how_to_install_it(
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     assert main(["serve", "--store", url]) == 2
     assert "needs psycopg: pip install 'agentkv[postgresql]'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ one owner at a time
+
+
+def test_a_conversation_another_door_holds_is_busy_until_it_gives_it_back(url: str) -> None:
+    """Door B's step of a conversation door A is stepping (A holds its lease) is a 409, as a busy session's;
+    once A gives it back, B steps it. A's leases nest: given back at the last release."""
+    key = conversation_key("c1")
+    with PostgresSessionStore(url) as door_a, door_on(url, timeout_s=2.0) as (door_b, _pool):
+        chat = Chat(door_b, "c1")
+        door_a.lease(key)
+        door_a.lease(key)  # a second step of A's, refused by A's pool as busy: nested
+        busy = chat.ask("One?")
+        assert busy.status_code == 409, busy.text
+        assert busy.json()["error"]["code"] == "SessionBusyError"
+        assert "running a step on another door" in busy.json()["error"]["message"]
+        door_a.release(key)
+        assert chat.ask("One?").status_code == 409  # still A's
+        door_a.release(key)
+        assert stats(chat.ask("One?"))["turn"] == 1
+        door_a.lease(key)  # B gave it back after its step
+        door_a.release(key)
+    assert saved_turns(url, "c1") == 1
+
+
+def test_a_dead_doors_lease_expires_and_a_live_doors_is_renewed(url: str) -> None:
+    key = conversation_key("c1")
+    with PostgresSessionStore(url, lease_ttl_s=0.6) as other:
+        live = PostgresSessionStore(url, lease_ttl_s=0.6)
+        live.lease(key)
+        time.sleep(1.5)  # over two lease times: renewed meanwhile
+        with pytest.raises(SessionBusyError):
+            other.lease(key)
+        live.close()  # as a door that dies: no release, no renewal
+        with pytest.raises(SessionBusyError):
+            other.lease(key)
+        time.sleep(0.8)
+        other.lease(key)  # expired: taken over
+        other.release(key)
+    with psycopg.connect(url) as db:
+        assert db.execute("SELECT count(*) FROM agentkv_leases").fetchone() == (0,)

@@ -8,7 +8,7 @@ within a bounded time, nothing of a failed call kept.
 sync API (asyncpg is asyncio only). Each store object holds one connection behind one lock: a call waits for the
 calls ahead of it, as the SQLite stores' do; every call is one statement, so one round trip.
 
-**Layout** (schema version 1; every table's name starts with ``agentkv_``, other tables are left alone)::
+**Layout** (schema version 2; every table's name starts with ``agentkv_``, other tables are left alone)::
 
     agentkv_schema    (version integer NOT NULL)                  one row: the layout's version
     agentkv_sessions  (key text PRIMARY KEY, snapshot text NOT NULL,
@@ -16,11 +16,24 @@ calls ahead of it, as the SQLite stores' do; every call is one statement, so one
     agentkv_responses (response_id text PRIMARY KEY, conversation_id text,
                        messages text NOT NULL, response text NOT NULL,
                        written bigint NOT NULL)                    stored Responses-API responses
+    agentkv_leases    (key text PRIMARY KEY, owner text NOT NULL,
+                       expires timestamptz NOT NULL)               who steps a conversation, until when
 
 ``written`` comes from a sequence of each table's own (``agentkv_sessions_written``, ...), indexed: a row written
 or rewritten takes the next number, so the oldest-written rows have the smallest, as SQLite's rowids do. A save
 is one statement that writes its row and drops the rows ``max_rows`` numbers or more behind it (the same rule as
 `SqliteTable`'s; numbers lost to failed writes or deleted rows can leave fewer rows, never more).
+
+**Leases: one owner at a time.** A door takes a named conversation's lease (`take_lease`) before it steps it
+and drops it after (`drop_lease`); while it holds it, it renews it (`renew_leases`), so a lease outlives only a
+door that died, by ``lease_ttl_s`` at most. A door that finds the lease held by another owner, not expired,
+answers as it does for a busy session; an expired lease is taken over in the same statement that takes a free
+one (an upsert whose update applies only to an expired row or one of the same owner). Rows, not PostgreSQL's
+advisory locks: an advisory lock lives in one session, so it would pin the conversation to the store's single
+connection (a connection lost and opened again, as after a server restart, drops every lock at once, silently
+to the holder, and a pooler in transaction mode cannot keep one at all); a row names its owner and its
+expiry, survives a reconnect, can be read by an operator (``SELECT * FROM agentkv_leases``), and its expiry
+is the server's clock, one clock for every door. The cost: a row written before and after each named step.
 
 **Migration.** Each new connection reads the layout's version (no ``agentkv_schema``: 0). One behind this
 agentkv's is migrated in one transaction: it takes a transaction-wide advisory lock (doors opening a fresh
@@ -54,7 +67,15 @@ from ._store_table import StoreTable
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["SCHEMA_VERSION", "PostgresTable", "is_postgres_url", "shown_url"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "PostgresTable",
+    "drop_lease",
+    "is_postgres_url",
+    "renew_leases",
+    "shown_url",
+    "take_lease",
+]
 
 logger = logging.getLogger("agentkv")
 
@@ -72,6 +93,9 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         " messages text NOT NULL, response text NOT NULL,"
         " written bigint NOT NULL DEFAULT nextval('agentkv_responses_written'))",
         "CREATE INDEX agentkv_responses_by_written ON agentkv_responses (written)",
+    ),
+    (  # 1 -> 2: one owner at a time
+        "CREATE TABLE agentkv_leases (key text PRIMARY KEY, owner text NOT NULL, expires timestamptz NOT NULL)",
     ),
 )
 """Step ``i`` takes a database from version ``i`` to ``i + 1``; a new layout is a new step, never an edit."""
@@ -198,6 +222,30 @@ class PostgresTable(StoreTable["psycopg.Connection[tuple[Any, ...]]"]):
 
     def _keeps(self, fault: StoreUnavailableError, db: psycopg.Connection[tuple[Any, ...]]) -> bool:
         return fault.reason not in ("unreachable", "other") and not db.broken and not db.closed
+
+
+def take_lease(table: PostgresTable, key: str, owner: str, ttl_s: float) -> bool:
+    """Take ``key``'s lease for ``owner`` until ``ttl_s`` from now (the server's clock): True when it is free,
+    expired or ``owner``'s already; False when another owner holds it."""
+    sql = (
+        "INSERT INTO agentkv_leases (key, owner, expires) VALUES (%s, %s, now() + %s * interval '1 second')"
+        " ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, expires = EXCLUDED.expires"
+        " WHERE agentkv_leases.expires < now() OR agentkv_leases.owner = EXCLUDED.owner"
+    )
+    return table._run("save to", lambda db: db.execute(sql, (key, owner, ttl_s)).rowcount == 1)
+
+
+def renew_leases(table: PostgresTable, keys: Sequence[str], owner: str, ttl_s: float) -> None:
+    """Move the expiry of ``owner``'s leases of ``keys`` to ``ttl_s`` from now."""
+    sql = "UPDATE agentkv_leases SET expires = now() + %s * interval '1 second' WHERE owner = %s AND key = ANY(%s)"
+    table._run("save to", lambda db: db.execute(sql, (ttl_s, owner, list(keys))))
+
+
+def drop_lease(table: PostgresTable, key: str, owner: str) -> None:
+    """Give ``key``'s lease back (nothing when ``owner`` no longer holds it)."""
+    table._run(
+        "save to", lambda db: db.execute("DELETE FROM agentkv_leases WHERE key = %s AND owner = %s", (key, owner))
+    )
 
 
 def _migrate(db: psycopg.Connection[tuple[Any, ...]], url: str) -> None:

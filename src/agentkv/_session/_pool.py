@@ -31,7 +31,7 @@ from ._results import ReasoningDelta, StepReply, ToolCallDelta
 from ._session import Session
 from ._session_config import SessionConfig
 from ._session_core import make_engine
-from ._session_store import SessionStore, check_session_store, conversation_key, history_key
+from ._session_store import SessionStore, check_session_store, conversation_key, history_key, leased
 
 __all__ = ["SessionPool"]
 
@@ -66,7 +66,9 @@ class SessionPool(EngineUser):
             The caller closes a store it passes; a ``postgresql://`` URL opens a `PostgresSessionStore`
             that the pool closes. A step that cannot be saved (`StoreUnavailableError`:
             the store's file locked, full, read-only) raises instead of answering, and its session is
-            closed: the conversation's next step resumes from its last saved step.
+            closed: the conversation's next step resumes from its last saved step. A named conversation's
+            step holds its lease in the store (`SessionStore.lease`: a PostgreSQL store several doors
+            share); one another door holds is a `SessionBusyError`, as a busy session is.
         session_options: keyword arguments of each `Session` (``system``, ``mode``, ``tool_format``,
             ``tool_call_parser`` and ``reasoning_parser`` (vLLM's parsers, by name), ``max_tokens``, ``temperature``, ``seed``, ``sampling`` (`SamplingOptions`: every session's
             defaults, which a step's ``sampling=`` overrides field by field), ``cache_salt``; ``model`` and
@@ -249,6 +251,12 @@ class SessionPool(EngineUser):
     ) -> StepReply:
         await self._close_idle()
         request = MessageRequest.build(self._config, messages, options)
+        async with leased(self.store, conversation_id):  # a store several doors share: one door at a time
+            return await self._step_member(request, conversation_id, options)
+
+    async def _step_member(
+        self, request: MessageRequest, conversation_id: str | None, options: StepOptions
+    ) -> StepReply:
         member = await self._member_for(request, conversation_id)
         try:
             reply = await member.session._step_request(
