@@ -305,7 +305,7 @@ def test_a_conversation_another_door_holds_is_busy_until_it_gives_it_back(url: s
         busy = chat.ask("One?")
         assert busy.status_code == 409, busy.text
         assert busy.json()["error"]["code"] == "SessionBusyError"
-        assert "running a step on another door" in busy.json()["error"]["message"]
+        assert "conversation 'c1' is running a step on another door" in busy.json()["error"]["message"]
         door_a.release(key)
         assert chat.ask("One?").status_code == 409  # still A's
         door_a.release(key)

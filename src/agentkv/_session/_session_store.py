@@ -212,7 +212,8 @@ class PostgresSessionStore(_TableSessionStore):
                 return
         if not take_lease(self._leases, key, self.owner, self.lease_ttl_s):
             raise SessionBusyError(
-                f"{key!r} is running a step on another door (it holds the conversation's lease in {self.url}); "
+                f"conversation {key.removeprefix('conversation:')!r} is running a step on another door (it holds "
+                f"the conversation's lease in {self.url}); "
                 f"retry later: a door that died gives it up within {self.lease_ttl_s:g} s"
             )
         with self._held_lock:
@@ -230,7 +231,7 @@ class PostgresSessionStore(_TableSessionStore):
             self._held.pop(key, None)
         try:
             drop_lease(self._leases, key, self.owner)
-        except StoreUnavailableError as exc:  # it expires by itself: it is no longer renewed
+        except (StoreUnavailableError, UserError) as exc:  # unreachable, or closed: it expires, no longer renewed
             logger.warning("agentkv: a lease could not be given back (%s); it expires in %g s", exc, self.lease_ttl_s)
 
     def _renew(self) -> None:
