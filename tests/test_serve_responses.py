@@ -337,20 +337,26 @@ def test_the_stores_keep_what_they_are_given(tmp_path: Path) -> None:
     assert memory.get("r2") == kept("r2", "c", "2")
 
     with SqliteResponseStore(tmp_path / "deep" / "store.sqlite3", max_responses=50) as sqlite:
+        four_writers_on(sqlite)
 
-        def writer(number: int) -> None:
-            for index in range(20):
-                sqlite.put(kept(f"w{number}-{index}", f"c{number}" if number % 2 else None, "x"))
 
-        threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert sqlite.get("w0-0") is None  # the oldest were dropped beyond max_responses
-        assert sqlite.get("w3-19") == kept("w3-19", "c3", "x")
-        assert sqlite.get("w2-19") == kept("w2-19", None, "x")  # an unnamed chain's response
-        assert sqlite.get("missing") is None
+def four_writers_on(store: ResponseStore) -> None:
+    """Four threads keep 20 responses each in ``store`` (made with ``max_responses=50``): the oldest are dropped,
+    the others read back as they were given."""
+
+    def writer(number: int) -> None:
+        for index in range(20):
+            store.put(kept(f"w{number}-{index}", f"c{number}" if number % 2 else None, "x"))
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert store.get("w0-0") is None  # the oldest were dropped beyond max_responses
+    assert store.get("w3-19") == kept("w3-19", "c3", "x")
+    assert store.get("w2-19") == kept("w2-19", None, "x")  # an unnamed chain's response
+    assert store.get("missing") is None
 
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])

@@ -1,34 +1,86 @@
-"""Sessions saved and resumed: `Session.snapshot` / `restore`, and `SessionPool(store=SqliteSessionStore(...))`
-across a restart (a new pool on a new engine, the same file); store arguments that are no SQLite file's path
-(a URL given to the stores, the pool or ``agentkv serve --store``) refused.
+"""Sessions saved and resumed: `Session.snapshot` / `restore`, and `SessionPool(store=...)` across a restart (a
+new pool on a new engine, the same store), each store case on a SQLite file and on a PostgreSQL server
+(tests/postgres_server.py: one for the module, started only when a PostgreSQL case runs); store arguments that
+are neither a SQLite file's path nor a PostgreSQL URL (given to the stores, the pool or ``agentkv serve
+--store``) refused.
 
 Logic on `HonestPairEngine`, which checks every pushed-back handle; no model runs here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agentkv import Session, SessionPool, SessionSnapshot, SqliteSessionStore, UserError
+from agentkv import (
+    PostgresSessionStore,
+    Session,
+    SessionPool,
+    SessionSnapshot,
+    SessionStore,
+    SqliteSessionStore,
+    UserError,
+)
 from agentkv._surfaces._cli import main
 from agentkv.serve import SqliteResponseStore
 from agentkv.testing import HonestPairEngine
+from postgres_server import PostgresServer, postgres_server
 
 
 def answer(request: Any) -> str:
     return "Sure: forty-two, as far as I can tell."
 
 
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    with postgres_server() as server:
+        yield server
+
+
+MakeStore = Callable[..., SessionStore]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeStore]:
+    """Opens the test's session store (a SQLite file; or a PostgreSQL database, emptied first) with the options
+    given; each is closed after the test."""
+    server: PostgresServer | None = None
+    if request.param == "postgresql":
+        server = request.getfixturevalue("postgres")
+        server.reset()
+    with contextlib.ExitStack() as opened:
+
+        def make(**options: Any) -> SessionStore:
+            if server is None:
+                return opened.enter_context(SqliteSessionStore(tmp_path / "serve.sqlite3", **options))
+            return opened.enter_context(PostgresSessionStore(server.url, **options))
+
+        yield make
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[SqliteSessionStore]:
-    with SqliteSessionStore(tmp_path / "serve.sqlite3") as opened:
-        yield opened  # type: ignore[misc]
+def store(make_store: MakeStore) -> SessionStore:
+    return make_store()
+
+
+def on_the_table(store: SessionStore, sql: str, *parameters: object) -> list[tuple[Any, ...]]:
+    """A statement on the store's table (``{sessions}`` in ``sql``; ``?`` for each parameter), run on a connection
+    of the test's own; the rows it returned."""
+    if isinstance(store, SqliteSessionStore):
+        with contextlib.closing(sqlite3.connect(store.path)) as db, db:
+            return db.execute(sql.format(sessions="sessions"), parameters).fetchall()
+    import psycopg
+
+    assert isinstance(store, PostgresSessionStore)
+    with psycopg.connect(store.url) as db:
+        cursor = db.execute(sql.format(sessions="agentkv_sessions").replace("?", "%s"), parameters)  # type: ignore[arg-type]
+        return cursor.fetchall() if cursor.description is not None else []
 
 
 def user(text: str) -> dict[str, str]:
@@ -96,13 +148,18 @@ def test_an_empty_sessions_snapshot_restores_an_empty_session() -> None:
     engine.assert_honest()
 
 
-@pytest.mark.parametrize("url", ["postgresql://postgres@127.0.0.1:55432/postgres", "sqlite:///srv/serve.sqlite3"])
+@pytest.mark.parametrize("url", ["mysql://root@127.0.0.1:3306/agents", "sqlite:///srv/serve.sqlite3"])
 def test_a_store_url_is_refused_naming_its_scheme(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     scheme = url.split(":")[0]
     for make in (SqliteSessionStore, SqliteResponseStore, lambda store: SessionPool(store=store)):
         with pytest.raises(UserError, match=f"'{re.escape(url)}' is a {scheme}:// URL.*SQLite file's path"):
             make(url)
+    for postgres in ("postgresql://db.example/agents", "postgres://db.example/agents"):  # not a SQLite store's
+        with pytest.raises(
+            UserError, match="is a postgres(ql)?:// URL, not a SQLite file's path: PostgresSessionStore"
+        ):
+            SqliteSessionStore(postgres)
     assert list(tmp_path.iterdir()) == []  # no folder named after the URL
     with pytest.raises(UserError, match="SqliteSessionStore"):
         SessionPool(store=str(tmp_path / "s.sqlite3"))  # type: ignore[arg-type]  # a path is not a store
@@ -115,14 +172,14 @@ def test_serve_refuses_a_store_url_before_anything_starts(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # the command sets it; put back after the test
-    assert main(["serve", "--store", "postgresql://postgres@127.0.0.1:55432/postgres"]) == 2
+    assert main(["serve", "--store", "mysql://root@127.0.0.1:3306/agents"]) == 2
     error = capsys.readouterr().err
-    assert error.startswith("agentkv serve: error: the store 'postgresql://") and "postgresql:// URL" in error
+    assert error.startswith("agentkv serve: error: the store 'mysql://") and "mysql:// URL" in error
     assert "SQLite file's path" in error and "'memory'" in error
-    assert list(tmp_path.iterdir()) == []  # no SQLite file under ./postgresql:/...
+    assert list(tmp_path.iterdir()) == []  # no SQLite file under ./mysql:/...
 
 
-def test_a_named_conversation_resumes_from_the_store_after_a_restart(store: SqliteSessionStore) -> None:
+def test_a_named_conversation_resumes_from_the_store_after_a_restart(store: SessionStore) -> None:
     messages: list[dict[str, Any]] = [user("One?")]
     with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=store) as pool:
         messages.append(said(pool.step_sync(messages, conversation_id="c1")))
@@ -144,14 +201,14 @@ def test_a_named_conversation_resumes_from_the_store_after_a_restart(store: Sqli
     restarted.assert_honest()
 
 
-def test_an_unnamed_conversation_resumes_by_its_history(store: SqliteSessionStore) -> None:
+def test_an_unnamed_conversation_resumes_by_its_history(store: SessionStore) -> None:
     messages: list[dict[str, Any]] = [user("One?")]
     with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=store) as pool:
         messages.append(said(pool.step_sync(messages)))
         messages.append(user("Two?"))
         messages.append(said(pool.step_sync(messages)))
         tokens = pool.sessions[0].token_ids
-    keys = [row[0] for row in sqlite3.connect(store.path).execute("SELECT key FROM sessions")]
+    keys = [row[0] for row in on_the_table(store, "SELECT key FROM {sessions}")]
     assert len(keys) == 1 and keys[0].startswith("history:")  # the first step's key was replaced by the second's
     with HonestPairEngine(answer) as restarted, SessionPool(engine=restarted, store=store) as pool:
         third = pool.step_sync([*messages, user("Three?")])
@@ -162,7 +219,7 @@ def test_an_unnamed_conversation_resumes_by_its_history(store: SqliteSessionStor
         assert len(pool.sessions) == 2
 
 
-def test_a_session_closed_when_idle_resumes_from_the_store(store: SqliteSessionStore) -> None:
+def test_a_session_closed_when_idle_resumes_from_the_store(store: SessionStore) -> None:
     with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=store, max_sessions=1) as pool:
         a: list[dict[str, Any]] = [user("About apples?")]
         a.append(said(pool.step_sync(a, conversation_id="a")))
@@ -174,9 +231,8 @@ def test_a_session_closed_when_idle_resumes_from_the_store(store: SqliteSessionS
     engine.assert_honest()
 
 
-def test_an_unreadable_row_is_rebuilt_from_the_messages(store: SqliteSessionStore) -> None:
-    with sqlite3.connect(store.path) as db:
-        db.execute("INSERT INTO sessions (key, snapshot) VALUES ('conversation:c1', '{\"version\": 99}')")
+def test_an_unreadable_row_is_rebuilt_from_the_messages(store: SessionStore) -> None:
+    on_the_table(store, "INSERT INTO {sessions} (key, snapshot) VALUES (?, ?)", "conversation:c1", '{"version": 99}')
     assert store.get("conversation:c1") is None
     with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=store) as pool:
         reply = pool.step_sync(
@@ -186,11 +242,15 @@ def test_an_unreadable_row_is_rebuilt_from_the_messages(store: SqliteSessionStor
     assert store.get("conversation:c1") is not None  # saved again, readable
 
 
-def test_the_store_keeps_at_most_max_sessions(tmp_path: Path) -> None:
-    with SqliteSessionStore(tmp_path / "s.sqlite3", max_sessions=2) as bounded:
-        with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=bounded) as pool:
-            for name in ("one", "two", "three"):
-                pool.step_sync([user(name)], conversation_id=name)
+def test_the_store_keeps_at_most_max_sessions(make_store: MakeStore) -> None:
+    bounded = make_store(max_sessions=2)
+    with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=bounded) as pool:
+        for name in ("one", "two", "three"):
+            pool.step_sync([user(name)], conversation_id=name)
         assert [bounded.get(f"conversation:{n}") is not None for n in ("one", "two", "three")] == [False, True, True]
+        pool.step_sync([user("two"), {"role": "assistant", "content": "Yes."}, user("more")], conversation_id="two")
+        pool.step_sync([user("four")], conversation_id="four")  # drops three, the oldest written: two was rewritten
+    assert [bounded.get(f"conversation:{n}") is not None for n in ("two", "three", "four")] == [True, False, True]
+    assert len(on_the_table(bounded, "SELECT key FROM {sessions}")) == 2
     with pytest.raises(UserError, match="max_sessions"):
-        SqliteSessionStore(tmp_path / "t.sqlite3", max_sessions=0)
+        make_store(max_sessions=0)

@@ -49,7 +49,7 @@ from ._session._results import (
     TurnResult,
 )
 from ._session._session import Mode, Session
-from ._session._session_store import SessionStore, SqliteSessionStore
+from ._session._session_store import PostgresSessionStore, SessionStore, SqliteSessionStore
 from ._session._snapshot import SessionSnapshot
 from ._stats._stats import MissReason, SessionStats, StepStats, TurnStats, plot_stats
 
@@ -76,6 +76,7 @@ __all__ = [
     "Mode",
     "ModelPreparationError",
     "PairConfig",
+    "PostgresSessionStore",
     "ReasoningDelta",
     "RemotePair",
     "SamplingOptions",

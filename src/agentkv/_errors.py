@@ -92,9 +92,10 @@ class StoreUnavailableError(AgentKVError):
     def __init__(self, message: str, *, path: str, reason: str, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.path = path
-        """The store's file."""
+        """The store's file (a PostgreSQL store: its URL, password hidden)."""
         self.reason = reason
-        """``locked``, ``full``, ``read_only``, ``io`` (the disk failed) or ``other``."""
+        """``locked``, ``full``, ``read_only``, ``io`` (the disk failed) or ``other``; a PostgreSQL store's also
+        ``unreachable`` (no connection to its server) or ``timeout`` (the server did not answer in time)."""
         self.retry_after_s = retry_after_s
         """When a caller may try again (``agentkv serve``'s ``Retry-After``)."""
 

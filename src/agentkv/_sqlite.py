@@ -8,8 +8,6 @@ import functools
 import logging
 import re
 import sqlite3
-import threading
-import time
 from abc import ABC
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any, Self, TypeVar
 
 from ._errors import StoreUnavailableError, UserError
 from ._model import home_dir
+from ._store_table import StoreTable
 
 __all__ = [
     "STORE_TIMEOUT_S",
@@ -48,14 +47,22 @@ def default_store_path() -> Path:
 
 
 def store_path(path: str | Path) -> Path:
-    """The SQLite file a store is kept in: ``path``, refused (a `UserError`) when it is a URL, which agentkv
-    cannot open (a database server's ``postgresql://...`` would otherwise become a folder of that name)."""
+    """The SQLite file a store is kept in: ``path``, refused (a `UserError`) when it is a URL (a database
+    server's ``postgresql://...`` would otherwise become a folder of that name): a PostgreSQL URL is the
+    PostgreSQL stores' (src/agentkv/_postgres.py), any other agentkv cannot open."""
     found = _URL.match(path) if isinstance(path, str) else None
     if found is not None:
         scheme = found.group(1)
+        if scheme.lower() in ("postgresql", "postgres"):
+            raise UserError(
+                f"the store {path!r} is a {scheme}:// URL, not a SQLite file's path: PostgresSessionStore(url) "
+                f"and PostgresResponseStore(url) keep sessions and responses there (SessionPool(store=url) and "
+                f"agentkv serve --store url open them)"
+            )
         raise UserError(
             f"the store {path!r} is a {scheme}:// URL, which agentkv cannot open: a store is a SQLite file's path "
-            f"(created if missing), e.g. ./serve.sqlite3 (agentkv serve --store also takes 'memory'); "
+            f"(created if missing), e.g. ./serve.sqlite3, or a postgresql:// URL (agentkv serve --store also takes "
+            f"'memory'); "
             f"write ./{path} for a file whose path really starts with {scheme}://"
         )
     return Path(path).expanduser()
@@ -81,14 +88,14 @@ class Store(ABC):  # noqa: B024 (no abstract method of its own: the stores that 
         self.close()
 
 
-class SqliteTable:
+class SqliteTable(StoreTable[sqlite3.Connection]):
     """A connection to one table of a SQLite file (created with its folder), kept to ``max_rows`` rows.
 
     A table of the same name with other columns (an older agentkv's layout) is replaced by an
     empty one, with a warning; other tables in the file are left alone. Every statement runs
     under one lock (the connection is used from worker threads). Rows are written with
     ``INSERT OR REPLACE``, which gives a rewritten row a new rowid, so the oldest-written rows
-    have the smallest: `write` drops those beyond ``max_rows``, in the same transaction.
+    have the smallest: `save` drops those beyond ``max_rows``, in the same transaction.
 
     A store that fails (its file locked by another process, the disk or the database full, the file
     read-only, the disk failing) raises `StoreUnavailableError` naming the file, within ``timeout_s``
@@ -100,7 +107,7 @@ class SqliteTable:
     Args:
         path: the database file.
         table: the table's name.
-        columns: its column definitions (``"name TYPE constraints"``), in order.
+        columns: its column definitions (``"name TYPE constraints"``), in order, the key first.
         max_rows: the most rows kept.
         timeout_s: the most one call waits for the file's write lock (another process's) or for the
             calls ahead of it.
@@ -116,16 +123,18 @@ class SqliteTable:
         timeout_s: float = STORE_TIMEOUT_S,
     ) -> None:
         self.path = store_path(path)
-        self.table = table
-        self.max_rows = max_rows
-        self.timeout_s = store_timeout(timeout_s)
+        names = [column.split()[0] for column in columns]
+        timeout_s = store_timeout(timeout_s)
+        super().__init__(
+            str(self.path),
+            table=table,
+            columns=names,
+            max_rows=max_rows,
+            timeout_s=timeout_s,
+            errors=sqlite3.Error,
+            said=_SAID,
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.lock = threading.Lock()
-        self._db: sqlite3.Connection | None = None
-        self._fault: StoreUnavailableError | None = None
-        """The last fault, until a call like the one that met it succeeds, or a write (logged once, and its end)."""
-        self._fault_doing = ""
-        self._closed = False
         try:
             self._run("open", functools.partial(self._create, columns))
         except BaseException:
@@ -135,9 +144,8 @@ class SqliteTable:
     def _create(self, columns: Sequence[str], db: sqlite3.Connection) -> None:
         db.execute("BEGIN IMMEDIATE")  # one process at a time checks and replaces the table
         try:
-            names = tuple(column.split()[0] for column in columns)
             found = tuple(row[1] for row in db.execute(f"PRAGMA table_info({self.table})"))
-            if found and found != names:
+            if found and found != self.columns:
                 (count,) = db.execute(f"SELECT count(*) FROM {self.table}").fetchone()
                 logger.warning(
                     "agentkv: %s holds %s in an older layout; its %d rows are dropped", self.path, self.table, count
@@ -149,70 +157,31 @@ class SqliteTable:
             raise
         db.execute("COMMIT")
 
-    def read(self, sql: str, *parameters: object) -> tuple[Any, ...] | None:
-        """The first row of a query, or None."""
+    def fetch(self, key: str) -> tuple[Any, ...] | None:
+        key_column, *rest = self.columns
+        sql = f"SELECT {', '.join(rest)} FROM {self.table} WHERE {key_column} = ?"
 
         def run(db: sqlite3.Connection) -> tuple[Any, ...] | None:
-            row: tuple[Any, ...] | None = db.execute(sql, parameters).fetchone()
+            row: tuple[Any, ...] | None = db.execute(sql, (key,)).fetchone()
             return row
 
         return self._run("read from", run)
 
-    def write(self, sql: str, *parameters: object) -> int:
-        """Run an insert (then drop the oldest rows beyond the bound) or a delete, as one transaction; the rows it
-        changed."""
+    def save(self, *values: object) -> None:
+        sql = f"INSERT OR REPLACE INTO {self.table} ({', '.join(self.columns)}) VALUES ({', '.join('?' * len(values))})"
 
-        def run(db: sqlite3.Connection) -> int:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                cursor = db.execute(sql, parameters)
-                changed = cursor.rowcount
-                if sql.lstrip().upper().startswith("INSERT") and cursor.lastrowid is not None:
-                    if cursor.lastrowid > self.max_rows:
-                        db.execute(f"DELETE FROM {self.table} WHERE rowid <= ?", (cursor.lastrowid - self.max_rows,))
-                db.execute("COMMIT")
-            except BaseException:
-                _roll_back(db)
-                raise
-            return changed
+        def run(db: sqlite3.Connection) -> None:
+            cursor = db.execute(sql, values)
+            if cursor.lastrowid is not None and cursor.lastrowid > self.max_rows:
+                db.execute(f"DELETE FROM {self.table} WHERE rowid <= ?", (cursor.lastrowid - self.max_rows,))
 
-        return self._run("save to", run)
+        self._run("save to", functools.partial(_transaction, run))
 
-    def _run(self, doing: str, action: Callable[[sqlite3.Connection], _T]) -> _T:
-        """``action`` on the connection (opened if there is none), under the lock, all within ``timeout_s``; a
-        SQLite error is a `StoreUnavailableError` (``doing`` says what failed: "save to", "read from", "open")."""
-        started = time.monotonic()
-        if not self.lock.acquire(timeout=self.timeout_s):
-            raise self._failed(doing, None)
-        try:
-            if self._closed:
-                raise UserError(f"the store {self.path} was closed: open a new one to use it")
-            try:
-                fresh = self._db is None
-                try:
-                    result = self._call(action, started)
-                except sqlite3.Error as exc:
-                    if fresh or fault_reason(exc) != "read_only":
-                        raise
-                    self._drop()  # a connection opened while the file was read-only stays so: once more, on a new one
-                    result = self._call(action, started)
-            except sqlite3.Error as exc:
-                raise self._failed(doing, exc) from exc
-            if self._fault is not None and (doing == "save to" or self._fault_doing == doing):  # reads may pass
-                logger.warning("agentkv: the store %s works again (it was %s)", self.path, _SAID[self._fault.reason])
-                self._fault = None
-            return result
-        finally:
-            self.lock.release()
+    def remove(self, key: str) -> bool:
+        sql = f"DELETE FROM {self.table} WHERE {self.columns[0]} = ?"
+        return self._run("save to", functools.partial(_transaction, lambda db: db.execute(sql, (key,)).rowcount > 0))
 
-    def _call(self, action: Callable[[sqlite3.Connection], _T], started: float) -> _T:
-        """``action`` on the connection (opened if there is none), waiting for SQLite's lock what is left of
-        ``timeout_s`` since ``started`` (called with the lock held)."""
-        left_s = max(0.001, self.timeout_s - (time.monotonic() - started))
-        if self._db is None:
-            self._db = self._connect(left_s)
-        self._db.execute(f"PRAGMA busy_timeout = {int(left_s * 1000)}")
-        return action(self._db)
+    # ----------------------------------------------------------------- what SQLite says
 
     def _connect(self, timeout_s: float) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=timeout_s)
@@ -223,30 +192,21 @@ class SqliteTable:
             raise
         return db
 
-    def _drop(self) -> None:
-        """Close the connection (the next call opens a new one; called with the lock held)."""
-        if self._db is not None:
-            with contextlib.suppress(sqlite3.Error):
-                self._db.close()
-            self._db = None
+    def _bound(self, db: sqlite3.Connection, left_s: float) -> None:
+        db.execute(f"PRAGMA busy_timeout = {int(left_s * 1000)}")
 
-    def _failed(self, doing: str, exc: sqlite3.Error | None) -> StoreUnavailableError:
-        """The fault ``exc`` is (None: the calls ahead of this one took ``timeout_s``), logged when it is new. After
-        one the connection may not outlive (all but ``locked`` and ``full``), the connection is closed: the next
-        call opens the file afresh and sees it as it is then."""
-        fault = store_fault(self.path, doing, exc, self.timeout_s)
-        if exc is not None and fault.reason not in ("locked", "full"):
-            self._drop()
-        if self._fault is None or self._fault.reason != fault.reason:
-            logger.warning("agentkv: %s", fault)
-        if exc is not None:
-            self._fault, self._fault_doing = fault, doing
-        return fault
+    def _fault_of(self, doing: str, exc: Exception | None) -> StoreUnavailableError:
+        assert exc is None or isinstance(exc, sqlite3.Error)
+        return store_fault(self.path, doing, exc, self.timeout_s)
 
-    def close(self) -> None:
-        with self.lock:
-            self._closed = True
-            self._drop()
+    def _retried(self, exc: Exception) -> bool:
+        assert isinstance(exc, sqlite3.Error)
+        return fault_reason(exc) == "read_only"  # a connection opened while the file was read-only stays so
+
+    def _keeps(self, fault: StoreUnavailableError, db: sqlite3.Connection) -> bool:
+        """A lock held elsewhere, or a full disk, leaves the connection sound; after the others the file is opened
+        afresh, to see it as it is then."""
+        return fault.reason in ("locked", "full")
 
 
 _SAID = {
@@ -306,6 +266,18 @@ def store_timeout(value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
         raise UserError(f"timeout_s must be a positive number of seconds, not {value!r}")
     return float(value)
+
+
+def _transaction(run: Callable[[sqlite3.Connection], _T], db: sqlite3.Connection) -> _T:
+    """``run(db)`` as one write transaction, rolled back whole if it fails."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        result = run(db)
+        db.execute("COMMIT")
+    except BaseException:
+        _roll_back(db)
+        raise
+    return result
 
 
 def _roll_back(db: sqlite3.Connection) -> None:

@@ -12,12 +12,19 @@ from __future__ import annotations
 
 from ._public import present_as as _present_as
 from ._session._snapshot import SavedSegment, SavedTranscript
-from ._surfaces._response_store import MemoryResponseStore, ResponseStore, SqliteResponseStore, StoredResponse
+from ._surfaces._response_store import (
+    MemoryResponseStore,
+    PostgresResponseStore,
+    ResponseStore,
+    SqliteResponseStore,
+    StoredResponse,
+)
 from ._surfaces._serve import FrontDoor
 
 __all__ = [
     "FrontDoor",
     "MemoryResponseStore",
+    "PostgresResponseStore",
     "ResponseStore",
     "SavedSegment",
     "SavedTranscript",

@@ -31,7 +31,7 @@ from ._results import ReasoningDelta, StepReply, ToolCallDelta
 from ._session import Session
 from ._session_config import SessionConfig
 from ._session_core import make_engine
-from ._session_store import SessionStore, check_session_store, conversation_key, history_key
+from ._session_store import SessionStore, check_session_store, conversation_key, history_key, leased
 
 __all__ = ["SessionPool"]
 
@@ -63,9 +63,12 @@ class SessionPool(EngineUser):
         store: where each session's snapshot is saved after every step (e.g. `SqliteSessionStore`): a
             conversation not live in the pool (closed when idle, or before a restart) resumes from it,
             token for token. Default: none (such a conversation is rebuilt from its messages).
-            The caller closes a store it passes. A step that cannot be saved (`StoreUnavailableError`:
+            The caller closes a store it passes; a ``postgresql://`` URL opens a `PostgresSessionStore`
+            that the pool closes. A step that cannot be saved (`StoreUnavailableError`:
             the store's file locked, full, read-only) raises instead of answering, and its session is
-            closed: the conversation's next step resumes from its last saved step.
+            closed: the conversation's next step resumes from its last saved step. A named conversation's
+            step holds its lease in the store (`SessionStore.lease`: a PostgreSQL store several doors
+            share); one another door holds is a `SessionBusyError`, as a busy session is.
         session_options: keyword arguments of each `Session` (``system``, ``mode``, ``tool_format``,
             ``tool_call_parser`` and ``reasoning_parser`` (vLLM's parsers, by name), ``max_tokens``, ``temperature``, ``seed``, ``sampling`` (`SamplingOptions`: every session's
             defaults, which a step's ``sampling=`` overrides field by field), ``cache_salt``; ``model`` and
@@ -78,7 +81,7 @@ class SessionPool(EngineUser):
         engine: Engine | None = None,
         max_sessions: int = 64,
         idle_ttl_s: float = 600.0,
-        store: SessionStore | None = None,
+        store: SessionStore | str | None = None,
         **session_options: Any,
     ) -> None:
         super().__init__()
@@ -90,8 +93,10 @@ class SessionPool(EngineUser):
             raise UserError("model= and engine_options= configure the pool's own engine; not with engine=")
         self._config = SessionConfig.of_options(session_options, owner=type(self).__name__)
         """Every session's configuration (each step's request is read once, with it), and the pool's own engine's."""
-        self.store = check_session_store(store)
         self._use_engine(engine)
+        self.store = check_session_store(store)
+        self._owns_store = self.store is not store
+        """Whether the pool opened its store (from a URL), and so closes it."""
         self._members: list[_Member] = []
         self._reaper: Background | None = None
         self.max_sessions = max_sessions
@@ -120,6 +125,8 @@ class SessionPool(EngineUser):
         for member in members:
             await member.session.aclose()
         await self._close_engine()
+        if self._owns_store and self.store is not None:
+            await anyio.to_thread.run_sync(self.store.close)
 
     # ----------------------------------------------------------------- reading
 
@@ -244,6 +251,12 @@ class SessionPool(EngineUser):
     ) -> StepReply:
         await self._close_idle()
         request = MessageRequest.build(self._config, messages, options)
+        async with leased(self.store, conversation_id):  # a store several doors share: one door at a time
+            return await self._step_member(request, conversation_id, options)
+
+    async def _step_member(
+        self, request: MessageRequest, conversation_id: str | None, options: StepOptions
+    ) -> StepReply:
         member = await self._member_for(request, conversation_id)
         try:
             reply = await member.session._step_request(

@@ -75,15 +75,17 @@ def add_serve_command(commands: Commands) -> None:
     serve.add_argument(
         "--store",
         default=None,
-        metavar="PATH",
+        metavar="PATH|URL",
         help="the SQLite file sessions (to resume after a restart) and responses (for previous_response_id) "
-        "are kept in (default: $AGENTKV_HOME/serve.sqlite3; a path, not a URL); 'memory': in this process only",
+        "are kept in (default: $AGENTKV_HOME/serve.sqlite3), or a postgresql://user:password@host/database URL "
+        "that several doors share (pip install 'agentkv[postgresql]'); 'memory': in this process only",
     )
     serve.add_argument(
         "--store-timeout-s",
         type=positive_seconds,
         default=2.0,
-        help="the most a save waits for the store's lock (another process's) before its request gets a 503",
+        help="the most a save waits for the store's lock (another process's) or its server before its request "
+        "gets a 503",
     )
 
 
@@ -101,21 +103,31 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_until(args: argparse.Namespace, signals: StopSignals) -> None:
+    from .._postgres import is_postgres_url
     from .._session._pool import SessionPool
-    from .._session._session_store import SqliteSessionStore
+    from .._session._session_store import PostgresSessionStore, SessionStore, SqliteSessionStore
     from .._sqlite import default_store_path
-    from ._response_store import MemoryResponseStore, ResponseStore, SqliteResponseStore
+    from ._response_store import MemoryResponseStore, PostgresResponseStore, ResponseStore, SqliteResponseStore
     from ._serve import FrontDoor
 
     responses: ResponseStore
-    sessions: SqliteSessionStore | None = None
+    sessions: SessionStore | None = None
+    where = "memory"
+    timeout_s = args.store_timeout_s
     if args.store == "memory":
         responses = MemoryResponseStore()
+    elif is_postgres_url(args.store):
+        responses = PostgresResponseStore(args.store, timeout_s=timeout_s)
+        with contextlib.ExitStack() as opened:  # the responses' store closed if the sessions' cannot open
+            opened.callback(responses.close)
+            sessions = PostgresSessionStore(args.store, timeout_s=timeout_s)
+            opened.pop_all()
+        where = sessions.url
     else:
         path = args.store or default_store_path()
-        timeout_s = args.store_timeout_s
         responses = SqliteResponseStore(path, timeout_s=timeout_s)
         sessions = SqliteSessionStore(path, timeout_s=timeout_s)
+        where = str(sessions.path)
     pool = SessionPool(
         mode=args.mode,
         max_sessions=args.max_sessions,
@@ -139,7 +151,7 @@ def _serve_until(args: argparse.Namespace, signals: StopSignals) -> None:
             store=responses,
         )
         key = "an API key" if door.settings.api_key else "no API key"
-        kept = f"sessions and responses kept in {sessions.path}" if sessions is not None else "kept in memory"
+        kept = f"sessions and responses kept in {where}" if sessions is not None else "kept in memory"
         pairs = f"{args.pairs} pairs" if args.pairs > 1 else type(pool.engine).__name__
         print(
             f"agentkv serve: {door.url}/v1 (model {door.settings.model_name!r}, {pairs}, {key}, {kept}); Ctrl-C to stop",

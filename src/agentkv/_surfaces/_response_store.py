@@ -3,9 +3,10 @@ and ``GET /v1/responses/{id}`` answers them again.
 
 A stored response holds the whole conversation through it, as the chat messages the pool
 takes (the next request's conversation is the stored one plus its new input items), and the
-``response`` object as it was returned. Two stores: `MemoryResponseStore` (bounded, gone with
-the process) and `SqliteResponseStore` (one table of its own in one file: a server restarted on
-the same file continues its conversations).
+``response`` object as it was returned. Three stores: `MemoryResponseStore` (bounded, gone with
+the process), `SqliteResponseStore` (one table of its own in one file: a server restarted on
+the same file continues its conversations) and `PostgresResponseStore` (a table in a PostgreSQL
+database, which several servers share).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._postgres import PostgresTable
 from .._sqlite import STORE_TIMEOUT_S, SqliteTable, Store, positive
+from .._store_table import StoreTable
 
-__all__ = ["MemoryResponseStore", "ResponseStore", "SqliteResponseStore", "StoredResponse"]
+__all__ = ["MemoryResponseStore", "PostgresResponseStore", "ResponseStore", "SqliteResponseStore", "StoredResponse"]
 
 logger = logging.getLogger("agentkv")
 
@@ -90,10 +93,33 @@ class MemoryResponseStore(ResponseStore):
         return len(self._responses)
 
 
+class _TableResponseStore(ResponseStore):
+    """Responses in a `StoreTable` of (response id, conversation id, messages JSON, response JSON) rows (a
+    subclass opens it: ``_table``)."""
+
+    _table: StoreTable[Any]
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        row = self._table.fetch(response_id)
+        if row is None:
+            return None
+        return StoredResponse(response_id, row[0], tuple(json.loads(row[1])), json.loads(row[2]))
+
+    def put(self, response: StoredResponse) -> None:
+        messages, kept = json.dumps(list(response.messages)), json.dumps(response.response)
+        self._table.save(response.response_id, response.conversation_id, messages, kept)
+
+    def delete(self, response_id: str) -> bool:
+        return self._table.remove(response_id)
+
+    def close(self) -> None:
+        self._table.close()
+
+
 _COLUMNS = ("response_id TEXT PRIMARY KEY", "conversation_id TEXT", "messages TEXT NOT NULL", "response TEXT NOT NULL")
 
 
-class SqliteResponseStore(ResponseStore):
+class SqliteResponseStore(_TableResponseStore):
     """Responses in one SQLite file (a table of their own, ``responses``), kept across restarts; the oldest
     dropped beyond ``max_responses``. A ``responses`` table of another layout (an older agentkv's) is
     replaced by an empty one, with a warning: its responses can no longer be continued.
@@ -115,25 +141,25 @@ class SqliteResponseStore(ResponseStore):
         self.path = self._table.path
         self.timeout_s = self._table.timeout_s
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        row = self._table.read(
-            "SELECT conversation_id, messages, response FROM responses WHERE response_id = ?", response_id
+
+class PostgresResponseStore(_TableResponseStore):
+    """Responses in a PostgreSQL database (its ``agentkv_responses`` table: src/agentkv/_postgres.py says the
+    layout), which several servers share: a chain one server stored continues on any; the oldest dropped beyond
+    ``max_responses``. Reached, timed and failing as `PostgresSessionStore` (a `StoreUnavailableError`, which
+    ``agentkv serve`` answers with a 503); needs psycopg (``pip install 'agentkv[postgresql]'``).
+
+    Args:
+        url: the database's URL, as `PostgresSessionStore` takes it.
+        max_responses: the most responses kept.
+        timeout_s: the most a call waits, as `PostgresSessionStore`'s.
+    """
+
+    def __init__(self, url: str, *, max_responses: int = 100_000, timeout_s: float = STORE_TIMEOUT_S) -> None:
+        self.max_responses = positive("max_responses", max_responses)
+        names = [column.split()[0] for column in _COLUMNS]
+        self._table = PostgresTable(
+            url, table="agentkv_responses", columns=names, max_rows=self.max_responses, timeout_s=timeout_s
         )
-        if row is None:
-            return None
-        return StoredResponse(response_id, row[0], tuple(json.loads(row[1])), json.loads(row[2]))
-
-    def put(self, response: StoredResponse) -> None:
-        self._table.write(
-            "INSERT OR REPLACE INTO responses (response_id, conversation_id, messages, response) VALUES (?, ?, ?, ?)",
-            response.response_id,
-            response.conversation_id,
-            json.dumps(list(response.messages)),
-            json.dumps(response.response),
-        )
-
-    def delete(self, response_id: str) -> bool:
-        return self._table.write("DELETE FROM responses WHERE response_id = ?", response_id) > 0
-
-    def close(self) -> None:
-        self._table.close()
+        self.url: str = self._table.url
+        """The database, its password hidden."""
+        self.timeout_s = self._table.timeout_s
