@@ -110,7 +110,7 @@ def chat_server() -> Iterator[_ChatServer]:
 
 def test_a_stock_turn_reads_the_ids_the_usage_and_the_first_token(chat_server: _ChatServer) -> None:
     async def main() -> tuple[Any, Any, Clock]:
-        conversation = StockConversation(f"http://127.0.0.1:{chat_server.port}/v1", "Be terse.", 16)
+        conversation = StockConversation(f"http://127.0.0.1:{chat_server.port}/v1", "Be terse.", 16, "salt-0")
         try:
             clock = Clock()
             first = await conversation.turn("Capital of France?", clock)
@@ -128,5 +128,6 @@ def test_a_stock_turn_reads_the_ids_the_usage_and_the_first_token(chat_server: _
     assert second.stats.turn == 2
     body = chat_server.bodies[1]
     assert body["return_token_ids"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["cache_salt"] == "salt-0"  # the session's own blocks, as in every mode
     assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "user"]
     assert body["messages"][2]["content"] == "Paris."

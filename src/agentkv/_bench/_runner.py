@@ -234,8 +234,10 @@ async def _stock_lane(
 ) -> _Lane:
     """The ``vllm-serve`` mode's conversations, one `openai` client each."""
     conversations: list[BenchConversation] = []
-    for _ in range(sessions):
-        conversation = StockConversation(server.url + "/v1", workload.system, workload.max_tokens)
+    run = uuid.uuid4().hex[:8]
+    for index in range(sessions):
+        salt = f"agentkv-bench-{run}-{STOCK_MODE}-{index}"
+        conversation = StockConversation(server.url + "/v1", workload.system, workload.max_tokens, salt)
         stack.push_async_callback(conversation.aclose)
         conversations.append(conversation)
     return _Lane(STOCK_MODE, conversations, [0] * sessions)

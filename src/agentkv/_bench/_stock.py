@@ -146,12 +146,15 @@ class StockConversation(ClientConversation):
     the prompt's and the answer's token ids (vLLM's ``return_token_ids``) and the usage (its cached tokens);
     TTFT is the client's, from the HTTP request sent to the first chunk that carries a token."""
 
-    def __init__(self, url: str, system: str, max_tokens: int) -> None:
+    def __init__(self, url: str, system: str, max_tokens: int, cache_salt: str) -> None:
         super().__init__(url, _MODEL_NAME, system, max_tokens)
+        self._cache_salt = cache_salt
         self._turns = 0
 
     async def turn(self, message: str, clock: Clock) -> Answer:
-        stream = await self._send(message, clock, extra_body={"return_token_ids": True})
+        # vLLM's cache_salt, as every other mode's session has its own: no blocks shared between the run's sessions
+        extra = {"return_token_ids": True, "cache_salt": self._cache_salt}
+        stream = await self._send(message, clock, extra_body=extra)
         text, prompt, output, usage = "", list[int](), list[int](), None
         async for chunk in stream:
             extra = chunk.model_extra or {}
