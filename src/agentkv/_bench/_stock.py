@@ -153,8 +153,8 @@ class StockConversation(ClientConversation):
 
     async def turn(self, message: str, clock: Clock) -> Answer:
         # vLLM's cache_salt, as every other mode's session has its own: no blocks shared between the run's sessions
-        extra = {"return_token_ids": True, "cache_salt": self._cache_salt}
-        stream = await self._send(message, clock, extra_body=extra)
+        body = {"return_token_ids": True, "cache_salt": self._cache_salt}
+        stream = await self._send(message, clock, extra_body=body)
         text, prompt, output, usage = "", list[int](), list[int](), None
         async for chunk in stream:
             extra = chunk.model_extra or {}
