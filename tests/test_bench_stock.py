@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import openai
 import psutil
 import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentkv import EngineStartError
@@ -87,6 +88,8 @@ class _ChatServer(ScriptedServer):
 
     async def _chat(self, request: Request) -> Response:
         self.bodies.append(await request.json())
+        if self.failures:
+            return JSONResponse({"error": {"message": "scripted failure"}}, status_code=self.failures.pop(0))
         return StreamingResponse(self._stream(), media_type="text/event-stream")
 
     async def _stream(self) -> AsyncIterator[str]:
@@ -131,3 +134,20 @@ def test_a_stock_turn_reads_the_ids_the_usage_and_the_first_token(chat_server: _
     assert body["cache_salt"] == "salt-0"  # the session's own blocks, as in every mode
     assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "user"]
     assert body["messages"][2]["content"] == "Paris."
+
+
+def test_a_failed_turn_leaves_the_conversation_as_it_was(chat_server: _ChatServer) -> None:
+    chat_server.failures.append(500)
+
+    async def main() -> None:
+        conversation = StockConversation(f"http://127.0.0.1:{chat_server.port}/v1", "Be terse.", 16, "salt-0")
+        try:
+            with pytest.raises(openai.InternalServerError):
+                await conversation.turn("Capital of France?", Clock())
+            await conversation.turn("And of Italy?", Clock())
+        finally:
+            await conversation.aclose()
+
+    anyio.run(main)
+    messages = chat_server.bodies[1]["messages"]
+    assert [(m["role"], m["content"]) for m in messages] == [("system", "Be terse."), ("user", "And of Italy?")]

@@ -158,6 +158,8 @@ class ClientConversation:
         self._model = model
         self._max_tokens = max_tokens
         self._messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": system}]
+        self._asked: list[ChatCompletionMessageParam] = self._messages
+        """The messages of the turn in flight (the conversation and its new message)."""
 
     async def _sent(self, request: httpx.Request) -> None:
         if self._clock is not None:
@@ -168,12 +170,13 @@ class ClientConversation:
 
     async def _send(self, message: str, clock: Clock, **extra: Any) -> AsyncStream[ChatCompletionChunk]:
         """The whole conversation with ``message`` added, sent as one streamed, greedy chat completion with its
-        usage at the end (``extra``: the mode's own arguments of ``chat.completions.create``)."""
-        self._messages = [*self._messages, {"role": "user", "content": message}]
+        usage at the end (``extra``: the mode's own arguments of ``chat.completions.create``). The message joins
+        the conversation with its answer (`_answered`), so a failed turn leaves the conversation as it was."""
+        self._asked = [*self._messages, {"role": "user", "content": message}]
         self._clock = clock
         stream: AsyncStream[ChatCompletionChunk] = await self._client.chat.completions.create(
             model=self._model,
-            messages=self._messages,
+            messages=self._asked,
             max_tokens=self._max_tokens,
             temperature=0,
             stream=True,
@@ -183,8 +186,8 @@ class ClientConversation:
         return stream
 
     def _answered(self, text: str) -> None:
-        """The answer goes back as the assistant message of the next turns."""
-        self._messages = [*self._messages, {"role": "assistant", "content": text}]
+        """The turn's message and its answer join the conversation (the answer as the assistant message)."""
+        self._messages = [*self._asked, {"role": "assistant", "content": text}]
 
 
 class ServedConversation(ClientConversation):

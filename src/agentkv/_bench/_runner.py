@@ -20,6 +20,7 @@ import anyio
 from .._conversation._conversation import ChatRenderer
 from .._engines import Engine
 from .._engines._base import Sampling, StepRequest
+from .._engines._pair_config import PairConfig
 from .._engines._system import free_port
 from .._model import prepare_model
 from .._session._pool import SessionPool
@@ -224,7 +225,8 @@ async def _stock_if_asked(
         return
     model = await anyio.to_thread.run_sync(prepare_model)
     log(f"agentkv bench: starting stock vllm serve on {model.name} (vLLM's defaults: it compiles the model first)")
-    async with stock_server(model, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=1.0) as server:
+    kv_cache_gib = PairConfig().kv_cache_gib  # the size the bench's own engines start with (their default)
+    async with stock_server(model, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=kv_cache_gib) as server:
         log(f"agentkv bench: stock vllm serve up at {server.url} (its output: {server.log_path})")
         yield server
 

@@ -78,7 +78,9 @@ _COMMON: dict[str, FieldRule] = {
     "top_logprobs": _honoured("SamplingOptions.logprobs: this many alternatives per output token (at most 20)"),
     "stream": _honoured("server-sent events as the answer is generated"),
     "user": _honoured("OpenAI's end-user id; agentkv's conversation id when neither x-session-id nor session_id"),
-    "priority": _refused("agentkv's engines schedule requests first come, first served", 0),
+    "priority": _refused(
+        "agentkv's engines serve every step first come, first served (priority puts only pin releases ahead)", 0
+    ),
     "request_id": _honoured(
         "the reply's id, as vLLM writes it: chatcmpl-<request_id> (chat), the request_id itself (Responses)"
     ),
