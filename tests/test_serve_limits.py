@@ -365,7 +365,9 @@ def test_a_burst_past_the_admission_limit_gets_429s_at_once_and_nothing_leaks() 
             await until(lambda: engine.held == 0 and in_flight(door.url) == 0)
 
         asyncio.run(leave())
-        assert len(pool.sessions) <= limit + 6
+        # at most one session per request admitted: the warm-up, the 16, the 6 that left (a refused one makes
+        # none; one whose client left before its step began may be gone already)
+        assert len(pool.sessions) <= 1 + limit + 6
 
         async def again() -> list[int]:  # every place came back: a full round is admitted
             async with httpx.AsyncClient(timeout=WAIT_S) as client:
