@@ -200,6 +200,26 @@ async def test_release_asks_p_for_a_notify_only_read_then_aborts_it() -> None:
     assert pair.p_llm.priorities == {step_id: 0, request_id: -1}  # scheduled before P's queued prefills
 
 
+async def test_a_release_the_guard_refuses_sends_nothing() -> None:
+    """A pin saved for other doors is released only when the guard (the pool's store) says no door has it."""
+    asked: list[str] = []
+
+    async def guard(pin_id: str) -> bool:
+        asked.append(pin_id)
+        return len(asked) > 1  # the first: another door took it; the second: taken back off offer
+
+    live = d_reply(remote_blocks_expiry_time=time.perf_counter() + 60)
+    pair = FakePair(prefill_ok, decode_with(live), pin_ttl_s=60)
+    async with pair:
+        pair.guard_releases(guard)
+        pin = (await run_step(pair, request())).pin
+        assert pin is not None
+        await pair.release(pin)
+        assert len(pair.p_llm.requests) == 1  # only the step's prefill
+        await pair.release(pin)
+        assert len(pair.p_llm.requests) == 2 and asked == [handle_of(pin).remote_request_id] * 2
+
+
 async def test_release_after_close_does_nothing() -> None:
     pair = FakePair(prefill_ok, decode_with(d_reply()))
     async with pair:

@@ -31,6 +31,7 @@ from ._errors import (
 )
 from ._lifecycle import LifecycleState
 from ._model import DEFAULT_MODEL, prepare_model
+from ._postgres import StoreLease
 from ._public import present_as as _present_as
 from ._session._message_step import StepOptions
 from ._session._pool import SessionPool
@@ -93,6 +94,7 @@ __all__ = [
     "StepOptions",
     "StepReply",
     "StepStats",
+    "StoreLease",
     "StoreUnavailableError",
     "TemplateError",
     "TextDelta",

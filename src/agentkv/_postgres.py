@@ -8,11 +8,12 @@ within a bounded time, nothing of a failed call kept.
 sync API (asyncpg is asyncio only). Each store object holds one connection behind one lock: a call waits for the
 calls ahead of it, as the SQLite stores' do; every call is one statement, so one round trip.
 
-**Layout** (schema version 2; every table's name starts with ``agentkv_``, other tables are left alone)::
+**Layout** (schema version 3; every table's name starts with ``agentkv_``, other tables are left alone)::
 
     agentkv_schema    (version integer NOT NULL)                  one row: the layout's version
     agentkv_sessions  (key text PRIMARY KEY, snapshot text NOT NULL,
-                       written bigint NOT NULL)                    SessionSnapshot JSON by key
+                       written bigint NOT NULL,                    SessionSnapshot JSON by key,
+                       pin text, pin_id text)                      with the pin it offers (SavedPin JSON)
     agentkv_responses (response_id text PRIMARY KEY, conversation_id text,
                        messages text NOT NULL, response text NOT NULL,
                        written bigint NOT NULL)                    stored Responses-API responses
@@ -34,6 +35,12 @@ connection (a connection lost and opened again, as after a server restart, drops
 to the holder, and a pooler in transaction mode cannot keep one at all); a row names its owner and its
 expiry, survives a reconnect, can be read by an operator (``SELECT * FROM agentkv_leases``), and its expiry
 is the server's clock, one clock for every door. The cost: a row written before and after each named step.
+
+**Pins: single use, offered once.** A conversation's row may offer the pin its last step left on a decode server
+that the doors share (``pin``, a `SavedPin`; ``pin_id``, its id): the door that takes the lease next takes the
+pin off the row in the same statement (`take_lease` returns it), so that no two doors ever push one handle back;
+a door that wants to release a pin it offered takes it back first (`take_pin_back`), and releases it only if it
+was still on offer (else another door may be reading it).
 
 **Migration.** Each new connection reads the layout's version (no ``agentkv_schema``: 0). One behind this
 agentkv's is migrated in one transaction: it takes a transaction-wide advisory lock (doors opening a fresh
@@ -57,6 +64,7 @@ import math
 import re
 import urllib.parse
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -70,11 +78,13 @@ if TYPE_CHECKING:
 __all__ = [
     "SCHEMA_VERSION",
     "PostgresTable",
+    "StoreLease",
     "drop_lease",
     "is_postgres_url",
     "renew_leases",
     "shown_url",
     "take_lease",
+    "take_pin_back",
 ]
 
 logger = logging.getLogger("agentkv")
@@ -96,6 +106,9 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     (  # 1 -> 2: one owner at a time
         "CREATE TABLE agentkv_leases (key text PRIMARY KEY, owner text NOT NULL, expires timestamptz NOT NULL)",
+    ),
+    (  # 2 -> 3: the pin a conversation's last step left on a decode server that several doors drive
+        "ALTER TABLE agentkv_sessions ADD COLUMN pin text, ADD COLUMN pin_id text",
     ),
 )
 """Step ``i`` takes a database from version ``i`` to ``i + 1``; a new layout is a new step, never an edit."""
@@ -175,18 +188,25 @@ class PostgresTable(StoreTable["psycopg.Connection[tuple[Any, ...]]"]):
         sql = f"SELECT {', '.join(rest)} FROM {self.table} WHERE {key_column} = %s"
         return self._run("read from", lambda db: db.execute(sql, (key,)).fetchone())
 
-    def save(self, *values: object) -> None:
-        """One statement: the row written (the key's replaced, taking the next ``written`` number), and the rows
-        ``max_rows`` numbers or more behind it dropped (never the key's: one statement changes a row once)."""
+    def save(self, *values: object) -> int:
+        """One statement: the row written (the key's replaced, taking the next ``written`` number, returned), and
+        the rows ``max_rows`` numbers or more behind it dropped (never the key's: one statement changes a row once)."""
         key, *rest = self.columns
         updates = ", ".join(f"{column} = EXCLUDED.{column}" for column in rest)
         sql = (
             f"WITH saved AS (INSERT INTO {self.table} ({', '.join(self.columns)})"
             f" VALUES ({', '.join(['%s'] * len(self.columns))})"
-            f" ON CONFLICT ({key}) DO UPDATE SET {updates}, written = EXCLUDED.written RETURNING written)"
-            f" DELETE FROM {self.table} WHERE {key} <> %s AND written <= (SELECT written FROM saved) - %s"
+            f" ON CONFLICT ({key}) DO UPDATE SET {updates}, written = EXCLUDED.written RETURNING written),"
+            f" dropped AS (DELETE FROM {self.table} WHERE {key} <> %s AND written <= (SELECT written FROM saved) - %s)"
+            " SELECT written FROM saved"
         )
-        self._run("save to", lambda db: db.execute(sql, (*values, values[0], self.max_rows)))
+
+        def save(db: psycopg.Connection[tuple[Any, ...]]) -> int:
+            row = db.execute(sql, (*values, values[0], self.max_rows)).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        return self._run("save to", save)
 
     def remove(self, key: str) -> bool:
         sql = f"DELETE FROM {self.table} WHERE {self.columns[0]} = %s"
@@ -224,15 +244,52 @@ class PostgresTable(StoreTable["psycopg.Connection[tuple[Any, ...]]"]):
         return fault.reason not in ("unreachable", "other") and not db.broken and not db.closed
 
 
-def take_lease(table: PostgresTable, key: str, owner: str, ttl_s: float) -> bool:
-    """Take ``key``'s lease for ``owner`` until ``ttl_s`` from now (the server's clock): True when it is free,
-    expired or ``owner``'s already; False when another owner holds it."""
+@dataclass(frozen=True)
+class StoreLease:
+    """What taking a conversation's lease found (`take_lease`)."""
+
+    written: int | None
+    """The conversation's row's ``written`` number (None: no row): a door whose copy was saved under another
+    number holds a stale one (another door stepped the conversation since)."""
+    pin: str | None
+    """The pin the row offered (`SavedPin` JSON), now taken off it: this door's alone."""
+    took_over: bool
+    """Taken from another owner whose lease had expired: it died, perhaps in a step that used the pin."""
+
+
+def take_lease(table: PostgresTable, key: str, owner: str, ttl_s: float) -> StoreLease | None:
+    """Take ``key``'s lease for ``owner`` until ``ttl_s`` from now (the server's clock), and the pin its session
+    row offers: the `StoreLease` when it was free, expired or ``owner``'s already; None when another owner holds it.
+    One statement (its parts all see the rows as they were before it)."""
     sql = (
-        "INSERT INTO agentkv_leases (key, owner, expires) VALUES (%s, %s, now() + %s * interval '1 second')"
+        "WITH before AS (SELECT owner FROM agentkv_leases WHERE key = %(key)s),"
+        " taken AS (INSERT INTO agentkv_leases (key, owner, expires)"
+        " VALUES (%(key)s, %(owner)s, now() + %(ttl)s * interval '1 second')"
         " ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, expires = EXCLUDED.expires"
-        " WHERE agentkv_leases.expires < now() OR agentkv_leases.owner = EXCLUDED.owner"
+        " WHERE agentkv_leases.expires < now() OR agentkv_leases.owner = EXCLUDED.owner RETURNING 1),"
+        " saved AS (SELECT written, pin FROM agentkv_sessions WHERE key = %(key)s),"
+        " offered AS (UPDATE agentkv_sessions SET pin = NULL, pin_id = NULL"
+        " WHERE key = %(key)s AND pin IS NOT NULL AND EXISTS (SELECT 1 FROM taken) RETURNING 1)"
+        " SELECT EXISTS (SELECT 1 FROM taken), (SELECT written FROM saved), (SELECT pin FROM saved),"
+        " (SELECT owner FROM before), (SELECT count(*) FROM offered)"
     )
-    return table._run("save to", lambda db: db.execute(sql, (key, owner, ttl_s)).rowcount == 1)
+
+    def take(db: psycopg.Connection[tuple[Any, ...]]) -> StoreLease | None:
+        row = db.execute(sql, {"key": key, "owner": owner, "ttl": ttl_s}).fetchone()
+        assert row is not None
+        taken, written, pin, before, _ = row
+        if not taken:
+            return None
+        return StoreLease(written, pin, took_over=before is not None and before != owner)
+
+    return table._run("save to", take)
+
+
+def take_pin_back(table: PostgresTable, key: str, pin_id: str) -> bool:
+    """Take the pin ``pin_id`` off ``key``'s row: True when it was still offered there (no other door can have
+    it now), False when it was taken or replaced meanwhile."""
+    sql = "UPDATE agentkv_sessions SET pin = NULL, pin_id = NULL WHERE key = %s AND pin_id = %s"
+    return table._run("save to", lambda db: db.execute(sql, (key, pin_id)).rowcount == 1)
 
 
 def renew_leases(table: PostgresTable, keys: Sequence[str], owner: str, ttl_s: float) -> None:

@@ -79,9 +79,10 @@ class StoreTable(ABC, Generic[_C]):
         """The key's row, without its key (the other columns, in order), or None."""
 
     @abstractmethod
-    def save(self, *values: object) -> None:
+    def save(self, *values: object) -> int | None:
         """Write a row (every column's value, the key first), replacing the key's; drop the oldest written beyond
-        ``max_rows``; all in one transaction."""
+        ``max_rows``; all in one transaction. Returns the row's ``written`` number where the table numbers its
+        writes for others to compare (PostgreSQL's), else None."""
 
     @abstractmethod
     def remove(self, key: str) -> bool:

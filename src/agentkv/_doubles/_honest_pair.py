@@ -16,8 +16,8 @@ import anyio
 import anyio.lowlevel
 
 from .._engines import StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
-from .._engines._base import Pin
-from .._engines._handle import KVHandle, parse_handle, pin_of
+from .._engines._base import Pin, ReleaseGuard, SavedPin
+from .._engines._handle import KVHandle, handle_of, parse_handle, pin_of
 from .._errors import EngineDeadError, EngineError, UserError
 from ._scripted import BundledModelDouble, cut_at_stop, refuse_unhonoured
 
@@ -100,6 +100,15 @@ class _Pin:
     """Read by P, or released."""
 
 
+@dataclasses.dataclass
+class _Decode:
+    """D: the pins it issued, by request id (several doubles may drive one D: `HonestPairEngine`'s ``decode_of``)."""
+
+    engine_id: str = dataclasses.field(default_factory=lambda: f"honest-decode-{uuid.uuid4().hex[:8]}")
+    pins: dict[str, _Pin] = dataclasses.field(default_factory=dict)
+    issued: int = 0
+
+
 class HonestPairEngine(BundledModelDouble):
     """A test double of a pair whose decode engine D holds KV honestly and checks every pin given back.
 
@@ -120,6 +129,8 @@ class HonestPairEngine(BundledModelDouble):
         pin_ttl_s: how long an issued pin says D keeps its blocks.
         forward_margin_s: a pin given back with less than this left before its deadline is a violation.
         stall_s: how long a ``stall`` fault hangs.
+        decode_of: another double whose D this one drives too (two doors on one decode server): pins travel
+            between them (`saved_pin`, `adopt_pin`), and each checks every pin given back against D's record.
     """
 
     push_back = True
@@ -133,17 +144,18 @@ class HonestPairEngine(BundledModelDouble):
         pin_ttl_s: float = 3600.0,
         forward_margin_s: float = 0.0,
         stall_s: float = 60.0,
+        decode_of: HonestPairEngine | None = None,
     ) -> None:
         super().__init__(model_path=model_path, max_model_len=max_model_len)
         self._respond = respond or _default_response
         self._pin_ttl_s = pin_ttl_s
         self._forward_margin_s = forward_margin_s
         self._stall_s = stall_s
-        self._pins: dict[str, _Pin] = {}
+        self._d = decode_of._d if decode_of is not None else _Decode()
+        self._pins = self._d.pins
+        self._guard: ReleaseGuard | None = None
         self._pending: list[Fault] = []
         self._malformation: Malformation = "missing_key"
-        self._issued = 0
-        self._engine_id = f"honest-decode-{uuid.uuid4().hex[:8]}"
         self.steps: list[StepRecord] = []
         """Every step request received, in order, with what was done with it."""
         self.violations: list[str] = []
@@ -247,12 +259,38 @@ class HonestPairEngine(BundledModelDouble):
             token_ids=token_ids, text=text, finish_reason=finish_reason, pin=pin, timings=timings, pin_error=pin_error
         )
 
+    def saved_pin(self, pin: Pin) -> SavedPin | None:
+        """The pin as a double on the same D (``decode_of``) takes it back: D's handle, its deadline in wall time."""
+        handle = handle_of(pin)
+        expires_unix = time.time() + (pin.expires_at - time.perf_counter())
+        ref = handle.model_dump()
+        return SavedPin(
+            id=handle.remote_request_id, server=self._d.engine_id, tokens=pin.tokens, expires_unix=expires_unix, ref=ref
+        )
+
+    def adopt_pin(self, saved: SavedPin) -> Pin | None:
+        """A saved pin of this double's D, as it was issued (one process: D's clock is this one's)."""
+        handle, _ = parse_handle(saved.ref)
+        if saved.server != self._d.engine_id or handle is None:
+            return None
+        return pin_of(handle)
+
+    def guard_releases(self, guard: ReleaseGuard | None) -> None:
+        self._guard = guard
+
     async def release(self, pin: Pin) -> None:
-        """Free ``pin``'s blocks (a session gave it up); releasing one this engine never issued is a violation."""
+        """Free ``pin``'s blocks (a session gave it up, its guard agreeing); releasing one this engine never issued,
+        or one already read or released, is a violation."""
         handle = pin.ref
+        if isinstance(handle, KVHandle) and self._guard is not None and not await self._guard(handle.remote_request_id):
+            return
         if isinstance(handle, KVHandle):
             held = self._pins.get(handle.remote_request_id)
             if held is not None and handle.model_dump() == held.issued and pin == pin_of(handle):
+                if held.spent:
+                    self.violations.append(
+                        f"asked to release a handle already read or released: {handle.remote_request_id}"
+                    )
                 held.spent = True
                 self.released += 1
                 return
@@ -297,7 +335,8 @@ class HonestPairEngine(BundledModelDouble):
     def _issue(self, held: list[int], faults: list[Fault]) -> tuple[Pin | None, str | None]:
         """D's pin for a step (or, with a ``malformed_handle`` fault, what a real engine makes of a broken
         handle), and why it was dropped."""
-        self._issued += 1
+        self._d.issued += 1
+        issued_count = self._d.issued
         now = time.perf_counter()
         deadline = now + self._pin_ttl_s
         if "expired_handle" in faults:
@@ -307,9 +346,9 @@ class HonestPairEngine(BundledModelDouble):
         handle = KVHandle(
             do_remote_decode=True,
             do_remote_prefill=False,
-            remote_block_ids=[list(range(self._issued * 64, self._issued * 64 + max(1, -(-len(held) // 16))))],
-            remote_engine_id=self._engine_id,
-            remote_request_id=f"honest-{self._issued}",
+            remote_block_ids=[list(range(issued_count * 64, issued_count * 64 + max(1, -(-len(held) // 16))))],
+            remote_engine_id=self._d.engine_id,
+            remote_request_id=f"honest-{issued_count}",
             remote_host="127.0.0.1",
             remote_port=5600,
             remote_num_tokens=len(held),

@@ -9,7 +9,9 @@ from ._base import EngineDetails as EngineDetails
 from ._base import EngineInfo as EngineInfo
 from ._base import EngineState as EngineState
 from ._base import Pin as Pin
+from ._base import ReleaseGuard as ReleaseGuard
 from ._base import Sampling as Sampling
+from ._base import SavedPin as SavedPin
 from ._base import StepDone as StepDone
 from ._base import StepEvent as StepEvent
 from ._base import StepRequest as StepRequest

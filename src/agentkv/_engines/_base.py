@@ -10,12 +10,12 @@ implementation provides `Engine.info` and `Engine.step`, and `_start`/`_stop` fo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from pydantic import ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from .._errors import EngineDeadError, SessionClosedError
 from .._lifecycle import Lifecycle, LifecycleState
@@ -37,6 +37,8 @@ __all__ = [
     "StepEvent",
     "StepRequest",
     "StepTimings",
+    "ReleaseGuard",
+    "SavedPin",
     "TokenDelta",
     "TokenLogprob",
     "prompt_split",
@@ -58,6 +60,30 @@ class Pin:
     its own clock)."""
     ref: object
     """The engine's own reference to the KV, opaque to everyone else (a pair's: D's NIXL handle)."""
+
+
+class SavedPin(BaseModel):
+    """A `Pin` as another process can take it back (`Engine.saved_pin`, `Engine.adopt_pin`): kept with a
+    conversation's snapshot in a store that several doors share, so that the door that steps it next on the same
+    decode server pulls its KV instead of recomputing it."""
+
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
+
+    id: str
+    """The pin's own id (unique per step): what a store offers and takes back."""
+    server: str
+    """Where the KV is, as the engine that made the pin names it (a pair: D's URL)."""
+    tokens: int = Field(ge=1)
+    """`Pin.tokens`."""
+    expires_unix: float
+    """`Pin.expires_at` in wall-clock time (``time.time()``), the one clock that doors on several hosts share."""
+    ref: dict[str, Any]
+    """The engine's reference as JSON (a pair's: D's handle)."""
+
+
+ReleaseGuard = Callable[[str], Awaitable[bool]]
+"""Asked with a pin's `SavedPin.id` before an engine releases a pin it saved: True when this process may release
+it, False when the pin was offered to others and may be in another's hands now (it is then left to expire)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,6 +277,21 @@ class Engine(Lifecycle, ABC):
         for their expiry. Best effort and optional: the default does nothing (the pin expires).
         Must not raise; an engine that is closed or dead ignores it.
         """
+
+    def saved_pin(self, pin: Pin) -> SavedPin | None:
+        """``pin`` as another process on the same servers could take it back (`adopt_pin`), or None when its KV
+        is only this process's to reach (the default: an engine this process runs, or one that does not say)."""
+        return None
+
+    def adopt_pin(self, saved: SavedPin) -> Pin | None:
+        """A pin another process saved (`saved_pin`) as this engine's own, or None when this engine cannot reach
+        its KV or it has expired (the default: None). The caller makes sure the pin was never used or released
+        since it was saved (it is single use), and that the tokens it keeps are the conversation's."""
+        return None
+
+    def guard_releases(self, guard: ReleaseGuard | None) -> None:
+        """Ask ``guard`` before releasing a pin that `saved_pin` saved (the default: an engine whose pins never
+        leave this process needs no guard, and ignores it)."""
 
     async def _start(self) -> None:
         """Start the engine's processes. Called once, by `open`."""

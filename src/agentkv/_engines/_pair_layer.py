@@ -31,7 +31,7 @@ from typing import Any
 from _agentkv_vllm._patches import PIN_ON_DECODE
 
 from .._errors import UserError
-from ._base import Engine, Pin, Sampling, StepDone, StepEvent, StepRequest
+from ._base import Engine, Pin, ReleaseGuard, Sampling, StepDone, StepEvent, StepRequest
 from ._handle import KVHandle, handle_of
 from ._pin_budget import PinBudget
 from ._pinning import HeldPin, choose_pin
@@ -64,6 +64,8 @@ class PairLayer(Engine):
         self._steps_on_decode = 0
         """Steps placed on D alone and not finished: counted from the choice, so that ``auto`` never places a
         second one beside the first (a prefill on D stalls every decode in its batch)."""
+        self._release_guard: ReleaseGuard | None = None
+        """Asked before a pin is released (`guard_releases`): None, release every pin."""
         self._placement_off: str | None = "the pair is not open"
         """Why steps cannot run on D alone (a push pair, a stock decode server, a vLLM without the patch), or None."""
 
@@ -196,8 +198,12 @@ class PairLayer(Engine):
         if isinstance(pin.ref, KVHandle):
             await self._release(pin.ref, pin.expires_at)
 
+    def guard_releases(self, guard: ReleaseGuard | None) -> None:
+        self._release_guard = guard
+
     async def _release(self, handle: KVHandle, deadline: float) -> None:
-        """`release` of D's ``handle``, which expires at ``deadline`` in this process's clock."""
+        """`release` of D's ``handle``, which expires at ``deadline`` in this process's clock (asking the guard
+        first: a handle saved for other processes may be in another's hands)."""
         if self._pins is not None:
             self._pins.gone(handle)
         if not self.is_open or self.is_dead or not self.info.pins:
@@ -205,6 +211,8 @@ class PairLayer(Engine):
         if time.perf_counter() + RELEASE_MARGIN_S >= deadline:
             return
         try:
+            if self._release_guard is not None and not await self._release_guard(handle.remote_request_id):
+                return
             await self._send_release(handle)
         except Exception as exc:  # best effort: a pin that is not released expires on D
             logger.debug("agentkv: releasing a pin failed: %s", exc)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
+from ._base import Pin, SavedPin
+from ._handle import handle_of, parse_handle, pin_of
 from ._http import HTTPPair
 from ._pair_config import Transfer
 
@@ -83,3 +86,38 @@ class RemotePair(HTTPPair):
 
     async def _start(self) -> None:
         await self._open_servers(*self._urls, kind="remote")
+
+    # ----------------------------------------------------------------- pins that travel
+
+    def saved_pin(self, pin: Pin) -> SavedPin | None:
+        """D's handle with its expiry in wall-clock time: several doors driving the same servers (each its own
+        `RemotePair` on the same D URL) take a conversation's pin over from one another through their shared
+        store (src/agentkv/_session/_pool.py says when a door may). Pull pairs only."""
+        if self._transfer_is_push():
+            return None
+        handle = handle_of(pin)
+        return SavedPin(
+            id=handle.remote_request_id,
+            server=self._urls[1],
+            tokens=pin.tokens,
+            expires_unix=time.time() + (pin.expires_at - time.perf_counter()),
+            ref=handle.model_dump(),
+        )
+
+    def adopt_pin(self, saved: SavedPin) -> Pin | None:
+        """The saved handle, when it names this pair's D (the same URL), is well formed and is not about to
+        expire: its expiry back in this process's clock, and counted in D's budget of pins like this pair's own."""
+        if self._transfer_is_push() or saved.server != self._urls[1]:
+            return None
+        handle, _ = parse_handle(saved.ref)
+        if (
+            handle is None
+            or handle.remote_engine_id in self._retired_engines
+            or handle.remote_num_tokens != saved.tokens
+        ):
+            return None
+        deadline = time.perf_counter() + (saved.expires_unix - time.time())
+        if deadline <= time.perf_counter():
+            return None
+        self._pin_budget().pinned(handle, deadline=deadline)
+        return pin_of(handle, deadline=deadline)

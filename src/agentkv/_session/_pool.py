@@ -11,6 +11,7 @@ are closed, and D's blocks for them released.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -20,11 +21,14 @@ from typing import Any, Literal, Unpack, overload
 
 import anyio
 import anyio.to_thread
+from pydantic import ValidationError
 
 from .._conversation._conversation import Message
 from .._engines import Engine
+from .._engines._base import SavedPin
 from .._errors import SessionBusyError, UserError
 from .._home import Background, start_background
+from .._postgres import StoreLease
 from ._engine_user import EngineUser
 from ._message_step import MessageRequest, StepOptions
 from ._results import ReasoningDelta, StepReply, ToolCallDelta
@@ -46,6 +50,10 @@ class _Member:
     used: float = field(default_factory=time.monotonic)
     saved_key: str | None = None
     """Where its last snapshot is in the pool's store."""
+    written: int | None = None
+    """The store's number of that save, where it numbers them (a store several doors share)."""
+    offered: str | None = None
+    """The id of the pin that save offered to the door that steps the conversation next."""
 
 
 class SessionPool(EngineUser):
@@ -98,6 +106,8 @@ class SessionPool(EngineUser):
         self._owns_store = self.store is not store
         """Whether the pool opened its store (from a URL), and so closes it."""
         self._members: list[_Member] = []
+        self._offered: dict[str, str] = {}
+        """The pins this pool's saves offered (`SessionStore.offers_pins`) and not yet taken back: id -> key."""
         self._reaper: Background | None = None
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
@@ -109,6 +119,8 @@ class SessionPool(EngineUser):
 
     async def _open_resources(self) -> None:
         await self._open_engine()
+        if self.store is not None and self.store.offers_pins:
+            self.engine.guard_releases(self._may_release)
         assert self.home is not None  # set by open, before the resources are
         self._reaper = start_background(self.home, self._reap)
 
@@ -124,6 +136,8 @@ class SessionPool(EngineUser):
         members, self._members = self._members, []
         for member in members:
             await member.session.aclose()
+        if self.store is not None and self.store.offers_pins and self._engine is not None:
+            self._engine.guard_releases(None)
         await self._close_engine()
         if self._owns_store and self.store is not None:
             await anyio.to_thread.run_sync(self.store.close)
@@ -251,13 +265,13 @@ class SessionPool(EngineUser):
     ) -> StepReply:
         await self._close_idle()
         request = MessageRequest.build(self._config, messages, options)
-        async with leased(self.store, conversation_id):  # a store several doors share: one door at a time
-            return await self._step_member(request, conversation_id, options)
+        async with leased(self.store, conversation_id) as lease:  # a store several doors share: one door at a time
+            return await self._step_member(request, conversation_id, options, lease)
 
     async def _step_member(
-        self, request: MessageRequest, conversation_id: str | None, options: StepOptions
+        self, request: MessageRequest, conversation_id: str | None, options: StepOptions, lease: StoreLease | None
     ) -> StepReply:
-        member = await self._member_for(request, conversation_id)
+        member = await self._member_for(request, conversation_id, lease)
         try:
             reply = await member.session._step_request(
                 request,
@@ -283,14 +297,28 @@ class SessionPool(EngineUser):
             member.busy = False
             member.used = time.monotonic()
 
-    async def _member_for(self, request: MessageRequest, conversation_id: str | None) -> _Member:
-        """The conversation's member, marked busy (no await between the choice and the mark)."""
+    async def _member_for(
+        self, request: MessageRequest, conversation_id: str | None, lease: StoreLease | None
+    ) -> _Member:
+        """The conversation's member, marked busy (no await between the choice and the mark).
+
+        With a store several doors share, ``lease`` says what taking the conversation's lease found: a member
+        saved under another number than the store's last is stale (another door stepped the conversation
+        since: it is closed, its pin left alone, and the conversation resumes from the store); the pin the store
+        offered is this door's now (the member's own, or one another door left, adopted on resuming)."""
         saved_key: str | None
         if conversation_id is not None:
             named = next((m for m in self._members if m.conversation_id == conversation_id), None)
             if named is not None and named.busy:
                 raise SessionBusyError(f"conversation {conversation_id!r} is already running a step")
+            if named is not None and lease is not None and lease.written not in (None, named.written):
+                named.busy = True  # until closed: no other step takes it meanwhile
+                await self._close(named, "another door stepped its conversation since")
+                named = None
             if named is not None:
+                if lease is not None and named.offered is not None:  # the lease took it off offer: ours again
+                    self._offered.pop(named.offered, None)
+                    named.offered = None
                 named.busy = True
                 return named
             saved_key = conversation_key(conversation_id)
@@ -307,7 +335,7 @@ class SessionPool(EngineUser):
         try:
             await member.session.open(home=self.home)
             if self.store is not None and saved_key is not None:
-                await self._resume(member, saved_key)
+                await self._resume(member, saved_key, lease)
         except BaseException:
             self._members.remove(member)
             with anyio.CancelScope(shield=True):
@@ -316,8 +344,10 @@ class SessionPool(EngineUser):
         await self._close_beyond_limit()
         return member
 
-    async def _resume(self, member: _Member, key: str) -> None:
-        """Restore the member's session from the store's snapshot under ``key``, if there is one that fits."""
+    async def _resume(self, member: _Member, key: str, lease: StoreLease | None) -> None:
+        """Restore the member's session from the store's snapshot under ``key``, if there is one that fits, with
+        the pin the lease took off offer (unless the lease was taken over from a door that died: it may have
+        used that pin in a step it never saved)."""
         assert self.store is not None
         snapshot = await anyio.to_thread.run_sync(self.store.get, key)
         if snapshot is None:
@@ -328,7 +358,23 @@ class SessionPool(EngineUser):
             logger.info("agentkv: a saved session could not be restored (%s); rebuilding it", exc)
             return
         member.saved_key = key
+        if lease is not None:
+            member.written = lease.written
+            if lease.pin is not None and not lease.took_over:
+                with contextlib.suppress(ValidationError):  # damaged: the prompt is computed, as without a pin
+                    member.session._adopt_pin(SavedPin.model_validate_json(lease.pin))
         logger.debug("agentkv: resumed a pooled session from the store")
+
+    async def _may_release(self, pin_id: str) -> bool:
+        """The engine's release guard: a pin this pool offered is released only once taken back off offer."""
+        key = self._offered.pop(pin_id, None)
+        if key is None or self.store is None:
+            return True
+        try:
+            return await anyio.to_thread.run_sync(self.store.take_pin_back, key, pin_id)
+        except Exception as exc:  # not known to be off offer: left to expire on D
+            logger.debug("agentkv: an offered pin could not be taken back (%s); it expires", exc)
+            return False
 
     async def _save(self, member: _Member, *, history: Sequence[Message]) -> None:
         """Save the member's session after a step (an unnamed one under its new history, the old key dropped).
@@ -342,9 +388,13 @@ class SessionPool(EngineUser):
         else:
             key = history_key(history)
         previous, member.saved_key = member.saved_key, key
+        pin = member.session._saved_pin() if store.offers_pins and member.conversation_id is not None else None
+        if pin is not None:  # offered from before the save on: a release from now on asks the store first
+            self._offered[pin.id] = key
+            member.offered = pin.id
 
         def save() -> None:
-            store.put(key, snapshot)
+            member.written = store.put(key, snapshot, pin=pin) if store.offers_pins else store.put(key, snapshot)
             if previous is not None and previous != key:
                 try:
                     store.delete(previous)

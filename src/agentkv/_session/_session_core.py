@@ -26,7 +26,7 @@ from .._conversation._parsers import OutputParsers
 from .._conversation._tools import template_tools
 from .._conversation._transcript import Transcript, TranscriptKey
 from .._engines import Colocated, EmbeddedPair, Engine
-from .._engines._base import Pin
+from .._engines._base import Pin, SavedPin
 from .._engines._pinning import HeldPin
 from .._errors import SessionClosedError, UserError
 from .._home import EventLoopHome
@@ -262,6 +262,33 @@ class SessionCore(EngineUser):
                     await engine.release(pin)
                 except Exception:  # best effort: an unreleased pin expires on D
                     logger.debug("agentkv: releasing a pin failed", exc_info=True)
+
+    def _saved_pin(self) -> SavedPin | None:
+        """The pin as another process could take it back (`Engine.saved_pin`): only between turns, and only when
+        it keeps the conversation's own tokens (so a snapshot saved beside it matches it)."""
+        with self._lock:
+            held, engine = self._pin, self._engine
+            if held is None or engine is None or self._active is not None or self._conversation is None:
+                return None
+            kept = held.pin.tokens
+            if held.token_ids[:kept] != self._conversation.tokens[:kept]:
+                return None
+        return engine.saved_pin(held.pin)
+
+    def _adopt_pin(self, saved: SavedPin) -> bool:
+        """Take up a pin another process saved with the snapshot just restored (its caller made sure no one else
+        has it): the engine's own again when it can reach its KV (`Engine.adopt_pin`)."""
+        engine = self._engine
+        pin = engine.adopt_pin(saved) if engine is not None else None
+        if pin is None:
+            return False
+        with self._lock:
+            tokens = list(self._readable_conversation().tokens)
+            if pin.tokens > len(tokens) or self._pin is not None or self._active is not None:
+                self._releases.append(pin)
+                return False
+            self._pin = HeldPin(pin, tokens)
+            return True
 
     def _drop_pin(self) -> None:
         """Release the session's pin (called with the lock held, after an edit)."""

@@ -29,8 +29,9 @@ import anyio.to_thread
 from pydantic import ValidationError
 
 from .._conversation._conversation import Message
+from .._engines._base import SavedPin
 from .._errors import SessionBusyError, StoreUnavailableError, UserError
-from .._postgres import PostgresTable, drop_lease, is_postgres_url, renew_leases, take_lease
+from .._postgres import PostgresTable, StoreLease, drop_lease, is_postgres_url, renew_leases, take_lease, take_pin_back
 from .._sqlite import STORE_TIMEOUT_S, SqliteTable, Store, positive, store_path
 from .._store_table import StoreTable
 from ._snapshot import SessionSnapshot
@@ -62,39 +63,54 @@ def history_key(messages: Sequence[Message]) -> str:
 class SessionStore(Store):
     """Session snapshots by key. Implementations are safe to call from several threads."""
 
+    offers_pins = False
+    """Whether `put` keeps the pin a step left for the door that steps the conversation next (a store several
+    doors share, which then implements `lease` and `take_pin_back`); a store one door uses keeps none."""
+
     @abstractmethod
     def get(self, key: str) -> SessionSnapshot | None:
         """The snapshot saved under ``key``, or None (never saved, dropped, or unreadable)."""
 
     @abstractmethod
-    def put(self, key: str, snapshot: SessionSnapshot) -> None:
-        """Save ``snapshot`` under ``key`` (replacing what was there). A store that cannot raises (`SqliteSessionStore`:
-        `StoreUnavailableError`); the pool then does not answer the step it was saving."""
+    def put(self, key: str, snapshot: SessionSnapshot, *, pin: SavedPin | None = None) -> int | None:
+        """Save ``snapshot`` under ``key`` (replacing what was there), offering ``pin`` (given only where
+        `offers_pins`). Returns the save's number where the store numbers saves for doors to compare (`lease`),
+        else None. A store that cannot raises (`SqliteSessionStore`: `StoreUnavailableError`); the pool then does
+        not answer the step it was saving."""
 
     @abstractmethod
     def delete(self, key: str) -> None:
         """Forget ``key`` (nothing happens when it is unknown)."""
 
-    def lease(self, key: str) -> None:
+    def lease(self, key: str) -> StoreLease | None:
         """Hold ``key`` for this store object's steps until `release` (a store several doors share: so that two
         never step one conversation at once); a live lease of another owner is a `SessionBusyError`. Calls nest:
-        the key is given back at the last `release`. By default nothing: a store one door uses needs none."""
+        the key is given back at the last `release`. Returns what the outermost call found (`StoreLease`: the save's
+        number, the pin the row offered, now this caller's), else None. By default nothing: a store one door
+        uses needs no lease."""
+        return None
 
     def release(self, key: str) -> None:
         """Give back what `lease` took (by default nothing)."""
 
+    def take_pin_back(self, key: str, pin_id: str) -> bool:
+        """Take the pin `put` offered under ``key`` off offer: True when no other door can have it (the caller may
+        release it), False when one took it or a later save replaced it. By default True (nothing offered)."""
+        return True
+
 
 @contextlib.asynccontextmanager
-async def leased(store: SessionStore | None, conversation_id: str | None) -> AsyncIterator[None]:
-    """The named conversation's lease in ``store`` (`SessionStore.lease`), held for the block; nothing for an
-    unnamed conversation (its key, a digest of its history, changes at every step) or without a store."""
+async def leased(store: SessionStore | None, conversation_id: str | None) -> AsyncIterator[StoreLease | None]:
+    """The named conversation's lease in ``store`` (`SessionStore.lease`), held for the block, and what taking it
+    found; nothing (None) for an unnamed conversation (its key, a digest of its history, changes at every step)
+    or without a store."""
     if store is None or conversation_id is None or type(store).lease is SessionStore.lease:  # no thread for nothing
-        yield
+        yield None
         return
     key = conversation_key(conversation_id)
-    await anyio.to_thread.run_sync(store.lease, key)
+    lease = await anyio.to_thread.run_sync(store.lease, key)
     try:
-        yield
+        yield lease
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(store.release, key)
@@ -129,8 +145,8 @@ class _TableSessionStore(SessionStore):
         except ValidationError:  # written by another version: the conversation is rebuilt from its messages
             return None
 
-    def put(self, key: str, snapshot: SessionSnapshot) -> None:
-        self._table.save(key, snapshot.model_dump_json())
+    def put(self, key: str, snapshot: SessionSnapshot, *, pin: SavedPin | None = None) -> int | None:
+        return self._table.save(key, snapshot.model_dump_json())
 
     def delete(self, key: str) -> None:
         self._table.remove(key)
@@ -190,7 +206,11 @@ class PostgresSessionStore(_TableSessionStore):
         if isinstance(lease_ttl_s, bool) or not isinstance(lease_ttl_s, int | float) or not 0 < lease_ttl_s < 1e6:
             raise UserError(f"lease_ttl_s must be a positive number of seconds, not {lease_ttl_s!r}")
         self._table = self._leases = PostgresTable(
-            url, table="agentkv_sessions", columns=("key", "snapshot"), max_rows=bound, timeout_s=timeout_s
+            url,
+            table="agentkv_sessions",
+            columns=("key", "snapshot", "pin", "pin_id"),
+            max_rows=bound,
+            timeout_s=timeout_s,
         )
         """The table, and the connection the leases' statements run on."""
         self.url: str = self._table.url
@@ -205,12 +225,22 @@ class PostgresSessionStore(_TableSessionStore):
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
-    def lease(self, key: str) -> None:
+    offers_pins = True
+
+    def put(self, key: str, snapshot: SessionSnapshot, *, pin: SavedPin | None = None) -> int | None:
+        saved = (pin.model_dump_json(), pin.id) if pin is not None else (None, None)
+        return self._table.save(key, snapshot.model_dump_json(), *saved)
+
+    def take_pin_back(self, key: str, pin_id: str) -> bool:
+        return take_pin_back(self._leases, key, pin_id)
+
+    def lease(self, key: str) -> StoreLease | None:
         with self._held_lock:
             if key in self._held:
                 self._held[key] += 1
-                return
-        if not take_lease(self._leases, key, self.owner, self.lease_ttl_s):
+                return None
+        lease = take_lease(self._leases, key, self.owner, self.lease_ttl_s)
+        if lease is None:
             raise SessionBusyError(
                 f"conversation {key.removeprefix('conversation:')!r} is running a step on another door (it holds "
                 f"the conversation's lease in {self.url}); "
@@ -221,6 +251,7 @@ class PostgresSessionStore(_TableSessionStore):
             if self._renewer is None:
                 self._renewer = threading.Thread(target=self._renew, name="agentkv-lease-renewer", daemon=True)
                 self._renewer.start()
+        return lease
 
     def release(self, key: str) -> None:
         with self._held_lock:

@@ -1,0 +1,169 @@
+"""A conversation's pin travels with it between doors that share a PostgreSQL store and a decode server
+(src/agentkv/_session/_pool.py, `SessionPool._member_for`; the store's side: src/agentkv/_postgres.py, "Pins").
+
+Two pools stand for two doors, each with its own `PostgresSessionStore` on one real server
+(tests/postgres_server.py) and its own `HonestPairEngine` on one shared D (``decode_of``): the double checks every
+pin given back against D's record (single use, the exact tokens, never after its release) and every release (never
+of a pin already read or released), so a door that pushed back a pin another door had used, or released one that
+another door took, is a violation. Scripted engines: they test the pools' and the store's logic, not the KV.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import psycopg
+import pytest
+
+from agentkv import PostgresSessionStore, SessionPool, StepReply
+from agentkv._session._session_store import conversation_key
+from agentkv.testing import HonestPairEngine
+from postgres_server import PostgresServer, postgres_server
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[PostgresServer]:
+    with postgres_server() as running:
+        yield running
+
+
+@pytest.fixture
+def url(server: PostgresServer) -> str:
+    server.reset()
+    return server.url
+
+
+class Doors:
+    """Two doors (pools) on one database and one D; `ask` sends a conversation's next turn to one of them."""
+
+    def __init__(self, url: str, stack: ExitStack, *, lease_ttl_s: float = 30.0) -> None:
+        first = HonestPairEngine()
+        self.engines = [first, HonestPairEngine(decode_of=first)]
+        self.stores = [stack.enter_context(PostgresSessionStore(url, lease_ttl_s=lease_ttl_s)) for _ in range(2)]
+        self.pools = [
+            stack.enter_context(SessionPool(engine=engine, store=store))
+            for engine, store in zip(self.engines, self.stores, strict=True)
+        ]
+        self.messages: dict[str, list[dict[str, Any]]] = {}
+
+    def ask(self, door: int, conversation: str, text: str) -> StepReply:
+        messages = self.messages.setdefault(conversation, [])
+        messages.append({"role": "user", "content": text})
+        reply = self.pools[door].step_sync(messages, conversation_id=conversation)
+        messages.append({"role": "assistant", "content": reply.text})
+        return reply
+
+    def assert_honest(self) -> None:
+        for engine in self.engines:
+            engine.assert_honest()
+
+
+def offered(url: str, conversation: str) -> str | None:
+    """The id of the pin the conversation's row offers."""
+    with psycopg.connect(url) as db:
+        row = db.execute("SELECT pin_id FROM agentkv_sessions WHERE key = %s", (conversation_key(conversation),))
+        found = row.fetchone()
+    return None if found is None else found[0]
+
+
+def pulled(reply: StepReply) -> bool:
+    return reply.stats.handle_forwarded and reply.stats.pulled_tokens > 0 and reply.stats.miss_reason is None
+
+
+def test_a_conversation_that_moves_between_doors_pulls_its_kv_back_on_each(url: str) -> None:
+    """A -> B -> A: each move pushes back the pin the other door left (pulled, not recomputed); the door it comes
+    back to drops its stale copy (its pin was used by the other door: not pushed back, not released); the
+    answers are one door's."""
+    with ExitStack() as stack:
+        doors = Doors(url, stack)
+        assert doors.ask(0, "c1", "One?").stats.miss_reason == "no_handle"
+        assert pulled(doors.ask(0, "c1", "Two?"))
+        assert offered(url, "c1") is not None
+        moved = doors.ask(1, "c1", "Three?")
+        assert pulled(moved) and moved.stats.turn == 3
+        back = doors.ask(0, "c1", "Four?")
+        assert pulled(back) and back.stats.turn == 4
+        doors.assert_honest()
+        tokens = doors.pools[0].sessions[0].token_ids
+    with ExitStack() as stack:  # the same conversation on one door
+        alone = Doors(url, stack)
+        for text in ("One?", "Two?", "Three?", "Four?"):
+            alone.ask(0, "c2", text)
+        assert alone.pools[0].sessions[0].token_ids == tokens
+    # closed: A's pin taken back off offer and released; B's stale copy's pin (A pulled it) left alone
+    assert (doors.engines[0].released, doors.engines[1].released) == (1, 0)
+
+
+def test_a_door_releases_only_a_pin_it_took_back_off_offer(url: str) -> None:
+    """Door A's copy of c1 goes stale when B steps c1 (B took A's pin): A closing it releases nothing; B closing
+    releases its own pin, taken off offer first, so a later door resumes without it (recomputes once)."""
+    with ExitStack() as stack:
+        doors = Doors(url, stack)
+        doors.ask(0, "c1", "One?")
+        doors.ask(1, "c1", "Two?")
+        stack.close()  # both doors close: A's old pin is B's (used), B's is taken back and released
+        doors.assert_honest()
+        assert (doors.engines[0].released, doors.engines[1].released) == (0, 1)
+    assert offered(url, "c1") is None
+    with ExitStack() as stack:
+        later = Doors(url, stack)
+        later.messages["c1"] = doors.messages["c1"]
+        assert later.ask(0, "c1", "Three?").stats.miss_reason == "resumed"
+        later.assert_honest()
+
+
+def test_a_pin_left_by_a_door_that_died_mid_step_is_never_pushed_back(url: str) -> None:
+    """A door that dies holding the lease may have used the offered pin in a step it never saved: the door that
+    takes the expired lease over takes the pin off offer and recomputes."""
+    with ExitStack() as stack:
+        doors = Doors(url, stack, lease_ttl_s=0.5)
+        doors.ask(0, "c1", "One?")
+        assert offered(url, "c1") is not None
+        dead = PostgresSessionStore(url, lease_ttl_s=0.5)
+        dead.lease(conversation_key("c1"))
+        dead.close()  # as a door that dies mid-step: no release, no renewal
+        time.sleep(0.8)
+        taken_over = doors.ask(1, "c1", "Two?")
+        assert taken_over.stats.miss_reason == "resumed" and not taken_over.stats.handle_forwarded
+        assert offered(url, "c1") not in (None, "")  # B's own pin now
+        assert pulled(doors.ask(0, "c1", "Three?"))
+        doors.assert_honest()
+
+
+def test_a_store_one_door_uses_offers_no_pin(tmp_path: Any) -> None:
+    """SQLite's store keeps no pin (one door: nothing to hand over), and its pool sets no release guard."""
+    from agentkv import SqliteSessionStore
+
+    engine = HonestPairEngine()
+    with SqliteSessionStore(tmp_path / "s.db") as store, SessionPool(engine=engine, store=store) as pool:
+        pool.step_sync([{"role": "user", "content": "One?"}], conversation_id="c1")
+        assert engine._guard is None and not store.offers_pins
+
+
+def test_a_remote_pairs_pin_travels_by_wall_clock_and_only_to_the_same_decode_server() -> None:
+    """`RemotePair.saved_pin` / `adopt_pin` (mapping level: no server): D's handle unchanged, its deadline moved
+    from this process's clock to wall time and back; another D's pin, a push pair's, an expired one: not adopted."""
+    from agentkv import RemotePair
+    from agentkv._engines._handle import KVHandle, pin_of
+    from agentkv._engines._http_capabilities import DecodeCapacity
+    from test_handle import d_reply
+
+    def pair(decode_url: str, **options: Any) -> RemotePair:
+        made = RemotePair("http://p:8100", decode_url, **options)
+        made._decode_capacity = DecodeCapacity(blocks=1000, block_size=16)
+        return made
+
+    deadline = time.perf_counter() + 120
+    handle = KVHandle.model_validate(d_reply(remote_blocks_expiry_time=deadline))
+    saved = pair("http://d:8200").saved_pin(pin_of(handle, deadline=deadline))
+    assert saved is not None and saved.server == "http://d:8200" and saved.ref == handle.model_dump()
+    assert abs(saved.expires_unix - (time.time() + 120)) < 0.5
+    adopted = pair("http://d:8200").adopt_pin(saved)
+    assert adopted is not None and adopted.ref == handle and adopted.tokens == 300
+    assert abs(adopted.expires_at - deadline) < 0.5
+    assert pair("http://elsewhere:8200").adopt_pin(saved) is None
+    assert pair("http://d:8200", transfer="push").adopt_pin(saved) is None
+    assert pair("http://d:8200").adopt_pin(saved.model_copy(update={"expires_unix": time.time() - 1})) is None
