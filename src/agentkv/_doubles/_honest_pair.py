@@ -151,7 +151,7 @@ class HonestPairEngine(BundledModelDouble):
         self._pin_ttl_s = pin_ttl_s
         self._forward_margin_s = forward_margin_s
         self._stall_s = stall_s
-        self._d = decode_of._d if decode_of is not None else _Decode()
+        self._d: _Decode = decode_of._d if decode_of is not None else _Decode()
         self._pins = self._d.pins
         self._guard: ReleaseGuard | None = None
         self._pending: list[Fault] = []
