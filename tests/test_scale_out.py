@@ -49,7 +49,7 @@ class Chat:
     failures: list[tuple[int, str]] = field(default_factory=list)
     """(turn, what failed) for each request the client saw fail."""
 
-    def turn(self, client: openai.OpenAI, number: int, *, within_s: float = 20.0) -> None:
+    def turn(self, client: openai.OpenAI, number: int, *, within_s: float = 120.0) -> None:
         question = {"role": "user", "content": f"Question {number} of {self.name or 'the unnamed one'}?"}
         deadline = time.monotonic() + within_s
         while True:
@@ -84,7 +84,7 @@ class Chat:
 
 
 def conversations(url: str, turns: range, chats: dict[str | None, Chat]) -> None:
-    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30) as client:
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
         for number in turns:
             for chat in chats.values():
                 chat.turn(client, number)
@@ -108,10 +108,10 @@ def responses_named(url: str) -> None:
     header on to the door for ``/v1/responses`` (it does for chat), so the body's ``session_id`` names it there."""
     headers = {"x-session-id": "responses-0"}
     body = {"model": MODEL, "input": "Hello?", "max_output_tokens": 8}
-    first = httpx.post(url + "/v1/responses", json=body, headers=headers, timeout=30)
+    first = httpx.post(url + "/v1/responses", json=body, headers=headers, timeout=120)
     assert first.status_code == 200 and first.headers.get("x-session-id") is None, first.text  # not passed on
     body |= {"session_id": "responses-0", "previous_response_id": first.json()["id"], "input": "Again?"}
-    second = httpx.post(url + "/v1/responses", json=body, headers=headers, timeout=30)
+    second = httpx.post(url + "/v1/responses", json=body, headers=headers, timeout=120)
     assert second.status_code == 200 and second.headers["x-session-id"] == "responses-0", second.text
 
 
