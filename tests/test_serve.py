@@ -193,7 +193,7 @@ def test_keys_sizes_and_busy_sessions(server: Any) -> None:
     assert httpx.post(url, json=body, headers={"authorization": "Bearer wrong"}).status_code == 401
     big = {"messages": [{"role": "user", "content": "x" * 70_000}]}
     assert httpx.post(url, json=big, headers={"authorization": "Bearer k3y"}).status_code == 413
-    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+    assert httpx.get(server[0] + "/health").json()["status"] == "ok"
     models = httpx.get(server[0] + "/v1/models", headers={"authorization": "Bearer k3y"}).json()
     assert [m["id"] for m in models["data"]] == ["smol"]
 
@@ -271,7 +271,9 @@ def test_two_pairs_behind_one_door_keep_serving_when_one_dies(tokenizer: Any) ->
         answers = clients_at_once(door.url, 8, range(2), histories)
         assert answers == [[f"echo {n}.{t}" for t in range(2)] for n in range(8)]
         assert all(pair.steps for pair in pairs)
-        assert httpx.get(door.url + "/health").json() == {"status": "ok", "engines": 2, "live": 2}
+        health = httpx.get(door.url + "/health").json()
+        assert health["status"] == "ok" and (health["engines"], health["live"]) == (2, 2)
+        assert health["conversations"] == 4  # the odd clients' named conversations
         pairs[0].inject("die")
         answers = clients_at_once(door.url, 8, range(2, 4), histories)
         assert answers == [[f"echo {n}.{t}" for t in range(2, 4)] for n in range(8)]
@@ -279,6 +281,29 @@ def test_two_pairs_behind_one_door_keep_serving_when_one_dies(tokenizer: Any) ->
         last_steps = [session.stats.turns[-1].steps[-1] for session in pool.sessions]
         assert len(last_steps) == 8 and all(step.handle_forwarded for step in last_steps)  # all push back on pair 1
     pairs[1].assert_honest()
+
+
+def test_health_lists_the_named_conversations_the_door_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GET /health``: the named conversations live in the pool, the most recently used first, their ids bounded
+    and their count whole; an unnamed one is not listed, a closed one no longer; no owner without PostgreSQL."""
+    monkeypatch.setattr("agentkv._surfaces._serve_routes._HEALTH_IDS", 3)
+    with (
+        HonestPairEngine(respond) as engine,
+        SessionPool(engine=engine, max_sessions=5) as pool,
+        FrontDoor(pool, port=free_port()) as door,
+    ):
+        assert httpx.get(door.url + "/health").json() == {"status": "ok", "conversations": 0, "conversation_ids": []}
+        url = door.url + "/v1/chat/completions"
+        for name in ("c1", "c2", "c3", "c4", None, "c2"):
+            headers = {"x-session-id": name} if name else {}
+            body = {"messages": [{"role": "user", "content": f"Hello from {name}"}]}
+            assert httpx.post(url, json=body, headers=headers).status_code == 200
+        health = httpx.get(door.url + "/health").json()
+        assert health == {"status": "ok", "conversations": 4, "conversation_ids": ["c2", "c4", "c3"]}
+        body = {"messages": [{"role": "user", "content": "Hello from c5"}]}
+        assert httpx.post(url, json=body, headers={"x-session-id": "c5"}).status_code == 200  # c1 closed: max 5
+        assert httpx.get(door.url + "/health").json()["conversation_ids"] == ["c5", "c2", "c4"]
+        assert "c1" not in pool.conversations and len(pool.conversations) == 4
 
 
 def test_a_restarted_server_resumes_its_conversations_from_the_store(tmp_path: Path) -> None:

@@ -149,6 +149,11 @@ class SessionPool(EngineUser):
         """The live sessions, least recently used first."""
         return [m.session for m in sorted(self._members, key=lambda m: m.used)]
 
+    @property
+    def conversations(self) -> list[str]:
+        """The named conversations live in the pool, least recently used first."""
+        return [m.conversation_id for m in sorted(self._members, key=lambda m: m.used) if m.conversation_id is not None]
+
     def session_for(self, conversation_id: str) -> Session | None:
         """The session of a named conversation, if it is live."""
         return next((m.session for m in self._members if m.conversation_id == conversation_id), None)

@@ -18,6 +18,7 @@ from starlette.routing import Route
 from .._engines import EngineGroup, EngineState
 from .._session._pool import SessionPool
 from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
+from .._session._session_store import PostgresSessionStore
 from ._in_flight import InFlight
 from ._limits import Admission, check_items, check_positive, read_body
 from ._logprobs import logprob_writer
@@ -169,12 +170,15 @@ class DoorRoutes:
         return self._authorized(request) or JSONResponse({"object": "list", "data": [model]})
 
     async def health(self, request: Request) -> Response:
+        """``{"status": "ok"}`` with what the door holds (`_held`), or a 503 while its engine is not serving."""
         engine = self.pool.engine if self.pool.is_open else None
         if engine is None or engine.state is not EngineState.OPEN or engine.is_dead:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         if isinstance(engine, EngineGroup):  # serving while one pair lives; the others may be restarting
-            return JSONResponse({"status": "ok", "engines": len(engine.engines), "live": engine.live})
-        return JSONResponse({"status": "ok"})
+            return JSONResponse(
+                {"status": "ok", "engines": len(engine.engines), "live": engine.live} | _held(self.pool)
+            )
+        return JSONResponse({"status": "ok"} | _held(self.pool))
 
     async def metrics_page(self, request: Request) -> Response:
         return self._authorized(request) or PlainTextResponse(
@@ -308,6 +312,21 @@ def _sse(data: dict[str, Any]) -> str:
 def _event_sse(event: dict[str, Any]) -> str:
     """A Responses stream event, named as OpenAI names them (``event:`` is its type)."""
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+_HEALTH_IDS = 1000
+"""The most conversation ids ``GET /health`` lists (its count is always whole)."""
+
+
+def _held(pool: SessionPool) -> dict[str, Any]:
+    """What ``GET /health`` says the door holds: the named conversations live in its pool (their count, and their
+    ids, the most recently used first, at most `_HEALTH_IDS` of them), and, when the doors share a PostgreSQL store,
+    this door's owner id in its leases (``agentkv_leases.owner``): which door a router sent a conversation to."""
+    named = pool.conversations if pool.is_open else []
+    held: dict[str, Any] = {"conversations": len(named), "conversation_ids": named[::-1][:_HEALTH_IDS]}
+    if isinstance(pool.store, PostgresSessionStore):
+        held["owner"] = pool.store.owner
+    return held
 
 
 def _gauges(pool: SessionPool) -> dict[str, int]:

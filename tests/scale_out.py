@@ -1,0 +1,176 @@
+"""Many doors behind vLLM's router, for the scale-out tests (docs/scale-out.md): doors started as processes by a
+command of the caller's (tests/scripted_door.py on scripted engines, or ``agentkv serve --store URL --remote P D``
+on a launched pair), and ``vllm-router`` in front of them, hashing ``x-session-id`` onto the doors.
+
+`ScaleOut` starts them (`ScaleOut.start_doors`, `ScaleOut.start_router`), each process's output in a file of its
+own; at the end it stops whatever still runs, checks that their ports were freed, and, when the test failed, prints
+the tail of every log (pytest shows it with the failure; a passing test stays quiet).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from agentkv._engines._system import free_port
+from freed import assert_ports_freed, running_pids
+
+__all__ = [
+    "ROUTER_FLAGS",
+    "DoorCommand",
+    "Process",
+    "ScaleOut",
+    "health",
+    "scripted_door",
+]
+
+ROUTER_FLAGS = (
+    "--policy",
+    "consistent_hash",
+    "--health-check-endpoint",
+    "/health",
+    "--health-check-interval-secs",
+    "1",
+    "--health-check-timeout-secs",
+    "1",
+    "--health-failure-threshold",
+    "1",
+    "--health-success-threshold",
+    "1",
+    "--worker-startup-check-interval",
+    "1",
+    "--log-level",
+    "warning",
+)
+"""vllm-router's flags besides the addresses: sticky on ``x-session-id`` (its first hash key), and a door that stops
+answering ``/health`` leaves the ring after one failed check a second apart (the defaults: three checks a minute
+apart)."""
+
+DoorCommand = Callable[[int, str], list[str]]
+"""The command line of a door listening on a port (the first argument) with its store at a URL (the second)."""
+
+
+def scripted_door(port: int, store_url: str) -> list[str]:
+    """A door on a scripted engine (tests/scripted_door.py)."""
+    script = Path(__file__).with_name("scripted_door.py")
+    return [sys.executable, str(script), "--port", str(port), "--store", store_url]
+
+
+def health(url: str) -> dict[str, Any]:
+    """A door's ``GET /health``."""
+    response = httpx.get(url + "/health", timeout=5)
+    assert response.status_code == 200, response.text
+    found: dict[str, Any] = response.json()
+    return found
+
+
+@dataclass
+class Process:
+    """A door or the router: its process, where it listens (``url``) and its log."""
+
+    name: str
+    url: str
+    ports: tuple[int, ...]
+    log: Path
+    popen: subprocess.Popen[bytes] = field(repr=False)
+
+    @property
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a machine that dies: nothing is given back, no lease released."""
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(timeout=30)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM, and the wait for it to end (SIGKILL after ``timeout_s``)."""
+        if not self.running:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, path: str, timeout_s: float) -> None:
+        """Until ``GET <path>`` answers 200; fails, with its log, if it exits or does not within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.running, f"{self.name} exited ({self.popen.returncode}):\n{self.tail()}"
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"{self.name} not ready after {timeout_s:g} s:\n{self.tail()}"
+            time.sleep(0.1)
+
+
+class ScaleOut:
+    """Doors and a router started for one test (``with ScaleOut(tmp_path) as fleet``), stopped at the end."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.processes: list[Process] = []
+        self._running_before = running_pids()
+
+    def _start(self, name: str, argv: list[str], ports: tuple[int, ...]) -> Process:
+        log = self.logs / f"{name}.log"
+        with log.open("wb") as out:
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        process = Process(name, f"http://127.0.0.1:{ports[0]}", ports, log, popen)
+        self.processes.append(process)
+        return process
+
+    def start_doors(
+        self, n: int, store_url: str, door_command: DoorCommand = scripted_door, *, ready_s: float = 120.0
+    ) -> list[Process]:
+        """``n`` doors on one store, started at once; returns when each answers ``/health``."""
+        doors = []
+        for number in range(n):
+            port = free_port()
+            doors.append(self._start(f"door-{number}", door_command(port, store_url), (port,)))
+        for door in doors:
+            door.wait_ready("/health", ready_s)
+        return doors
+
+    def start_router(self, door_urls: list[str], *flags: str, ready_s: float = 60.0) -> Process:
+        """vllm-router over ``door_urls`` with `ROUTER_FLAGS` (and ``flags`` after them); returns when it answers
+        ``/health`` (every door healthy). Its own Prometheus page is on a port of its own (``ports[1]``)."""
+        router = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+        assert router is not None, "vllm-router is not installed: pip install 'agentkv[dev]'"
+        port, prometheus = free_port(), free_port()
+        argv = [router, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prometheus)]
+        argv += ["--worker-urls", *door_urls, *ROUTER_FLAGS, *flags]
+        process = self._start("router", argv, (port, prometheus))
+        process.wait_ready("/health", ready_s)
+        return process
+
+    def __enter__(self) -> ScaleOut:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        if kind is not None:
+            for process in self.processes:
+                print(f"----- {process.name} ({process.url}), exit {process.popen.returncode}:\n{process.tail()}")
+        ports = [port for process in self.processes for port in process.ports]
+        assert_ports_freed(ports, running_before=self._running_before)
