@@ -78,7 +78,9 @@ def main() -> None:
         router = fleet.start_router([pg_door.url])
         urls = dict(zip(WAYS, (sqlite_door.url, pg_door.url, router.url), strict=True))
         clients = {way: openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) for way, url in urls.items()}
-        history = {(way, n): [{"role": "system", "content": "Be brief."}] for way in WAYS for n in range(args.conversations)}
+        history = {
+            (way, n): [{"role": "system", "content": "Be brief."}] for way in WAYS for n in range(args.conversations)
+        }
         client_ttft: dict[str, list[float]] = {way: [] for way in WAYS}
         engine_ttft: dict[str, list[float]] = {way: [] for way in WAYS}
         for turn in range(1, args.turns + 1):

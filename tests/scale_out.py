@@ -141,8 +141,9 @@ class ScaleOut:
         self, n: int, store_url: str, door_command: DoorCommand = scripted_door, *, ready_s: float = 120.0
     ) -> list[Process]:
         """``n`` doors on one store, started at once; returns when each answers ``/health``."""
-        doors = []
-        for number in range(n):
+        doors: list[Process] = []
+        before = sum(process.name.startswith("door-") for process in self.processes)  # numbered across calls
+        for number in range(before, before + n):
             port = free_port()
             doors.append(self._start(f"door-{number}", door_command(port, store_url), (port,)))
         for door in doors:
