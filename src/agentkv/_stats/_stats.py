@@ -133,6 +133,10 @@ class TurnStats(BaseModel):
     steps: list[StepStats]
     wall_s: float
     """Client clock: the whole turn, tools included."""
+    pin_renewals: int = 0
+    """How many times the session renewed its pin on D before the turn, while it waited for its caller (after the
+    turn before, and between the turn's `Session.step` calls): each a one-token step that kept the conversation's
+    KV pinned past the pin's TTL (``Session(renew_pins=...)``)."""
 
     @computed_field  # type: ignore[prop-decorator]
     @property
