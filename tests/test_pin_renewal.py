@@ -138,16 +138,19 @@ def test_closing_during_a_renewal_cancels_it_quietly() -> None:
     engine.assert_honest()
 
 
-@pytest.mark.parametrize("edit", ["rewind", "replace"])
+EDITS: dict[str, Callable[[Session], None]] = {
+    "rewind": lambda session: session.rewind(),
+    "replace": lambda session: session.replace_message(1, "Capital of Spain?"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
 def test_an_edit_cancels_the_renewal(edit: str) -> None:
     engine = _engine()
     with Session(engine=engine, expiry_margin_s=MARGIN_S) as session:
         session.run_sync("Capital of France?")
         session.run_sync("And Italy?")
-        if edit == "rewind":
-            session.rewind()
-        else:
-            session.replace_message(1, "Capital of Spain?")
+        EDITS[edit](session)
         time.sleep(PAUSE_S)
         assert not _renewals(engine) and engine.released == 1
         after = session.run_sync("And Spain?")

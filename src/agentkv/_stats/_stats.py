@@ -29,7 +29,8 @@ MissReason = Literal[
 ]
 """Why a step reused no KV from D:
 
-* ``no_handle``: there was no pin to push back (first step, after a rewind or fork, or D returned none);
+* ``no_handle``: there was no pin to push back (first step, after a rewind or fork, D returned none, or the pin's
+  renewal failed);
 * ``push_back_off``: the session's mode does not push handles back (disaggregated, colocated);
 * ``expired``: the pin was expired or too close to expiry to be read safely;
 * ``prefix_mismatch``: the new prompt does not extend the pinned tokens exactly (edited history);
