@@ -140,7 +140,7 @@ def test_rewound_history_never_forwards_the_handle(pair: EmbeddedPair) -> None:
 
 
 def test_an_expiring_pin_is_not_pushed_back(pair: EmbeddedPair) -> None:
-    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, expiry_margin_s=10) as session:
+    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, expiry_margin_s=10, renew_pins=False) as session:
         session.run_sync(QUESTIONS[0])
         time.sleep(pair.pin_ttl_s - 10 + 1)  # inside the margin before D's pin expires
         late = session.run_sync(QUESTIONS[1])
@@ -153,7 +153,7 @@ def test_an_expiring_pin_is_not_pushed_back(pair: EmbeddedPair) -> None:
 
 def test_a_read_p_declines_is_recomputed(pair: EmbeddedPair) -> None:
     """Forwarded too late on purpose (margin 0): P declines reads within 5 s of expiry."""
-    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, expiry_margin_s=0) as session:
+    with Session(engine=pair, system=SYSTEM, max_tokens=MAX_TOKENS, expiry_margin_s=0, renew_pins=False) as session:
         first = session.run_sync(QUESTIONS[0])
         time.sleep(pair.pin_ttl_s - 3)
         late = session.run_sync(QUESTIONS[1])

@@ -65,6 +65,17 @@ class Session(TurnAPI, StepAPI):
             ``structured_outputs`` and tools in ``tool_format="schema"`` (whose calls a JSON schema forces)
             cannot apply together: refused (`UserError`); native-format tools take it.
         expiry_margin_s: a pin that expires within this many seconds is not pushed back (not negative).
+        renew_pins: while the session is open and idle (the agent runs a tool, the user types), renew its pin on D
+            before it would expire or come within ``expiry_margin_s`` of it: one step of one token over the
+            conversation's tokens, on D alone where the engine can (else P pulls and D pins again); its output
+            is thrown away and the conversation does not change. So a pause longer than the pair's ``pin_ttl_s``
+            costs no recompute: the next step pulls. A step that starts during a renewal waits for it; an edit or
+            ``close`` cancels it; a renewal that fails drops the pin quietly (the next step recomputes).
+            `TurnStats.pin_renewals` counts them. It costs one token on D per pin TTL per idle session. Default:
+            on; only engines that pin (push-back modes) renew. In a `SessionPool` whose store offers pins to
+            other doors, sessions do not renew (a renewal would leave the store's saved pin stale).
+        renew_pins_for_s: stop renewing once the session has been idle this long after its last turn (positive;
+            default an hour): the pin then expires, so an abandoned session does not hold D's blocks forever.
         cache_salt: keep this session's cached KV apart: blocks cached under one salt never
             serve a request with another (vLLM ``cache_salt``), on P, D or a colocated engine.
             For tenants that must not share KV, and for measurements that must not help
@@ -92,6 +103,8 @@ class Session(TurnAPI, StepAPI):
         seed: int | None = None,
         sampling: SamplingOptions | Mapping[str, Any] | None = None,
         expiry_margin_s: float = 10.0,
+        renew_pins: bool = True,
+        renew_pins_for_s: float = 3600.0,
         cache_salt: str | None = None,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -112,6 +125,8 @@ class Session(TurnAPI, StepAPI):
             seed=seed,
             sampling=sampling,
             expiry_margin_s=expiry_margin_s,
+            renew_pins=renew_pins,
+            renew_pins_for_s=renew_pins_for_s,
             cache_salt=cache_salt,
             engine_options=engine_options,
         )

@@ -55,6 +55,10 @@ class SessionConfig(BaseModel):
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
     """Every other sampling setting (vLLM's names; see `SamplingOptions`)."""
     expiry_margin_s: float = Field(default=10.0, ge=0.0, allow_inf_nan=False)
+    renew_pins: bool = True
+    """Renew the pin while the session is idle (`agentkv._session._renewal`); only engines that pin renew."""
+    renew_pins_for_s: float = Field(default=3600.0, gt=0.0, allow_inf_nan=False)
+    """How long after its last turn an idle session stops renewing its pin."""
     cache_salt: str | None = None
     engine_options: dict[str, Any] = Field(default_factory=dict[str, Any])
 

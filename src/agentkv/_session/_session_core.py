@@ -34,6 +34,7 @@ from .._lifecycle import LifecycleState
 from .._stats._stats import SessionStats, TurnStats
 from ._engine_user import EngineUser
 from ._modes import Mode, modes_of, natural_mode, off_reason, pushes_back
+from ._renewal import PinRenewal
 from ._session_config import SessionConfig, check_count, check_message
 from ._snapshot import SessionSnapshot, load_transcript, save_transcript
 from ._turn import StepContext, Turn
@@ -85,6 +86,8 @@ class SessionCore(EngineUser):
         self._resumed = False
         """Restored from a snapshot, and no step since (its first step's miss reason is ``resumed``)."""
         self.mode: Mode = config.mode or "bidirectional"
+        self._renewal = PinRenewal(self)
+        """The pin's renewal while the session is idle (`agentkv._session._renewal`)."""
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -111,6 +114,7 @@ class SessionCore(EngineUser):
         if self._owns_engine:  # the forks run on this session's engine, which closes now
             for fork in list(self._forks):
                 await fork.aclose()
+        await self._renewal.close()
         with self._lock:
             if self._pin is not None:
                 self._releases.append(self._pin.pin)
@@ -147,7 +151,7 @@ class SessionCore(EngineUser):
     @property
     def pinned_tokens(self) -> int:
         """Tokens whose KV D holds for this conversation now, for the next step to pull back (0: no pin)."""
-        pin = self._pin
+        pin = self._pin or self._renewal.renewing
         return pin.pin.tokens if pin is not None else 0
 
     @property
@@ -163,6 +167,7 @@ class SessionCore(EngineUser):
         assert self._conversation is not None
         turn = Turn(number, self._conversation.copy(), self._pin, self._pin, consumer)
         self._pin, self._active = None, turn
+        self._renewal.pause()
         return turn
 
     async def _prepare(self, turn: Turn, change: Callable[[Turn], None]) -> None:
@@ -170,6 +175,12 @@ class SessionCore(EngineUser):
         On any failure the turn ends (the session is as before)."""
         try:
             await self._release_pins()
+            await self._renewal.settled()  # a renewal that runs ends first (one token): the turn takes its pin
+            with self._lock:
+                if turn.taken_pin is None and self._pin is not None and self._active is turn:
+                    turn.pin = turn.taken_pin = self._pin
+                    self._pin = None
+                turn.pin_renewals = self._renewal.count
             await self._ensure_engine(turn)
             change(turn)
         except BaseException:
@@ -196,6 +207,7 @@ class SessionCore(EngineUser):
         self._resumed = False
         turn.ended = True
         self._active = None
+        self._renewal.kept(self, turn=True)
 
     def _end_turn(self, turn: Turn) -> None:
         """Drop a turn that was not kept (failed, cancelled, abandoned). Safe to call twice."""
@@ -208,6 +220,7 @@ class SessionCore(EngineUser):
             pin, turn.pin = turn.pin, None
             if pin is not None and pin is turn.taken_pin and self._pin is None:
                 self._pin = pin  # never forwarded, and the conversation is unchanged: still good
+                self._renewal.kept(self, turn=False)
             elif pin is not None:
                 self._discard_pin(pin)
 
@@ -288,10 +301,12 @@ class SessionCore(EngineUser):
                 self._releases.append(pin)
                 return False
             self._pin = HeldPin(pin, tokens)
+            self._renewal.kept(self, turn=True)
             return True
 
     def _drop_pin(self) -> None:
-        """Release the session's pin (called with the lock held, after an edit)."""
+        """Release the session's pin and cancel its renewal (called with the lock held, after an edit)."""
+        self._renewal.cancel()
         if self._pin is not None:
             pin, self._pin = self._pin, None
             self._discard_pin(pin)

@@ -174,9 +174,14 @@ class StepAPI(SessionCore):
                 if continues:
                     last = self._turns[-1]
                     wall_s += last.wall_s
-                    self._turns[-1] = TurnStats(turn=last.turn, steps=[*last.steps, step.stats], wall_s=wall_s)
+                    renewals = last.pin_renewals + turn.pin_renewals
+                    steps = [*last.steps, step.stats]
+                    self._turns[-1] = TurnStats(turn=last.turn, steps=steps, wall_s=wall_s, pin_renewals=renewals)
                 else:
-                    self._turns.append(TurnStats(turn=turn.number, steps=[step.stats], wall_s=wall_s))
+                    stats = TurnStats(
+                        turn=turn.number, steps=[step.stats], wall_s=wall_s, pin_renewals=turn.pin_renewals
+                    )
+                    self._turns.append(stats)
             return reply
         finally:
             self._end_turn(turn)

@@ -55,6 +55,8 @@ class Turn:
     steps: list[Step] = field(default_factory=list[Step])
     result: TurnResult | None = None
     ended: bool = False
+    pin_renewals: int = 0
+    """Renewals of the session's pin since the turn before (`TurnStats.pin_renewals`)."""
 
     def abandoned(self) -> bool:
         return self.consumer is not None and self.consumer() is None
@@ -209,7 +211,10 @@ async def tool_round(
 
 def finish(turn: Turn, config: SessionConfig, answer: str) -> TurnResult:
     """The turn's result (kept on the turn until the session commits it)."""
-    stats = TurnStats(turn=turn.number, steps=[s.stats for s in turn.steps], wall_s=time.perf_counter() - turn.started)
+    wall_s = time.perf_counter() - turn.started
+    stats = TurnStats(
+        turn=turn.number, steps=[s.stats for s in turn.steps], wall_s=wall_s, pin_renewals=turn.pin_renewals
+    )
     bounded = bool(config.tools) and config.max_steps > 1 and len(turn.steps) == config.max_steps
     stop_reason: Literal["answer", "max_steps"] = "max_steps" if bounded else "answer"
     turn.result = TurnResult(text=answer, steps=list(turn.steps), stats=stats, stop_reason=stop_reason)

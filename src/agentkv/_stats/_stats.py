@@ -29,7 +29,8 @@ MissReason = Literal[
 ]
 """Why a step reused no KV from D:
 
-* ``no_handle``: there was no pin to push back (first step, after a rewind or fork, or D returned none);
+* ``no_handle``: there was no pin to push back (first step, after a rewind or fork, D returned none, or the pin's
+  renewal failed);
 * ``push_back_off``: the session's mode does not push handles back (disaggregated, colocated);
 * ``expired``: the pin was expired or too close to expiry to be read safely;
 * ``prefix_mismatch``: the new prompt does not extend the pinned tokens exactly (edited history);
@@ -133,6 +134,10 @@ class TurnStats(BaseModel):
     steps: list[StepStats]
     wall_s: float
     """Client clock: the whole turn, tools included."""
+    pin_renewals: int = 0
+    """How many times the session renewed its pin on D before the turn, while it waited for its caller (after the
+    turn before, and between the turn's `Session.step` calls): each a one-token step that kept the conversation's
+    KV pinned past the pin's TTL (``Session(renew_pins=...)``)."""
 
     @computed_field  # type: ignore[prop-decorator]
     @property
