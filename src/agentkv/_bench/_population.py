@@ -158,8 +158,8 @@ class Plan:
 
     def measured(self, records: Sequence[TurnRecord]) -> Plan:
         """The plan with its arrival gap set from the solo turns in ``records`` (colocated's when it ran, else every
-        mode's at load 1) if it was not given; unchanged when given or when no solo turn ran."""
-        if self.arrival_given or self.arrivals == "barrier":
+        mode's at load 1) if it was not set yet; unchanged when set or when no solo turn ran."""
+        if self.arrival_mean_s is not None or self.arrivals == "barrier":
             return self
         solo = [r for r in records if r.load == 1]
         solo = [r for r in solo if r.mode == "colocated"] or solo

@@ -166,7 +166,8 @@ async def run_modes(
     ):
         floor = None
         if "colocated" in by_mode:
-            log("agentkv bench: measuring the floor on the colocated engine (before the first turn and after each)")
+            after = "each" if plan.arrivals == "barrier" else "each load"
+            log(f"agentkv bench: measuring the floor on the colocated engine (before the first turn and after {after})")
             floor = FloorSampler(by_mode["colocated"], max_model_len=max_model_len)
             await floor.sample()
         run = _Run(workload, by_mode, stock, plan, floor, progress)
