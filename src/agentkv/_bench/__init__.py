@@ -14,15 +14,21 @@ import anyio
 from .._engines import Engine
 from .._engines._platform_settings import resolve_dtype
 from .._errors import AgentKVError, UserError
+from ._goodput import DEFAULT_SLO_ITL, DEFAULT_SLO_TTFT, load_rows, measure_slo
 from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
+from ._population import AGENTIC_THINK_S, ARRIVALS, Arrivals, Plan, parse_loads
 from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, TurnRecord, first_prompt_divergence, summarize
-from ._report import header, plot, push_against_pull, served_overhead, table
+from ._report import goodput_lines, header, load_tables, plot, push_against_pull, served_overhead, table
 from ._runner import Progress, run_modes
 from ._workloads import WORKLOADS, Workload, load_replay, make_workload
 
 __all__ = [
+    "AGENTIC_THINK_S",
+    "ARRIVALS",
     "DEFAULT_DTYPE",
     "DEFAULT_MODES",
+    "DEFAULT_SLO_ITL",
+    "DEFAULT_SLO_TTFT",
     "DTYPES",
     "MODES",
     "SERVED_TTFT_TARGET",
@@ -32,9 +38,12 @@ __all__ = [
     "ModeSummary",
     "TurnRecord",
     "Workload",
+    "goodput_lines",
     "header",
     "load_replay",
+    "load_tables",
     "make_workload",
+    "parse_loads",
     "plot",
     "run_bench",
     "run_bench_sync",
@@ -59,14 +68,29 @@ async def run_bench(
     workload: Workload,
     *,
     modes: Sequence[str] = DEFAULT_MODES,
-    sessions: int = 1,
+    sessions: int | Sequence[int] = 1,
+    arrivals: Arrivals | None = None,
+    arrival_s: float | None = None,
+    think_s: float | None = None,
+    seed: int = 0,
+    slo_ttft: float = DEFAULT_SLO_TTFT,
+    slo_itl: float = DEFAULT_SLO_ITL,
     max_model_len: int = 4096,
     dtype: str | None = None,
     engines: Mapping[str, Engine] | None = None,
     progress: Progress | None = None,
     log: Callable[[str], None] | None = None,
 ) -> BenchReport:
-    """Run ``workload`` under ``modes`` (interleaved turn by turn) and return what was measured.
+    """Run ``workload`` under ``modes`` at each load of ``sessions`` and return what was measured.
+
+    ``sessions``: how many sessions of each mode run at once, or several such loads (a load sweep).
+    ``arrivals``: ``"barrier"`` (every session of a mode sends turn t together, modes interleaved turn by turn)
+    or ``"staggered"`` (seeded starts, ``arrival_s`` apart on average, by default half a solo turn measured at
+    load 1; each session runs its own turns, pausing a seeded think time of mean ``think_s`` before each after
+    the first); by default staggered for several loads, a barrier for one. ``think_s`` defaults to
+    `AGENTIC_THINK_S` on the agentic workload when staggered, else 0. ``seed`` seeds the population.
+    Goodput counts turns within ``slo_ttft`` x their floor and ``slo_itl`` x a solo colocated session's median
+    token gap (src/agentkv/_bench/_goodput.py).
 
     ``progress`` is called before each round with (what runs, steps done, steps in all);
     ``log`` with one line per start-up stage (default: the ``agentkv`` logger).
@@ -83,8 +107,17 @@ async def run_bench(
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:
         raise UserError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
-    if sessions < 1:
-        raise UserError("sessions must be at least 1")
+    plan = Plan.make(
+        sessions,
+        turns=len(workload.turns),
+        workload=workload.name,
+        arrivals=arrivals,
+        arrival_s=arrival_s,
+        think_s=think_s,
+        seed=seed,
+    )
+    if not (slo_ttft > 0 and slo_itl > 0):
+        raise UserError(f"the SLO's factors must be above 0, not {slo_ttft!r} (TTFT) and {slo_itl!r} (ITL)")
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"dtype is one of {', '.join(DTYPES)}, not {dtype!r}")
     if dtype is not None and engines is not None:
@@ -100,7 +133,7 @@ async def run_bench(
         run_modes,
         workload,
         list(dict.fromkeys(modes)),
-        sessions=sessions,
+        plan=plan,
         max_model_len=max_model_len,
         dtype=started_dtype or DEFAULT_DTYPE,
         engines=engines,
@@ -109,36 +142,43 @@ async def run_bench(
     )
     home = next(iter(homes.values()), None)
     if home is not None and not home.is_current():  # engines opened with `with`: run where they live
-        records, walls, floor = await home.call_async(measure)
+        records, walls, floor, plan = await home.call_async(measure)
     else:
-        records, walls, floor = await measure()
-    records.sort(key=lambda r: (list(modes).index(r.mode), r.session, r.turn))
+        records, walls, floor, plan = await measure()
+    records.sort(key=lambda r: (list(modes).index(r.mode), r.load, r.session, r.turn))
     divergence = first_prompt_divergence(records)
     if divergence is not None:
         raise AgentKVError(f"agentkv bench: the modes did not replay the same conversation ({divergence})")
+    lightest = plan.loads[0]
+    slo, slo_note = measure_slo(records, floor, ttft_factor=slo_ttft, itl_factor=slo_itl)
     return BenchReport(
         workload=workload.name,
         workload_description=workload.description,
         modes=list(dict.fromkeys(modes)),
-        sessions=sessions,
+        sessions=plan.loads[-1],
         turns=len(workload.turns),
         machine=_machine(),
         dtype=started_dtype,
         floor=floor,
         records=records,
-        round_wall_s=walls,
-        summaries=summarize(records, walls, floor),
+        round_wall_s=walls[lightest],
+        summaries=summarize([r for r in records if r.load == lightest], walls[lightest], floor),
         answers_agree=_answers_agree(records),
+        loads=plan.loads,
+        population=plan.report(),
+        slo=slo,
+        slo_note=slo_note,
+        load_rows=load_rows(records, walls, slo, floor),
     )
 
 
 def _answers_agree(records: Sequence[TurnRecord]) -> dict[str, bool]:
-    reference = {(r.session, r.turn): r.output_token_ids for r in records if r.mode == "bidirectional"}
+    reference = {(r.load, r.session, r.turn): r.output_token_ids for r in records if r.mode == "bidirectional"}
     if not reference:
         return {}
     modes = dict.fromkeys(r.mode for r in records if r.mode != "bidirectional")
     return {
-        mode: all(r.output_token_ids == reference[(r.session, r.turn)] for r in records if r.mode == mode)
+        mode: all(r.output_token_ids == reference[(r.load, r.session, r.turn)] for r in records if r.mode == mode)
         for mode in modes
     }
 

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from .._engines import PrefillEngine
 from .._stats._stats import StepStats
@@ -16,9 +16,13 @@ __all__ = [
     "BenchReport",
     "FloorFit",
     "FloorPoint",
+    "LoadRow",
     "ModeSummary",
+    "Population",
+    "Slo",
     "TurnRecord",
     "first_prompt_divergence",
+    "percentile",
     "summarize",
 ]
 
@@ -66,6 +70,17 @@ class TurnRecord(BaseModel):
     output_token_ids: list[int]
     prompt_digest: str
     """A digest of the prompt's token ids: on the same history every mode must give the model the same prompt."""
+    load: int = 1
+    """How many sessions of the mode ran in the turn's round (the load; src/agentkv/_bench/_population.py)."""
+    start_s: float = 0.0
+    """Client clock: from the run's first round to the call (turns overlap where their spans do)."""
+    think_s: float = 0.0
+    """The pause the session took before this turn (a tool's latency, a user's think time): drawn, then slept."""
+
+    @property
+    def worst_gap_s(self) -> float | None:
+        """The turn's longest gap between output tokens (`itl_s`); None for an answer of one token."""
+        return max(self.itl_s, default=None)
 
     @classmethod
     def from_stats(cls, stats: StepStats, **client_side: Any) -> TurnRecord:
@@ -176,13 +191,80 @@ class ModeSummary(BaseModel):
     """Served only: its mean TTFT minus bidirectional's (same pair, same prompts, through the front door)."""
 
 
+class Population(BaseModel):
+    """The bench's user population as drawn (src/agentkv/_bench/_population.py): when each session started and how
+    long it paused before each later turn, in seconds, per load."""
+
+    arrivals: str
+    """``staggered`` (seeded starts, no barrier) or ``barrier`` (every session sends turn t together)."""
+    arrival_mean_s: float | None
+    """The mean gap between sessions' starts (staggered only)."""
+    arrival_mean_measured: bool
+    """The gap was half a solo turn measured at load 1 in this run (else given)."""
+    think_mean_s: float
+    """The think time's mean (lognormal, sigma 1); 0: none."""
+    seed: int
+    starts_s: dict[int, list[float]]
+    """Per load: each session's start, from the round's start."""
+    think_s: dict[int, list[list[float]]]
+    """Per load, per session: the pause before each turn from the second."""
+    arrival_gap_drawn_mean_s: float | None
+    arrival_gap_drawn_p90_s: float | None
+    think_drawn_mean_s: float | None
+    think_drawn_p90_s: float | None
+
+
+class Slo(BaseModel):
+    """The objective a turn meets for goodput (src/agentkv/_bench/_goodput.py), from figures measured in the run:
+    TTFT at most `ttft_factor` x the turn's floor (`FloorFit.floor_s` of its new tokens over its history, no
+    transfer: the same for every mode) and its worst token gap at most `itl_factor` x the median token gap of a
+    solo colocated session (turns 2+ at load 1)."""
+
+    ttft_factor: float
+    itl_factor: float
+    itl_reference_s: float
+    """The median gap between tokens of colocated's solo session."""
+    itl_reference_gaps: int
+    """How many gaps that median is over."""
+    ttft_target_min_s: float
+    ttft_target_max_s: float
+    """The range of the TTFT targets over the turns judged (each turn's own floor times the factor)."""
+
+    @property
+    def itl_target_s(self) -> float:
+        return self.itl_factor * self.itl_reference_s
+
+
+class LoadRow(BaseModel):
+    """One mode at one load, over turns 2+ of its sessions."""
+
+    mode: str
+    load: int
+    steps: int
+    ttft_p50_s: float
+    ttft_p90_s: float
+    itl_p50_s: float | None
+    itl_p90_s: float | None
+    itl_p99_s: float | None
+    output_tokens_per_s: float
+    """Output tokens of every turn (1+) over the time any of the mode's turns was in flight at that load."""
+    good_steps: int | None
+    """Of `steps`, how many met the SLO (`Slo`); None without one."""
+    goodput: float | None
+    """``good_steps / steps``."""
+
+
 class BenchReport(BaseModel):
-    """Everything one ``agentkv bench`` run measured."""
+    """Everything one ``agentkv bench`` run measured.
+
+    With several loads, `summaries` and `round_wall_s` are those of the lightest load; `load_rows` has every
+    load's figures."""
 
     workload: str
     workload_description: str
     modes: list[str]
     sessions: int
+    """The most sessions a mode ran at once (the only load, or the largest of `loads`)."""
     turns: int
     machine: dict[str, str | int]
     dtype: str | None
@@ -194,9 +276,18 @@ class BenchReport(BaseModel):
     summaries: list[ModeSummary]
     answers_agree: dict[str, bool]
     """Per mode: its greedy answers equal bidirectional's, token for token, on every turn."""
+    loads: list[int] = Field(default_factory=list)
+    """Each load the modes ran at (sessions at once), ascending."""
+    population: Population | None = None
+    slo: Slo | None = None
+    slo_note: str | None = None
+    """Why there is no `slo` (what the run lacked to measure it)."""
+    load_rows: list[LoadRow] = Field(default_factory=list)
+    """Per mode, per load (the modes' order, then ascending loads)."""
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (1-99) of ``values``, inclusive method; the value itself when there is one."""
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
@@ -219,7 +310,7 @@ def summarize(
     later = {mode: [r for r in records if r.mode == mode and r.turn > 1] for mode in modes}
     means = {mode: statistics.fmean(r.ttft_s for r in rows) for mode, rows in later.items() if rows}
     itls = {mode: [gap for r in rows for gap in r.itl_s] for mode, rows in later.items()}
-    itl_p50 = {mode: _percentile(gaps, 50) for mode, gaps in itls.items() if gaps}
+    itl_p50 = {mode: percentile(gaps, 50) for mode, gaps in itls.items() if gaps}
     summaries = []
     for mode, rows in later.items():
         if not rows:
@@ -238,14 +329,14 @@ def summarize(
                 mode=mode,
                 steps=len(rows),
                 ttft_mean_s=means[mode],
-                ttft_p50_s=_percentile(ttfts, 50),
-                ttft_p90_s=_percentile(ttfts, 90),
+                ttft_p50_s=percentile(ttfts, 50),
+                ttft_p90_s=percentile(ttfts, 90),
                 engine_ttft_mean_s=statistics.fmean(r.engine_ttft_s for r in rows),
                 client_over_engine_s=statistics.fmean(r.ttft_s - r.engine_ttft_s for r in rows),
                 second_token_mean_s=statistics.fmean(seconds) if (seconds := _second_tokens(rows)) else None,
                 itl_p50_s=itl_p50.get(mode),
-                itl_p90_s=_percentile(gaps, 90) if gaps else None,
-                itl_p99_s=_percentile(gaps, 99) if gaps else None,
+                itl_p90_s=percentile(gaps, 90) if gaps else None,
+                itl_p99_s=percentile(gaps, 99) if gaps else None,
                 steps_on_decode=placed.count("decode") if placed else None,
                 ttft_vs_bidirectional=_ratio(means, mode, "bidirectional"),
                 ttft_vs_colocated=_ratio(means, mode, "colocated"),
@@ -285,19 +376,23 @@ def first_prompt_divergence(records: Sequence[TurnRecord]) -> str | None:
     A session's turns are compared until its answer differs from bidirectional's (possible outside
     float32: the next prompts then differ rightly).
     """
-    reference = {(r.session, r.turn): r for r in records if r.mode == "bidirectional"}
-    ordered = sorted((r for r in records if r.mode != "bidirectional"), key=lambda r: (r.mode, r.session, r.turn))
-    diverged: set[tuple[str, int]] = set()
+    reference = {(r.load, r.session, r.turn): r for r in records if r.mode == "bidirectional"}
+    ordered = sorted(
+        (r for r in records if r.mode != "bidirectional"), key=lambda r: (r.mode, r.load, r.session, r.turn)
+    )
+    several = len({r.load for r in records}) > 1
+    diverged: set[tuple[str, int, int]] = set()
     for record in ordered:
-        same = reference.get((record.session, record.turn))
-        if same is None or (record.mode, record.session) in diverged:
+        same = reference.get((record.load, record.session, record.turn))
+        if same is None or (record.mode, record.load, record.session) in diverged:
             continue
         if record.prompt_digest != same.prompt_digest:
             why = f", miss_reason {record.miss_reason}" if record.miss_reason else ""
+            load = f" at load {record.load}" if several else ""
             return (
-                f"{record.mode}, session {record.session}, turn {record.turn}: a prompt of {record.prompt_tokens} "
-                f"tokens{why}, against bidirectional's of {same.prompt_tokens}"
+                f"{record.mode}, session {record.session}{load}, turn {record.turn}: a prompt of "
+                f"{record.prompt_tokens} tokens{why}, against bidirectional's of {same.prompt_tokens}"
             )
         if record.output_token_ids != same.output_token_ids:
-            diverged.add((record.mode, record.session))
+            diverged.add((record.mode, record.load, record.session))
     return None

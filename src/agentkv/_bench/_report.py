@@ -1,4 +1,5 @@
-"""The benchmark's outputs: a table for the terminal, the JSON report, a PNG plot."""
+"""The benchmark's outputs: tables for the terminal (with several loads, one per mode across loads, and the
+goodput's objective), the JSON report, a PNG plot (TTFT and reuse per turn; goodput against load for several)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,19 @@ from pathlib import Path
 
 from .._stats._plots import plot_turns
 from .._stats._stats import text_table
-from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, TurnRecord
+from ._records import SERVED_TTFT_TARGET, BenchReport, LoadRow, ModeSummary, Population, Slo, TurnRecord
 
-__all__ = ["header", "per_turn", "plot", "push_against_pull", "served_overhead", "table"]
+__all__ = [
+    "goodput_lines",
+    "header",
+    "load_tables",
+    "per_turn",
+    "plot",
+    "plot_goodput",
+    "push_against_pull",
+    "served_overhead",
+    "table",
+]
 
 
 def _seconds(value: float | None) -> str:
@@ -101,10 +112,14 @@ def table(summaries: Sequence[ModeSummary]) -> str:
 def header(report: BenchReport) -> str:
     """The lines above the tables: what ran, in which dtype, and how to read the columns."""
     dtype = f"dtype {report.dtype}" if report.dtype is not None else "the given engines' dtype"
+    sessions = (
+        f"{', '.join(map(str, report.loads))} sessions per mode (one load after another)"
+        if len(report.loads) > 1
+        else f"{report.sessions} session(s) per mode"
+    )
     return "\n".join(
         (
-            f"workload: {report.workload} ({report.workload_description}); {report.turns} turns, "
-            f"{report.sessions} session(s) per mode, {dtype}",
+            f"workload: {report.workload} ({report.workload_description}); {report.turns} turns, {sessions}, {dtype}",
             "figures over turns 2+; TTFT on the client clock (call -> first token; served: HTTP request sent -> "
             "first chunk); seconds",
             "on D: steps prefilled on D alone; vs bidi / vs coloc: the column before, over bidirectional's / "
@@ -171,7 +186,126 @@ def per_turn(records: Sequence[TurnRecord]) -> dict[str, list[tuple[int, float, 
 
 
 def plot(report: BenchReport, path: str | Path) -> Path:
-    """Draw TTFT per turn per mode and reuse per turn per mode, side by side, as a PNG."""
+    """Draw TTFT per turn per mode and reuse per turn per mode, side by side, as a PNG; with several loads,
+    goodput against load instead (`plot_goodput`)."""
+    if len(report.loads) > 1:
+        return plot_goodput(report, path)
     title = f"agentkv bench: {report.workload}, {report.sessions} session(s) per mode, {report.turns} turns"
     plot_turns(per_turn(report.records), title=title, path=path)
+    return Path(path)
+
+
+_LOAD_COLUMNS = ("load", "steps", "ttft p50", "ttft p90", "itl p50", "itl p90", "itl p99", "tok/s", "goodput")
+
+
+def load_tables(rows: Sequence[LoadRow]) -> str:
+    """One table per mode, a row per load, over turns 2+: TTFT and ITL percentiles, tokens/s, goodput."""
+    tables = []
+    for mode in dict.fromkeys(row.mode for row in rows):
+        cells = (
+            (
+                str(row.load),
+                str(row.steps),
+                _seconds(row.ttft_p50_s),
+                _seconds(row.ttft_p90_s),
+                _seconds(row.itl_p50_s),
+                _seconds(row.itl_p90_s),
+                _seconds(row.itl_p99_s),
+                f"{row.output_tokens_per_s:.1f}",
+                "-" if row.goodput is None else f"{row.goodput:.0%}",
+            )
+            for row in rows
+            if row.mode == mode
+        )
+        tables.append(f"{mode}:\n{text_table(_LOAD_COLUMNS, cells, left_columns=0)}")
+    return "\n\n".join(tables)
+
+
+def _slo_lines(slo: Slo) -> list[str]:
+    return [
+        "goodput: the share of a mode's turns 2+ within both objectives, measured in this run:",
+        f"  TTFT <= {slo.ttft_factor:g}x the turn's floor (the floor's fit without the transfer, for the turn's new "
+        f"tokens over its history: {slo.ttft_target_min_s:.3f}-{slo.ttft_target_max_s:.3f} s over these turns)",
+        f"  worst token gap <= {slo.itl_factor:g}x the median gap of a solo colocated session "
+        f"({slo.itl_reference_s:.3f} s over {slo.itl_reference_gaps} gaps: {slo.itl_target_s:.3f} s)",
+    ]
+
+
+def _population_line(population: Population) -> str:
+    gap = population.arrival_mean_s or 0.0
+    measured = " (half a solo turn at load 1)" if population.arrival_mean_measured else ""
+    drawn = (
+        f"; drawn: mean {population.arrival_gap_drawn_mean_s:.2f} s, p90 {population.arrival_gap_drawn_p90_s:.2f} s"
+        if population.arrival_gap_drawn_mean_s is not None and population.arrival_gap_drawn_p90_s is not None
+        else ""
+    )
+    think = (
+        f"lognormal (sigma 1) of mean {population.think_mean_s:.2f} s; drawn: mean "
+        f"{population.think_drawn_mean_s:.2f} s, p90 {population.think_drawn_p90_s:.2f} s"
+        if population.think_drawn_mean_s is not None and population.think_drawn_p90_s is not None
+        else "none"
+    )
+    return (
+        f"population: staggered arrivals, exponential gaps of mean {gap:.2f} s{measured}{drawn}; think time before "
+        f"each turn after the first: {think}; seed {population.seed}"
+    )
+
+
+def goodput_lines(report: BenchReport) -> list[str]:
+    """The lines under the tables on goodput: the SLO (with one load, each mode's goodput under it; none where the
+    run did not measure one), or with several loads why there is none; and the population, when staggered."""
+    lines = []
+    if report.slo is not None:
+        lines.extend(_slo_lines(report.slo))
+        if len(report.loads) <= 1:
+            lines.append(
+                "  "
+                + ", ".join(
+                    f"{row.mode} {row.goodput:.0%} ({row.good_steps}/{row.steps})"
+                    for row in report.load_rows
+                    if row.goodput is not None
+                )
+            )
+    elif len(report.loads) > 1:
+        lines.append(f"goodput: not measured: {report.slo_note}")
+    if report.population is not None and report.population.arrivals == "staggered":
+        lines.append(_population_line(report.population))
+    return lines
+
+
+def plot_goodput(report: BenchReport, path: str | Path) -> Path:
+    """Goodput against load, one line per mode, beside TTFT p90 against load, as a PNG (matplotlib)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("plots need matplotlib: pip install 'agentkv[plot]'") from exc
+
+    figure = Figure(figsize=(11, 4.2))  # not pyplot: no global state, no display backend needed
+    left, right = figure.subplots(1, 2)
+    for mode in dict.fromkeys(row.mode for row in report.load_rows):
+        rows = [row for row in report.load_rows if row.mode == mode]
+        loads = [row.load for row in rows]
+        if report.slo is not None:
+            left.plot(loads, [100 * (row.goodput or 0.0) for row in rows], marker="o", label=mode)
+        right.plot(loads, [row.ttft_p90_s for row in rows], marker="o", label=mode)
+    slo = report.slo
+    goodput_title = (
+        f"Goodput: TTFT <= {slo.ttft_factor:g}x floor, worst gap <= {slo.itl_factor:g}x solo median"
+        if slo is not None
+        else "Goodput: not measured"
+    )
+    if slo is None:
+        left.text(0.5, 0.5, report.slo_note or "", ha="center", va="center", wrap=True, transform=left.transAxes)
+    left.set(xlabel="sessions at once", ylabel="turns within the SLO (%)", title=goodput_title, ylim=(0, 105))
+    right.set(xlabel="sessions at once", ylabel="TTFT p90 (s)", title="Time to first token, p90")
+    for axes in (left, right):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(report.loads, [str(load) for load in report.loads])
+        axes.grid(alpha=0.3)
+    right.legend(fontsize="small")
+    figure.suptitle(
+        f"agentkv bench: {report.workload}, {report.turns} turns, turns 2+ per mode and load", fontsize="medium"
+    )
+    figure.tight_layout()
+    figure.savefig(Path(path), dpi=110)
     return Path(path)

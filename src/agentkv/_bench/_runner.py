@@ -1,8 +1,12 @@
-"""Run one workload under several modes (src/agentkv/_bench/_modes.py) in one process, interleaved turn by turn.
+"""Run one workload under several modes (src/agentkv/_bench/_modes.py) in one process, at each load of the run's
+population (src/agentkv/_bench/_population.py), lightest first.
 
-In every turn each mode takes its turn in a rotated order, so machine noise and warm caches hit every mode
-alike; a mode's sessions (src/agentkv/_bench/_conversations.py) run concurrently. The floor (`FloorSampler`)
-is measured on the colocated engine before the first turn and after each.
+Under a barrier (one load, by default), in every turn each mode takes its turn in a rotated order, so machine noise
+and warm caches hit every mode alike; a mode's sessions (src/agentkv/_bench/_conversations.py) run concurrently. With
+staggered arrivals, each mode in turn (the order rotated from load to load) runs the load's whole population: its
+sessions start at their drawn times and each runs its own turns, with its drawn pauses between them. The floor
+(`FloorSampler`) is measured on the colocated engine before the first turn and after each (staggered: after each
+load). Each load's sessions are opened for its rounds and closed after them, under cache salts of their own.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
@@ -27,7 +31,9 @@ from .._session._pool import SessionPool
 from .._session._session import Session, load_tokenizer
 from .._surfaces._serve import FrontDoor
 from ._conversations import BenchConversation, Clock, RawConversation, ServedConversation, SessionConversation, drain
+from ._goodput import busy_s
 from ._modes import SESSION_MODES, open_engines
+from ._population import Plan
 from ._records import FloorFit, FloorPoint, TurnRecord
 from ._stock import STOCK_MODE, StockConversation, StockServer, stock_server
 from ._workloads import Workload
@@ -53,8 +59,10 @@ class _Lane:
     conversations: list[BenchConversation]
     previous_end: list[int]
     """Per session: prompt tokens plus output tokens of its last turn (what the next turn extends)."""
+    origin: float = 0.0
+    """The run's clock origin (its records' `TurnRecord.start_s`)."""
 
-    async def turn(self, index: int, turn: int, message: str) -> TurnRecord:
+    async def turn(self, index: int, turn: int, message: str, *, load: int, think_s: float) -> TurnRecord:
         clock = Clock()
         answer = await self.conversations[index].turn(message, clock)
         wall = time.perf_counter() - clock.started
@@ -73,6 +81,9 @@ class _Lane:
             output_token_ids=answer.output,
             prompt_digest=_digest(answer.prompt),
             request_s=clock.request_s,
+            load=load,
+            start_s=clock.started - self.origin,
+            think_s=think_s,
         )
 
 
@@ -138,14 +149,16 @@ async def run_modes(
     workload: Workload,
     modes: Sequence[str],
     *,
-    sessions: int,
+    plan: Plan,
     max_model_len: int,
     dtype: str,
     engines: Mapping[str, Engine] | None,
     progress: Progress,
     log: Callable[[str], None],
-) -> tuple[list[TurnRecord], dict[str, float], FloorFit | None]:
-    """Replay the workload in every mode; return the records, each mode's round wall time, the floor."""
+) -> tuple[list[TurnRecord], dict[int, dict[str, float]], FloorFit | None, Plan]:
+    """Replay the workload in every mode at every load of ``plan``; return the records, each mode's wall time
+    per load (its rounds' under a barrier; staggered, the time any of its turns was in flight), the floor, and the
+    plan as played (its arrival gap measured)."""
     engine_modes = [mode for mode in modes if mode != STOCK_MODE]
     async with (
         open_engines(engine_modes, given=engines, max_model_len=max_model_len, dtype=dtype, progress=log) as by_mode,
@@ -153,33 +166,93 @@ async def run_modes(
     ):
         floor = None
         if "colocated" in by_mode:
-            log("agentkv bench: measuring the floor on the colocated engine (before the first turn and after each)")
+            after = "each" if plan.arrivals == "barrier" else "each load"
+            log(f"agentkv bench: measuring the floor on the colocated engine (before the first turn and after {after})")
             floor = FloorSampler(by_mode["colocated"], max_model_len=max_model_len)
             await floor.sample()
+        run = _Run(workload, by_mode, stock, plan, floor, progress)
+        for position, load in enumerate(plan.loads):
+            if plan.arrivals == "barrier":
+                await run.barrier(load)
+            else:
+                await run.staggered(load, position)
+            run.plan = run.plan.measured(run.records)
+        progress("done", len(run.records), run.total)
+        return run.records, run.walls, floor.fit() if floor is not None else None, run.plan
+
+
+@dataclass
+class _Run:
+    """The rounds of one run: every mode at every load, the records, and each mode's wall time per load."""
+
+    workload: Workload
+    engines: dict[str, Engine]
+    stock: StockServer | None
+    plan: Plan
+    floor: FloorSampler | None
+    progress: Progress
+    records: list[TurnRecord] = field(default_factory=list[TurnRecord])
+    origin: float = field(default_factory=time.perf_counter)
+    """The clock's origin of the records' `TurnRecord.start_s`."""
+
+    def __post_init__(self) -> None:
+        self.modes = [*self.engines, *([STOCK_MODE] if self.stock is not None else [])]
+        self.walls = {load: dict.fromkeys(self.modes, 0.0) for load in self.plan.loads}
+        self.total = len(self.workload.turns) * len(self.modes) * sum(self.plan.loads)
+
+    async def _lanes(self, modes: Sequence[str], load: int, stack: contextlib.AsyncExitStack) -> list[_Lane]:
+        lanes = await _open_lanes(self.workload, {m: self.engines[m] for m in modes if m in self.engines}, load, stack)
+        if self.stock is not None and STOCK_MODE in modes:
+            lanes.append(await _stock_lane(self.workload, self.stock, load, stack))
+        for lane in lanes:
+            lane.origin = self.origin
+        return lanes
+
+    async def barrier(self, load: int) -> None:
+        """Turn by turn: each mode in a rotated order sends turn t from all its sessions at once, then waits for
+        them; the floor is sampled after each turn."""
+        label = f"{load} sessions, " if len(self.plan.loads) > 1 else ""
+        turns = len(self.workload.turns)
         async with contextlib.AsyncExitStack() as opened:
-            lanes = await _open_lanes(workload, by_mode, sessions, opened)
-            if stock is not None:
-                lanes.append(await _stock_lane(workload, stock, sessions, opened))
-            records: list[TurnRecord] = []
-            walls = dict.fromkeys(modes, 0.0)
-            total = len(workload.turns) * len(modes) * sessions
-            for turn, message in enumerate(workload.turns, start=1):
+            lanes = await self._lanes(self.modes, load, opened)
+            for turn, message in enumerate(self.workload.turns, start=1):
                 shift = (turn - 1) % len(lanes)
                 for lane in lanes[shift:] + lanes[:shift]:  # rotate who goes first
-                    progress(f"turn {turn}/{len(workload.turns)} {lane.mode}", len(records), total)
+                    self.progress(f"{label}turn {turn}/{turns} {lane.mode}", len(self.records), self.total)
                     started = time.perf_counter()
                     async with anyio.create_task_group() as group:
-                        for index in range(sessions):
-                            group.start_soon(_collect, lane, index, turn, message, records)
-                    walls[lane.mode] += time.perf_counter() - started
-                if floor is not None:
-                    await floor.sample()
-            progress("done", len(records), total)
-        return records, walls, floor.fit() if floor is not None else None
+                        for index in range(load):
+                            group.start_soon(self._turn, lane, load, index, turn, message)
+                    self.walls[load][lane.mode] += time.perf_counter() - started
+                if self.floor is not None:
+                    await self.floor.sample()
 
+    async def staggered(self, load: int, position: int) -> None:
+        """Each mode in turn (the order rotated by the load's ``position``) runs the load's population: each session
+        starts at its drawn time and runs its own turns, pausing its drawn think time before each; the floor is
+        sampled after the load."""
+        shift = position % len(self.modes)
+        for mode in self.modes[shift:] + self.modes[:shift]:
+            self.progress(f"{load} sessions {mode}", len(self.records), self.total)
+            async with contextlib.AsyncExitStack() as opened:
+                (lane,) = await self._lanes([mode], load, opened)
+                async with anyio.create_task_group() as group:
+                    for index in range(load):
+                        group.start_soon(self._session, lane, load, index)
+            self.walls[load][mode] = busy_s([r for r in self.records if r.mode == mode and r.load == load])
+        if self.floor is not None:
+            await self.floor.sample()
 
-async def _collect(lane: _Lane, index: int, turn: int, message: str, records: list[TurnRecord]) -> None:
-    records.append(await lane.turn(index, turn, message))
+    async def _session(self, lane: _Lane, load: int, index: int) -> None:
+        await anyio.sleep(self.plan.start_s(load, index))
+        for turn, message in enumerate(self.workload.turns, start=1):
+            think = self.plan.think_s(load, index, turn)
+            await anyio.sleep(think)
+            await self._turn(lane, load, index, turn, message, think)
+            self.progress(f"{load} sessions {lane.mode}", len(self.records), self.total)
+
+    async def _turn(self, lane: _Lane, load: int, index: int, turn: int, message: str, think: float = 0.0) -> None:
+        self.records.append(await lane.turn(index, turn, message, load=load, think_s=think))
 
 
 async def _open_lanes(

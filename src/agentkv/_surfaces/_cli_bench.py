@@ -11,7 +11,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from .._bench._goodput import DEFAULT_SLO_ITL, DEFAULT_SLO_TTFT
 from .._bench._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
+from .._bench._population import AGENTIC_THINK_S, ARRIVALS
 from .._bench._workloads import WORKLOADS
 from ._cli_options import Commands, add_command
 
@@ -33,10 +35,52 @@ def add_bench_command(commands: Commands) -> None:
         help=f"comma-separated, from {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})",
     )
     bench.add_argument("--turns", type=int, default=4)
-    bench.add_argument("--sessions", type=int, default=1, help="concurrent sessions per mode")
+    bench.add_argument(
+        "--sessions",
+        default="1",
+        metavar="N[,N...]",
+        help="concurrent sessions per mode; several loads (1,2,4,8,16) run each mode at each (default: 1)",
+    )
+    bench.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default=None,
+        help="staggered: sessions start at seeded exponential gaps and each runs its own turns; barrier: every "
+        "session sends turn t together (default: staggered for several loads, barrier for one)",
+    )
+    bench.add_argument(
+        "--arrival-s",
+        type=float,
+        default=None,
+        metavar="MEAN",
+        help="mean gap between staggered sessions' starts (default: half a solo turn, measured at load 1)",
+    )
+    bench.add_argument(
+        "--think-s",
+        type=float,
+        default=None,
+        metavar="MEAN",
+        help="mean pause before each turn after the first (seeded lognormal; 0: none); default: "
+        f"{AGENTIC_THINK_S:g} s of tool latency on the agentic workload when staggered, else 0",
+    )
+    bench.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=DEFAULT_SLO_TTFT,
+        metavar="X",
+        help=f"goodput's TTFT objective: X times the turn's floor (default: {DEFAULT_SLO_TTFT:g})",
+    )
+    bench.add_argument(
+        "--slo-itl",
+        type=float,
+        default=DEFAULT_SLO_ITL,
+        metavar="X",
+        help="goodput's token-gap objective: the turn's worst gap at most X times a solo colocated session's "
+        f"median gap (default: {DEFAULT_SLO_ITL:g})",
+    )
     bench.add_argument("--scale", type=float, default=1.0, help="multiply the workload's sizes")
     bench.add_argument("--max-tokens", type=int, default=None, help="answer length (default: the workload's)")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0, help="seeds the workload and the population (default: 0)")
     bench.add_argument("--max-model-len", type=int, default=4096)
     bench.add_argument(
         "--dtype",
@@ -84,9 +128,12 @@ class BenchProgress:
 def _bench(args: argparse.Namespace) -> int:
     """one multi-turn workload under each mode, side by side, in one run"""
     from .._bench import (
+        goodput_lines,
         header,
         load_replay,
+        load_tables,
         make_workload,
+        parse_loads,
         plot,
         push_against_pull,
         run_bench_sync,
@@ -94,6 +141,7 @@ def _bench(args: argparse.Namespace) -> int:
         table,
     )
 
+    loads = parse_loads(args.sessions)
     if args.replay:
         workload = load_replay(args.replay, max_tokens=args.max_tokens or 64, turns=args.turns)
     else:
@@ -101,16 +149,20 @@ def _bench(args: argparse.Namespace) -> int:
         if args.max_tokens:
             workload = dataclasses.replace(workload, max_tokens=args.max_tokens)
     progress = BenchProgress()
+    population = ("arrivals", "arrival_s", "think_s", "seed", "slo_ttft", "slo_itl")  # run_bench's names too
     report = run_bench_sync(
         workload,
         modes=args.modes,
-        sessions=args.sessions,
+        sessions=loads,
+        **{name: getattr(args, name) for name in population},
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         progress=progress,
         log=progress.log,
     )
     print(f"\n{header(report)}\n")
+    if len(report.loads) > 1:
+        print(f"at {report.loads[0]} session(s) per mode, the lightest load:\n")
     print(table(report.summaries))
     if report.floor is not None:
         print(
@@ -124,6 +176,12 @@ def _bench(args: argparse.Namespace) -> int:
     for line in (served_overhead(report.summaries), push_against_pull(report.summaries)):
         if line is not None:
             print(line)
+    if len(report.loads) > 1:
+        print("\nper load, turns 2+ (tok/s: output tokens over the time a turn of the mode was in flight):\n")
+        print(load_tables(report.load_rows))
+        print()
+    for line in goodput_lines(report):
+        print(line)
     if args.json:
         Path(args.json).write_text(report.model_dump_json(indent=2))
         print(f"wrote {args.json}")
