@@ -17,6 +17,7 @@ from agentkv._engines._start_log import ENGINE_LOG_VARIABLE
 from agentkv._engines._system import alive
 from agentkv.testing import block_real_engines
 from freed import assert_ports_freed, running_pids
+from postgres_server import PostgresServer, postgres_server
 from scripted import close_leftover_event_loop
 
 # D pins blocks for 30 s in tests (480 s by default), so expiry paths run in seconds.
@@ -84,6 +85,22 @@ def launched() -> Iterator[LaunchedPair]:
         assert pids and ports
     assert alive(pids) == set()
     assert_ports_freed(ports, running_before=running_before)
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL server of the module's own (tests/postgres_server.py; skipped where PostgreSQL is not installed)."""
+    with postgres_server() as running:
+        yield running
+
+
+@pytest.fixture
+def postgres_url(postgres: PostgresServer) -> str:
+    """The module's server, running (started again if a test stopped it), its database emptied."""
+    if not postgres.running:
+        postgres.start()
+    postgres.reset()
+    return postgres.url
 
 
 # ----------------------------------------------------------------- the order of the real-engine tiers

@@ -17,45 +17,16 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 import openai
 
 from agentkv import LaunchedPair
 from agentkv._model import model_name
 from postgres_server import postgres_server
-from scale_out import ScaleOut
+from scale_out import ScaleOut, streamed_turn
 
 WAYS = ("sqlite door", "postgresql door", "router + postgresql door")
-
-
-def ask(
-    client: openai.OpenAI, model: str, name: str, messages: list[dict[str, Any]]
-) -> tuple[str, float, float, float]:
-    """One streamed greedy turn: the answer, the client's TTFT, the engine's, and the client's whole turn (the
-    save to the store comes before the stream's last chunk)."""
-    started = time.perf_counter()
-    first: float | None = None
-    text, stats = "", None
-    stream = client.chat.completions.create(
-        model=model,
-        messages=messages,  # type: ignore[arg-type]
-        stream=True,
-        stream_options={"include_usage": True},
-        temperature=0,
-        max_tokens=16,
-        extra_headers={"x-session-id": name},
-    )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            first = first if first is not None else time.perf_counter()
-            text += chunk.choices[0].delta.content
-        if chunk.usage is not None:
-            stats = (chunk.model_extra or {})["agentkv"]["stats"]
-    assert first is not None and stats is not None
-    return text, first - started, float(stats["ttft_s"]), time.perf_counter() - started
 
 
 def main() -> None:
@@ -94,7 +65,13 @@ def main() -> None:
                 answers = set()
                 for way in order:
                     messages = [*history[way, n], question]
-                    text, client_s, engine_s, whole_s = ask(clients[way], model, f"{way[:6]}-{n}", messages)
+                    asked = streamed_turn(clients[way], model, messages, f"{way[:6]}-{n}", temperature=0, max_tokens=16)
+                    text, client_s, engine_s, whole_s = (
+                        asked.text,
+                        asked.ttft_s,
+                        float(asked.stats["ttft_s"]),
+                        asked.turn_s,
+                    )
                     history[way, n] = [*messages, {"role": "assistant", "content": text}]
                     answers.add(text)
                     if turn > 1:

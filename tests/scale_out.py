@@ -21,17 +21,22 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+import openai
 
 from agentkv._engines._system import free_port
 from freed import assert_ports_freed, running_pids
 
 __all__ = [
+    "Chat",
     "ROUTER_FLAGS",
     "DoorCommand",
     "Process",
     "ScaleOut",
+    "StreamedTurn",
     "health",
+    "placement",
     "scripted_door",
+    "streamed_turn",
 ]
 
 ROUTER_FLAGS = (
@@ -175,3 +180,86 @@ class ScaleOut:
                 print(f"----- {process.name} ({process.url}), exit {process.popen.returncode}:\n{process.tail()}")
         ports = [port for process in self.processes for port in process.ports]
         assert_ports_freed(ports, running_before=self._running_before)
+
+
+def placement(doors: list[Process]) -> dict[str, str]:
+    """Which door holds each named conversation live (checked: one door only)."""
+    held: dict[str, str] = {}
+    for door in doors:
+        for name in health(door.url)["conversation_ids"]:
+            assert name not in held, f"{name} is live on {held[name]} and {door.name}: a turn went to another door"
+            held[name] = door.name
+    return held
+
+
+@dataclass
+class StreamedTurn:
+    """A streamed chat turn as the client saw it."""
+
+    text: str
+    stats: dict[str, Any]
+    """agentkv's stats of the step (the usage chunk's ``agentkv`` object)."""
+    ttft_s: float
+    """From the request sent to its first content chunk."""
+    turn_s: float
+    """From the request sent to the stream's end (the store's save comes before the last chunk)."""
+
+
+def streamed_turn(
+    client: openai.OpenAI, model: str, messages: list[dict[str, Any]], name: str | None, **params: Any
+) -> StreamedTurn:
+    """One chat turn, streamed, named by ``x-session-id`` when ``name`` is given (``params``: more request fields)."""
+    started = time.perf_counter()
+    text, stats, first = "", None, None
+    stream = client.chat.completions.create(  # type: ignore[call-overload]
+        model=model,
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"x-session-id": name} if name else {},
+        extra_body=params or None,  # merged into the JSON body as given
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first if first is not None else time.perf_counter()
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            stats = (chunk.model_extra or {})["agentkv"]["stats"]
+    assert stats is not None, "the stream ended without its usage chunk"
+    ended = time.perf_counter()
+    return StreamedTurn(text, stats, (first or ended) - started, ended - started)
+
+
+@dataclass
+class Chat:
+    """One conversation as an OpenAI client app keeps it, streamed: the whole history goes with each request, an
+    answer joins it when it came whole; a turn that fails is asked again (each failure counted)."""
+
+    name: str | None
+    model: str
+    params: dict[str, Any] = field(default_factory=dict)
+    """More request fields (``temperature``, ``max_tokens``)."""
+    messages: list[dict[str, Any]] = field(default_factory=lambda: [{"role": "system", "content": "Be brief."}])
+    answers: list[str] = field(default_factory=list)
+    stats: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[tuple[int, str]] = field(default_factory=list)
+    """(turn, what failed) for each request the client saw fail."""
+
+    def turn(self, client: openai.OpenAI, number: int, *, within_s: float = 120.0) -> None:
+        question = {"role": "user", "content": f"Question {number} of {self.name or 'the unnamed one'}?"}
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                text, stats = self._ask(client, [*self.messages, question])
+                break
+            except openai.APIError as exc:
+                self.failures.append((number, f"{type(exc).__name__}: {exc}"))
+                assert time.monotonic() < deadline, f"turn {number} of {self.name} kept failing: {self.failures}"
+                time.sleep(0.2)
+        self.messages += [question, {"role": "assistant", "content": text}]
+        self.answers.append(text)
+        self.stats.append(stats)
+
+    def _ask(self, client: openai.OpenAI, messages: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+        turn = streamed_turn(client, self.model, messages, self.name, **self.params)
+        return turn.text, turn.stats

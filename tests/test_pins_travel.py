@@ -11,29 +11,14 @@ another door took, is a violation. Scripted engines: they test the pools' and th
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
 import psycopg
-import pytest
 
 from agentkv import PostgresSessionStore, SessionPool, StepReply
 from agentkv._session._session_store import conversation_key
 from agentkv.testing import HonestPairEngine
-from postgres_server import PostgresServer, postgres_server
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[PostgresServer]:
-    with postgres_server() as running:
-        yield running
-
-
-@pytest.fixture
-def url(server: PostgresServer) -> str:
-    server.reset()
-    return server.url
 
 
 class Doors:
@@ -73,15 +58,15 @@ def pulled(reply: StepReply) -> bool:
     return reply.stats.handle_forwarded and reply.stats.pulled_tokens > 0 and reply.stats.miss_reason is None
 
 
-def test_a_conversation_that_moves_between_doors_pulls_its_kv_back_on_each(url: str) -> None:
+def test_a_conversation_that_moves_between_doors_pulls_its_kv_back_on_each(postgres_url: str) -> None:
     """A -> B -> A: each move pushes back the pin the other door left (pulled, not recomputed); the door it comes
     back to drops its stale copy (its pin was used by the other door: not pushed back, not released); the
     answers are one door's."""
     with ExitStack() as stack:
-        doors = Doors(url, stack)
+        doors = Doors(postgres_url, stack)
         assert doors.ask(0, "c1", "One?").stats.miss_reason == "no_handle"
         assert pulled(doors.ask(0, "c1", "Two?"))
-        assert offered(url, "c1") is not None
+        assert offered(postgres_url, "c1") is not None
         moved = doors.ask(1, "c1", "Three?")
         assert pulled(moved) and moved.stats.turn == 3
         back = doors.ask(0, "c1", "Four?")
@@ -89,7 +74,7 @@ def test_a_conversation_that_moves_between_doors_pulls_its_kv_back_on_each(url: 
         doors.assert_honest()
         tokens = doors.pools[0].sessions[0].token_ids
     with ExitStack() as stack:  # the same conversation on one door
-        alone = Doors(url, stack)
+        alone = Doors(postgres_url, stack)
         for text in ("One?", "Two?", "Three?", "Four?"):
             alone.ask(0, "c2", text)
         assert alone.pools[0].sessions[0].token_ids == tokens
@@ -97,38 +82,38 @@ def test_a_conversation_that_moves_between_doors_pulls_its_kv_back_on_each(url: 
     assert (doors.engines[0].released, doors.engines[1].released) == (1, 0)
 
 
-def test_a_door_releases_only_a_pin_it_took_back_off_offer(url: str) -> None:
+def test_a_door_releases_only_a_pin_it_took_back_off_offer(postgres_url: str) -> None:
     """Door A's copy of c1 goes stale when B steps c1 (B took A's pin): A closing it releases nothing; B closing
     releases its own pin, taken off offer first, so a later door resumes without it (recomputes once)."""
     with ExitStack() as stack:
-        doors = Doors(url, stack)
+        doors = Doors(postgres_url, stack)
         doors.ask(0, "c1", "One?")
         doors.ask(1, "c1", "Two?")
         stack.close()  # both doors close: A's old pin is B's (used), B's is taken back and released
         doors.assert_honest()
         assert (doors.engines[0].released, doors.engines[1].released) == (0, 1)
-    assert offered(url, "c1") is None
+    assert offered(postgres_url, "c1") is None
     with ExitStack() as stack:
-        later = Doors(url, stack)
+        later = Doors(postgres_url, stack)
         later.messages["c1"] = doors.messages["c1"]
         assert later.ask(0, "c1", "Three?").stats.miss_reason == "resumed"
         later.assert_honest()
 
 
-def test_a_pin_left_by_a_door_that_died_mid_step_is_never_pushed_back(url: str) -> None:
+def test_a_pin_left_by_a_door_that_died_mid_step_is_never_pushed_back(postgres_url: str) -> None:
     """A door that dies holding the lease may have used the offered pin in a step it never saved: the door that
     takes the expired lease over takes the pin off offer and recomputes."""
     with ExitStack() as stack:
-        doors = Doors(url, stack, lease_ttl_s=0.5)
+        doors = Doors(postgres_url, stack, lease_ttl_s=0.5)
         doors.ask(0, "c1", "One?")
-        assert offered(url, "c1") is not None
-        dead = PostgresSessionStore(url, lease_ttl_s=0.5)
+        assert offered(postgres_url, "c1") is not None
+        dead = PostgresSessionStore(postgres_url, lease_ttl_s=0.5)
         dead.lease(conversation_key("c1"))
         dead.close()  # as a door that dies mid-step: no release, no renewal
         time.sleep(0.8)
         taken_over = doors.ask(1, "c1", "Two?")
         assert taken_over.stats.miss_reason == "resumed" and not taken_over.stats.handle_forwarded
-        assert offered(url, "c1") not in (None, "")  # B's own pin now
+        assert offered(postgres_url, "c1") not in (None, "")  # B's own pin now
         assert pulled(doors.ask(0, "c1", "Three?"))
         doors.assert_honest()
 

@@ -26,25 +26,21 @@ from agentkv._session._session_store import conversation_key
 from agentkv._surfaces._cli import main
 from agentkv.serve import FrontDoor, PostgresResponseStore, StoredResponse
 from agentkv.testing import HonestPairEngine
-from postgres_server import PostgresServer, postgres_server
+from postgres_server import PostgresServer
 from serve_cli import serve_with_doubles
 from test_serve_responses import four_writers_on, kept
 from test_store_faults import Chat, answer, resumed, stats, two_turns
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[PostgresServer]:
-    with postgres_server() as running:
-        yield running
+@pytest.fixture
+def server(postgres: PostgresServer) -> PostgresServer:
+    return postgres
 
 
 @pytest.fixture
-def url(server: PostgresServer) -> str:
+def url(postgres_url: str) -> str:
     """The server's database, running and emptied."""
-    if not server.running:
-        server.start()
-    server.reset()
-    return server.url
+    return postgres_url
 
 
 def user(text: str) -> dict[str, str]:

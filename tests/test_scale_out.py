@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -24,8 +20,7 @@ from agentkv._engines._system import free_port
 from agentkv._session._session_store import conversation_key
 from agentkv.serve import FrontDoor
 from agentkv.testing import HonestPairEngine
-from postgres_server import PostgresServer, postgres_server
-from scale_out import Process, ScaleOut, health
+from scale_out import Chat, Process, ScaleOut, health, placement
 from scripted_door import MODEL, answer
 
 if shutil.which("vllm-router", path=str(Path(sys.executable).parent)) is None and not shutil.which("vllm-router"):
@@ -37,52 +32,6 @@ KILLED_AFTER = 2
 """The turn after which one door is killed."""
 
 
-@dataclass
-class Chat:
-    """One conversation as an OpenAI client app keeps it, streamed: the whole history goes with each request, an
-    answer joins it when it came whole; a turn that fails is asked again (each failure counted)."""
-
-    name: str | None
-    messages: list[dict[str, Any]] = field(default_factory=lambda: [{"role": "system", "content": "Be brief."}])
-    answers: list[str] = field(default_factory=list)
-    stats: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[tuple[int, str]] = field(default_factory=list)
-    """(turn, what failed) for each request the client saw fail."""
-
-    def turn(self, client: openai.OpenAI, number: int, *, within_s: float = 120.0) -> None:
-        question = {"role": "user", "content": f"Question {number} of {self.name or 'the unnamed one'}?"}
-        deadline = time.monotonic() + within_s
-        while True:
-            try:
-                text, stats = self._ask(client, [*self.messages, question])
-                break
-            except openai.APIError as exc:
-                self.failures.append((number, f"{type(exc).__name__}: {exc}"))
-                assert time.monotonic() < deadline, f"turn {number} of {self.name} kept failing: {self.failures}"
-                time.sleep(0.2)
-        self.messages += [question, {"role": "assistant", "content": text}]
-        self.answers.append(text)
-        self.stats.append(stats)
-
-    def _ask(self, client: openai.OpenAI, messages: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-        headers = {"x-session-id": self.name} if self.name else {}
-        text, stats = "", None
-        stream = client.chat.completions.create(
-            model=MODEL,
-            messages=messages,  # type: ignore[arg-type]
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_headers=headers,
-        )
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                text += chunk.choices[0].delta.content
-            if chunk.usage is not None:
-                stats = (chunk.model_extra or {})["agentkv"]["stats"]
-        assert stats is not None, "the stream ended without its usage chunk"
-        return text, stats
-
-
 def conversations(url: str, turns: range, chats: dict[str | None, Chat]) -> None:
     with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
         for number in turns:
@@ -92,7 +41,7 @@ def conversations(url: str, turns: range, chats: dict[str | None, Chat]) -> None
 
 def single_door_answers() -> dict[str | None, list[str]]:
     """Every conversation's answers from one door (in this process, no store) on the doors' scripted engine."""
-    chats: dict[str | None, Chat] = {name: Chat(name) for name in [*NAMED, None]}
+    chats: dict[str | None, Chat] = {name: Chat(name, MODEL) for name in [*NAMED, None]}
     with (
         HonestPairEngine(answer) as engine,
         SessionPool(engine=engine, max_tokens=32) as pool,
@@ -115,16 +64,6 @@ def responses_named(url: str) -> None:
     assert second.status_code == 200 and second.headers["x-session-id"] == "responses-0", second.text
 
 
-def placement(doors: list[Process]) -> dict[str, str]:
-    """Which door holds each named conversation live (checked: one door only)."""
-    held: dict[str, str] = {}
-    for door in doors:
-        for name in health(door.url)["conversation_ids"]:
-            assert name not in held, f"{name} is live on {held[name]} and {door.name}: a turn went to another door"
-            held[name] = door.name
-    return held
-
-
 def holds_the_unnamed(door: Process) -> bool:
     """Whether the door holds a session no name is given to (its sessions gauge counts more than its named ones)."""
     page = httpx.get(door.url + "/metrics", timeout=5).text
@@ -132,18 +71,11 @@ def holds_the_unnamed(door: Process) -> bool:
     return sessions > int(health(door.url)["conversations"])
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[PostgresServer]:
-    with postgres_server() as running:
-        yield running
-
-
-def test_conversations_stick_to_their_door_and_survive_its_death(server: PostgresServer, tmp_path: Path) -> None:
-    server.reset()
+def test_conversations_stick_to_their_door_and_survive_its_death(postgres_url: str, tmp_path: Path) -> None:
     expected = single_door_answers()
-    chats: dict[str | None, Chat] = {name: Chat(name) for name in [*NAMED, None]}
+    chats: dict[str | None, Chat] = {name: Chat(name, MODEL) for name in [*NAMED, None]}
     with ScaleOut(tmp_path) as fleet:
-        doors = fleet.start_doors(2, server.url)
+        doors = fleet.start_doors(2, postgres_url)
         owners = {health(door.url)["owner"] for door in doors}
         assert len(owners) == 2  # each door its own lease owner in the shared store
         router = fleet.start_router([door.url for door in doors])
@@ -172,7 +104,7 @@ def test_conversations_stick_to_their_door_and_survive_its_death(server: Postgre
         assert all(turn == KILLED_AFTER + 1 for turn, _ in chat.failures), (name, chat.failures)
         if name not in moved and name is not None:
             assert chat.failures == [], name  # the survivor's own conversations never saw the death
-    with PostgresSessionStore(server.url) as store:
+    with PostgresSessionStore(postgres_url) as store:
         for name in NAMED:
             saved = store.get(conversation_key(name))
             assert saved is not None and len(saved.turns) == TURNS, name
