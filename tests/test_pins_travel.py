@@ -152,3 +152,22 @@ def test_a_remote_pairs_pin_travels_by_wall_clock_and_only_to_the_same_decode_se
     assert pair("http://elsewhere:8200").adopt_pin(saved) is None
     assert pair("http://d:8200", transfer="push").adopt_pin(saved) is None
     assert pair("http://d:8200").adopt_pin(saved.model_copy(update={"expires_unix": time.time() - 1})) is None
+
+
+def test_a_closed_session_leaves_no_offer_behind_even_when_its_release_is_skipped(postgres_url: str) -> None:
+    """A pair skips the release of a pin about to expire (the guard is not asked): closing the session still
+    forgets the pin's entry, so a door that closes idle sessions after their pins expired does not grow."""
+    with ExitStack() as stack:
+        doors = Doors(postgres_url, stack)
+        for name in ("c1", "c2"):
+            doors.ask(0, name, "One?")
+        pool, engine = doors.pools[0], doors.engines[0]
+        assert len(pool._offered) == 2
+
+        async def skipped(pin: Any) -> None:  # as PairLayer._release near a pin's expiry: nothing asked, nothing sent
+            return None
+
+        engine.release = skipped  # type: ignore[method-assign]
+        pool.idle_ttl_s = 1e-9
+        doors.ask(0, "c2", "Two?")  # the step's idle sweep closes c1
+        assert pool.conversations == ["c2"] and len(pool._offered) == 1

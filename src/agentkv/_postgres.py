@@ -271,13 +271,13 @@ def take_lease(table: PostgresTable, key: str, owner: str, ttl_s: float) -> Stor
         " offered AS (UPDATE agentkv_sessions SET pin = NULL, pin_id = NULL"
         " WHERE key = %(key)s AND pin IS NOT NULL AND EXISTS (SELECT 1 FROM taken) RETURNING 1)"
         " SELECT EXISTS (SELECT 1 FROM taken), (SELECT written FROM saved), (SELECT pin FROM saved),"
-        " (SELECT owner FROM before), (SELECT count(*) FROM offered)"
+        " (SELECT owner FROM before)"  # `offered` runs all the same: PostgreSQL runs every data-modifying WITH
     )
 
     def take(db: psycopg.Connection[tuple[Any, ...]]) -> StoreLease | None:
         row = db.execute(sql, {"key": key, "owner": owner, "ttl": ttl_s}).fetchone()
         assert row is not None
-        taken, written, pin, before, _ = row
+        taken, written, pin, before = row
         if not taken:
             return None
         return StoreLease(written, pin, took_over=before is not None and before != owner)

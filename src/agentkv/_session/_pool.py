@@ -428,4 +428,6 @@ class SessionPool(EngineUser):
     async def _close(self, member: _Member, why: str) -> None:
         logger.debug("agentkv: closing a pooled session (%s)", why)
         self._members.remove(member)
-        await member.session.aclose()
+        await member.session.aclose()  # its pin released (the guard asked) or skipped (it was about to expire)
+        if member.offered is not None:  # either way no one asks again: the entry goes (idle closes outlive pins)
+            self._offered.pop(member.offered, None)
