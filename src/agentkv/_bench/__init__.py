@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import platform
 from collections.abc import Callable, Mapping, Sequence
@@ -14,11 +15,13 @@ import anyio
 from .._engines import Engine
 from .._engines._platform_settings import resolve_dtype
 from .._errors import AgentKVError, UserError
+from ._after_pause import after_pause, after_pause_lines, late_ratio_line
 from ._goodput import DEFAULT_SLO_ITL, DEFAULT_SLO_TTFT, load_rows, measure_slo
-from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
+from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, LATE_MODE, MODES, PAIR_MODES
 from ._population import AGENTIC_THINK_S, ARRIVALS, Arrivals, Plan, parse_loads
+from ._probes import probe_lines
 from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, TurnRecord, first_prompt_divergence, summarize
-from ._report import goodput_lines, header, load_tables, plot, push_against_pull, served_overhead, table
+from ._report import floor_line, goodput_lines, header, load_tables, plot, push_against_pull, served_overhead, table
 from ._runner import Progress, run_modes
 from ._workloads import WORKLOADS, Workload, load_replay, make_workload
 
@@ -30,7 +33,9 @@ __all__ = [
     "DEFAULT_SLO_ITL",
     "DEFAULT_SLO_TTFT",
     "DTYPES",
+    "LATE_MODE",
     "MODES",
+    "PAIR_MODES",
     "SERVED_TTFT_TARGET",
     "Progress",
     "WORKLOADS",
@@ -38,13 +43,17 @@ __all__ = [
     "ModeSummary",
     "TurnRecord",
     "Workload",
+    "after_pause_lines",
+    "floor_line",
     "goodput_lines",
     "header",
+    "late_ratio_line",
     "load_replay",
     "load_tables",
     "make_workload",
     "parse_loads",
     "plot",
+    "probe_lines",
     "run_bench",
     "run_bench_sync",
     "push_against_pull",
@@ -78,6 +87,8 @@ async def run_bench(
     max_model_len: int = 4096,
     dtype: str | None = None,
     engines: Mapping[str, Engine] | None = None,
+    probes: bool = False,
+    pin_ttl_s: float | None = None,
     progress: Progress | None = None,
     log: Callable[[str], None] | None = None,
 ) -> BenchReport:
@@ -97,7 +108,9 @@ async def run_bench(
     ``engines`` maps each mode to an open engine to use (the caller's to close); by default
     the bench starts what the modes need, every engine in ``dtype`` (one of `DTYPES`; default
     float32, see `DEFAULT_DTYPE`: it keeps the modes' greedy answers, hence their prompts,
-    identical), and closes them at the end. ``dtype`` and ``engines`` exclude each other. Mode ``served``
+    identical), and closes them at the end. ``dtype`` and ``engines`` exclude each other, as do ``pin_ttl_s`` (the
+    pin TTL of every pair the bench starts; above 10 s) and ``engines``. ``probes``: after the workload, each pair
+    mode that pushes back runs the probes on its engine (src/agentkv/_bench/_probes.py). Mode ``served``
     puts a front door in a thread before its sessions: a given engine for it must be open on a loop that
     thread can call (opened with ``with``).
 
@@ -122,6 +135,10 @@ async def run_bench(
         raise UserError(f"dtype is one of {', '.join(DTYPES)}, not {dtype!r}")
     if dtype is not None and engines is not None:
         raise UserError("dtype applies to the engines the bench starts; the given engines run in their own")
+    if pin_ttl_s is not None and engines is not None:
+        raise UserError("pin_ttl_s applies to the pairs the bench starts; the given engines keep their own")
+    if pin_ttl_s is not None and not (math.isfinite(pin_ttl_s) and pin_ttl_s > 10):
+        raise UserError(f"the pin TTL must be a number of seconds above 10, not {pin_ttl_s!r}")
     started_dtype = None if engines is not None else resolve_dtype(dtype or DEFAULT_DTYPE)
     homes = {id(engine.home): engine.home for engine in (engines or {}).values() if engine.home is not None}
     served = (engines or {}).get("served")
@@ -137,14 +154,16 @@ async def run_bench(
         max_model_len=max_model_len,
         dtype=started_dtype or DEFAULT_DTYPE,
         engines=engines,
+        probes=probes,
+        pin_ttl_s=pin_ttl_s,
         progress=progress or (lambda *_: None),
         log=log or (lambda line: logger.info("%s", line)),
     )
     home = next(iter(homes.values()), None)
     if home is not None and not home.is_current():  # engines opened with `with`: run where they live
-        records, walls, floor, plan = await home.call_async(measure)
+        records, walls, floor, plan, probed = await home.call_async(measure)
     else:
-        records, walls, floor, plan = await measure()
+        records, walls, floor, plan, probed = await measure()
     records.sort(key=lambda r: (list(modes).index(r.mode), r.load, r.session, r.turn))
     divergence = first_prompt_divergence(records)
     if divergence is not None:
@@ -169,6 +188,9 @@ async def run_bench(
         slo=slo,
         slo_note=slo_note,
         load_rows=load_rows(records, walls, slo, floor),
+        after_pause=after_pause(records),
+        probes=probed,
+        pin_ttl_s=pin_ttl_s,
     )
 
 

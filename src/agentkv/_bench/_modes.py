@@ -10,8 +10,10 @@ as two API-server processes over HTTP (`LaunchedPair`); ``netns`` the same with 
 two network namespaces (KV over UCX/TCP; needs root: `two_hosts`); ``served`` sends the conversation
 through the front door (`FrontDoor`) to sessions on the bidirectional pair; ``push`` and ``push-disaggregated``
 get a pair with push transfer (P writes each step's KV into D), with push-back and without; ``vllm-serve`` is stock
-``vllm serve`` with vLLM's defaults, driven as ``served`` is (src/agentkv/_bench/_stock.py). All stay up for the
-whole run, all with the run's dtype.
+``vllm serve`` with vLLM's defaults, driven as ``served`` is (src/agentkv/_bench/_stock.py); ``bidirectional-late`` is
+bidirectional's session on the same default pair without early transfer (`LATE_MODE`: the KV moved on the step's
+critical path). All stay up for the whole run, all with the run's dtype; every pair with the run's pin TTL when one
+is given.
 """
 
 from __future__ import annotations
@@ -28,15 +30,20 @@ from .._engines._netns import two_hosts
 from .._errors import UserError
 from .._home import EventLoopHome
 from .._session._session import Mode
+from .._session._session_config import SessionConfig
 
 __all__ = [
     "DEFAULT_DTYPE",
     "DEFAULT_MODES",
     "DEFAULT_PAIR_MODES",
     "DTYPES",
+    "LATE_MODE",
     "MODES",
+    "PAIR_MODES",
+    "PROBE_MODES",
     "SESSION_MODES",
     "open_engines",
+    "session_options",
 ]
 
 SESSION_MODES: dict[str, Mode] = {
@@ -51,6 +58,7 @@ SESSION_MODES: dict[str, Mode] = {
     "served": "bidirectional",
     "push": "bidirectional",
     "push-disaggregated": "disaggregated",
+    "bidirectional-late": "bidirectional",
 }
 """The `Session` mode of each bench mode that runs sessions (``raw`` drives the engine by hand; ``served``'s
 sessions are the front door's)."""
@@ -68,11 +76,23 @@ MODES = (
     "push",
     "push-disaggregated",
     "vllm-serve",
+    "bidirectional-late",
 )
+LATE_MODE = "bidirectional-late"
+"""Bidirectional with the KV moved on the step's critical path: its session on the default pair with
+``early_transfer=False`` (where `SessionConfig` has that field), so the steps after a pause pull what D added during
+it, where ``bidirectional``'s session moved it into P's cache during the pause."""
+PAIR_MODES = frozenset(MODES) - {"colocated", "vllm-serve"}
+"""The modes that run on a pair of engines (P and D)."""
+PROBE_MODES = frozenset(mode for mode, kind in SESSION_MODES.items() if kind != "disaggregated") - {
+    "colocated",
+    "served",
+}
+"""The pair modes that push back through a `Session` of their own: the probes' (src/agentkv/_bench/_probes.py)."""
 DEFAULT_MODES = MODES[:6]
 """What ``agentkv bench`` runs unless told: the modes of one embedded pair, the source's baseline and the
 colocated engine."""
-DEFAULT_PAIR_MODES = frozenset({"auto", "bidirectional", "disaggregated", "raw", "served"})
+DEFAULT_PAIR_MODES = frozenset({"auto", "bidirectional", "disaggregated", "raw", "served", LATE_MODE})
 """The modes that share the default (elastic-cores, push-back) pair."""
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -82,13 +102,27 @@ DEFAULT_DTYPE = "float32"
 differs from freshly computed KV in the last bits, so greedy answers diverge between modes and the
 later turns' prompts differ; float32 keeps every mode token-exact, so every mode sees the same prompts."""
 
+
+def session_options(mode: str) -> dict[str, Any]:
+    """The `Session` keywords of a bench mode's sessions besides the workload's: its `Session` mode, and for
+    `LATE_MODE` ``early_transfer=False`` where the session has that option."""
+    options: dict[str, Any] = {"mode": SESSION_MODES[mode]}
+    if mode == LATE_MODE and "early_transfer" in SessionConfig.model_fields:
+        options["early_transfer"] = False
+    return options
+
+
 _Start = Callable[[contextlib.AsyncExitStack], Engine]
 """Makes an engine (not yet open); what it needs besides (network namespaces) goes on the stack."""
 
 
-def _starts(max_model_len: int, dtype: str, progress: Callable[[str], None]) -> list[tuple[frozenset[str], _Start]]:
-    """Each engine the bench may start, in the order it starts them, with the modes it serves."""
-    common: dict[str, Any] = {"max_model_len": max_model_len, "dtype": dtype, "progress": progress}
+def _starts(
+    max_model_len: int, dtype: str, progress: Callable[[str], None], pin_ttl_s: float | None = None
+) -> list[tuple[frozenset[str], _Start]]:
+    """Each engine the bench may start, in the order it starts them, with the modes it serves; every pair with
+    ``pin_ttl_s`` when given."""
+    single: dict[str, Any] = {"max_model_len": max_model_len, "dtype": dtype, "progress": progress}
+    common = {**single, **({} if pin_ttl_s is None else {"pin_ttl_s": pin_ttl_s})}
 
     def across_hosts(stack: contextlib.AsyncExitStack) -> Engine:
         hosts = stack.enter_context(two_hosts())
@@ -103,7 +137,7 @@ def _starts(max_model_len: int, dtype: str, progress: Callable[[str], None]) -> 
             lambda _: EmbeddedPair(push_back=False, prefill_prefix_cache=False, **common),
         ),
         (frozenset({"push", "push-disaggregated"}), lambda _: EmbeddedPair(transfer="push", **common)),
-        (frozenset({"colocated"}), lambda _: Colocated(**common)),
+        (frozenset({"colocated"}), lambda _: Colocated(**single)),
         (frozenset({"launched"}), lambda _: LaunchedPair(**common)),
         (frozenset({"netns"}), across_hosts),
     ]
@@ -117,9 +151,11 @@ async def open_engines(
     max_model_len: int,
     dtype: str,
     progress: Callable[[str], None],
+    pin_ttl_s: float | None = None,
 ) -> AsyncIterator[dict[str, Engine]]:
-    """The engines the modes need (given, or started one after another, all in ``dtype``, and closed on the
-    way out). Started ones live on the running loop, reachable from other threads (the front door's)."""
+    """The engines the modes need (given, or started one after another, all in ``dtype``, every pair with
+    ``pin_ttl_s`` when given, and closed on the way out). Started ones live on the running loop, reachable from
+    other threads (the front door's)."""
     if given is not None:
         missing = [mode for mode in modes if mode not in given]
         if missing:
@@ -129,7 +165,7 @@ async def open_engines(
     async with BlockingPortal() as portal, contextlib.AsyncExitStack() as stack:
         home = EventLoopHome(asyncio.get_running_loop(), portal)  # the home names asyncio's loop (the engines')
         by_mode: dict[str, Engine] = {}
-        for served, start in _starts(max_model_len, dtype, progress):
+        for served, start in _starts(max_model_len, dtype, progress, pin_ttl_s):
             if served & set(modes):
                 engine = start(stack)
                 await engine.open(home=home)

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .._engines import PrefillEngine
 from .._stats._stats import StepStats
+from ._target_records import AfterPause, ModeProbes
 
 __all__ = [
     "SERVED_TTFT_TARGET",
@@ -102,17 +103,23 @@ class FloorPoint(BaseModel):
 
 
 class FloorFit(BaseModel):
-    """Least time to compute a step's new tokens on one engine, fitted on prefills measured over the run.
+    """Least time to compute a step's new tokens on one engine, measured over the run.
 
     ``a_s + b_s_per_token * n + c_s_per_attended * attended(n, context)``: a fixed cost per pass, a
     cost per token (the weights' work), and a cost per pair of (new token, token it attends to): new
     tokens attend to the whole history before them (docs/performance.md, "TTFT against the floor").
+    With one-token steps measured (`fixed_s`), the fixed cost is theirs, not fitted (`a_measured`).
     """
 
     a_s: float
     b_s_per_token: float
     c_s_per_attended: float
     points: list[FloorPoint]
+    a_measured: bool = False
+    """``a_s`` is measured: the median TTFT of the one-token steps (`fixed_s`) less that one token's own cost; the
+    fit gave only the costs per token. False: a least-squares intercept."""
+    fixed_s: list[float] = Field(default_factory=list[float])
+    """TTFTs of one-token steps (a one-token prompt, one token out) on the same engine: one forward pass."""
 
     @staticmethod
     def attended(new_tokens: int, context_tokens: int) -> float:
@@ -120,14 +127,23 @@ class FloorFit(BaseModel):
         return new_tokens * (context_tokens + new_tokens / 2)
 
     @classmethod
-    def fit(cls, points: Sequence[FloorPoint]) -> FloorFit:
+    def fit(cls, points: Sequence[FloorPoint], fixed_s: Sequence[float] = ()) -> FloorFit:
         """Least squares over the points with no coefficient below 0: a term that noise fits below 0 is dropped
-        (taken as 0) and the others are fitted again without it."""
+        (taken as 0) and the others are fitted again without it.
+
+        With ``fixed_s`` (one-token steps' TTFTs), the fixed cost is measured: the floor of a one-token step is
+        pinned to their median ``m``, the per-token costs are fitted on what each point took beyond it, and ``a_s``
+        is ``m`` less that one token's share (``b + c / 2``), at least 0."""
         import numpy as np  # vLLM's dependency; only the bench fits a floor
 
         design = np.array([[1.0, p.computed, cls.attended(p.computed, p.context)] for p in points])
         times = np.array([p.ttft_s for p in points])
         kept = [0, 1, 2]
+        if fixed_s:
+            one = statistics.median(fixed_s)
+            design = design - np.array([1.0, 1.0, cls.attended(1, 0)])  # beyond a one-token step
+            times = times - one
+            kept = [1, 2]
         coefficients = np.zeros(3)
         while kept:
             solution, *_ = np.linalg.lstsq(design[:, kept], times, rcond=None)
@@ -136,7 +152,16 @@ class FloorFit(BaseModel):
                 break
             del kept[int(np.argmin(solution))]
         a, b, c = (float(value) for value in coefficients)
-        return cls(a_s=a, b_s_per_token=b, c_s_per_attended=c, points=list(points))
+        if fixed_s:
+            a = max(0.0, one - b - c * cls.attended(1, 0))
+        return cls(
+            a_s=a,
+            b_s_per_token=b,
+            c_s_per_attended=c,
+            points=list(points),
+            a_measured=bool(fixed_s),
+            fixed_s=list(fixed_s),
+        )
 
     def floor_s(self, new_tokens: int, context_tokens: int, transfer_s: float | None) -> float:
         """Least TTFT of a step: compute only its new tokens over its history, plus the KV transfer it needed."""
@@ -284,6 +309,12 @@ class BenchReport(BaseModel):
     """Why there is no `slo` (what the run lacked to measure it)."""
     load_rows: list[LoadRow] = Field(default_factory=list)
     """Per mode, per load (the modes' order, then ascending loads)."""
+    after_pause: list[AfterPause] = Field(default_factory=list)
+    """Per pair mode, its steps after a pause: their KV wait (src/agentkv/_bench/_after_pause.py)."""
+    probes: list[ModeProbes] = Field(default_factory=list)
+    """Per pair mode that pushes back, the probes run after its workload (``probes=True``)."""
+    pin_ttl_s: float | None = None
+    """The pin TTL the bench gave every pair it started; None: the pairs' default (or the given engines')."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:

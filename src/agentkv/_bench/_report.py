@@ -9,9 +9,10 @@ from pathlib import Path
 
 from .._stats._plots import plot_turns
 from .._stats._stats import text_table
-from ._records import SERVED_TTFT_TARGET, BenchReport, LoadRow, ModeSummary, Population, Slo, TurnRecord
+from ._records import SERVED_TTFT_TARGET, BenchReport, FloorFit, LoadRow, ModeSummary, Population, Slo, TurnRecord
 
 __all__ = [
+    "floor_line",
     "goodput_lines",
     "header",
     "load_tables",
@@ -125,6 +126,19 @@ def header(report: BenchReport) -> str:
             "on D: steps prefilled on D alone; vs bidi / vs coloc: the column before, over bidirectional's / "
             "colocated's",
         )
+    )
+
+
+def floor_line(floor: FloorFit) -> str:
+    """The floor's terms, and where its fixed cost came from: measured (one-token steps) or fitted."""
+    source = (
+        f"measured: median of {len(floor.fixed_s)} one-token steps less that token's cost"
+        if floor.a_measured
+        else "fitted"
+    )
+    return (
+        f"floor: {floor.a_s:.3f} s ({source}) + {floor.b_s_per_token * 1000:.2f} ms/token"
+        f" + {floor.c_s_per_attended * 1e6:.2f} us per (new token x token it attends to) (+ the step's transfer)"
     )
 
 

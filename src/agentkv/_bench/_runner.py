@@ -6,7 +6,8 @@ and warm caches hit every mode alike; a mode's sessions (src/agentkv/_bench/_con
 staggered arrivals, each mode in turn (the order rotated from load to load) runs the load's whole population: its
 sessions start at their drawn times and each runs its own turns, with its drawn pauses between them. The floor
 (`FloorSampler`) is measured on the colocated engine before the first turn and after each (staggered: after each
-load). Each load's sessions are opened for its rounds and closed after them, under cache salts of their own.
+load). Each load's sessions are opened for its rounds and closed after them, under cache salts of their own. Asked
+for, the probes (src/agentkv/_bench/_probes.py) run after every load, once per pair mode that pushes back.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from .._session._session import Session, load_tokenizer
 from .._surfaces._serve import FrontDoor
 from ._conversations import BenchConversation, Clock, RawConversation, ServedConversation, SessionConversation, drain
 from ._goodput import busy_s
-from ._modes import SESSION_MODES, open_engines
+from ._modes import PROBE_MODES, SESSION_MODES, open_engines, session_options
 from ._population import Plan
+from ._probes import run_probes
 from ._records import FloorFit, FloorPoint, TurnRecord
 from ._stock import STOCK_MODE, StockConversation, StockServer, stock_server
+from ._target_records import ModeProbes
 from ._workloads import Workload
 
 __all__ = ["FloorSampler", "Progress", "run_modes"]
@@ -91,10 +94,12 @@ class FloorSampler:
     """Measures the floor (`FloorFit`) on one engine in rounds, one before the first turn and one after each turn,
     so that the machine's speed over the run weighs on the floor as on every mode (a shared host's speed drifts).
 
-    A round prefills fresh prompts, then tokens appended to cached histories. The longest history that fits
-    ``max_model_len`` is prefilled in the first round (a fresh point itself) so that the engine's prefix cache
-    holds it; the appended prompts then compute only their new tokens. Each point's split between cached and
-    computed tokens comes from the engine's own report, not from what was meant.
+    A round runs ``one_token_steps`` one-token steps (a fresh one-token prompt, one token out: one forward pass,
+    the floor's fixed cost, measured rather than fitted), prefills fresh prompts, then tokens appended to cached
+    histories. The longest history that fits ``max_model_len`` is prefilled in the first round (a fresh point
+    itself) so that the engine's prefix cache holds it; the appended prompts then compute only their new tokens.
+    Each point's split between cached and computed tokens comes from the engine's own report, not from what was
+    meant.
     """
 
     def __init__(
@@ -106,6 +111,7 @@ class FloorSampler:
         sizes: Sequence[int] = (16, 64, 256, 512),
         histories: Sequence[int] = (1024, 2048),
         appended: Sequence[int] = (64, 512),
+        one_token_steps: int = 3,
     ) -> None:
         self._engine = engine
         self._rng = random.Random(seed)
@@ -113,10 +119,15 @@ class FloorSampler:
         self._histories = [size for size in histories if size + max(appended) < max_model_len]
         self._appended = appended
         self._history: list[int] | None = None
+        self._one_token_steps = one_token_steps
         self.points: list[FloorPoint] = []
+        self.fixed_s: list[float] = []
+        """The one-token steps' TTFTs."""
 
     async def sample(self) -> None:
-        """One round of every prompt shape."""
+        """One round: the one-token steps, then every prompt shape."""
+        for _ in range(self._one_token_steps):
+            self.fixed_s.append((await self._prefill(self._fresh(1))).ttft_s)
         self.points.extend([await self._prefill(self._fresh(size)) for size in self._sizes])
         if not self._histories:
             return
@@ -127,7 +138,7 @@ class FloorSampler:
             self.points.extend([await self._prefill(self._history[:size] + self._fresh(n)) for n in self._appended])
 
     def fit(self) -> FloorFit:
-        return FloorFit.fit(self.points)
+        return FloorFit.fit(self.points, self.fixed_s)
 
     def _fresh(self, size: int) -> list[int]:
         return [self._rng.randrange(1000, 20000) for _ in range(size)]  # random ids: no cached block
@@ -155,13 +166,19 @@ async def run_modes(
     engines: Mapping[str, Engine] | None,
     progress: Progress,
     log: Callable[[str], None],
-) -> tuple[list[TurnRecord], dict[int, dict[str, float]], FloorFit | None, Plan]:
+    probes: bool = False,
+    pin_ttl_s: float | None = None,
+) -> tuple[list[TurnRecord], dict[int, dict[str, float]], FloorFit | None, Plan, list[ModeProbes]]:
     """Replay the workload in every mode at every load of ``plan``; return the records, each mode's wall time
-    per load (its rounds' under a barrier; staggered, the time any of its turns was in flight), the floor, and the
-    plan as played (its arrival gap measured)."""
+    per load (its rounds' under a barrier; staggered, the time any of its turns was in flight), the floor, the
+    plan as played (its arrival gap measured), and with ``probes`` each probed mode's probes (after the loads, on
+    the mode's engine). ``pin_ttl_s`` goes to every pair the bench starts."""
     engine_modes = [mode for mode in modes if mode != STOCK_MODE]
+    started = open_engines(
+        engine_modes, given=engines, max_model_len=max_model_len, dtype=dtype, progress=log, pin_ttl_s=pin_ttl_s
+    )
     async with (
-        open_engines(engine_modes, given=engines, max_model_len=max_model_len, dtype=dtype, progress=log) as by_mode,
+        started as by_mode,
         _stock_if_asked(modes, max_model_len=max_model_len, dtype=dtype, log=log) as stock,
     ):
         floor = None
@@ -177,8 +194,10 @@ async def run_modes(
             else:
                 await run.staggered(load, position)
             run.plan = run.plan.measured(run.records)
+        probed = [mode for mode in by_mode if mode in PROBE_MODES] if probes else []
+        results = [await run_probes(by_mode[mode], mode, workload, log=log) for mode in probed]
         progress("done", len(run.records), run.total)
-        return run.records, run.walls, floor.fit() if floor is not None else None, run.plan
+        return run.records, run.walls, floor.fit() if floor is not None else None, run.plan, results
 
 
 @dataclass
@@ -276,7 +295,7 @@ async def _open_lanes(
             else:
                 session = Session(
                     engine=engine,
-                    mode=SESSION_MODES[mode],
+                    **session_options(mode),
                     system=workload.system,
                     max_tokens=workload.max_tokens,
                     cache_salt=salt,

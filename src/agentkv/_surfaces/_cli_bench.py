@@ -90,6 +90,19 @@ def add_bench_command(commands: Commands) -> None:
         "a prefix cache, a pull or a recompute differs in the last bits, so greedy answers diverge between modes "
         "and later prompts differ; float32 keeps them token-exact, so every mode sees the same prompts",
     )
+    bench.add_argument(
+        "--probes",
+        action="store_true",
+        help="after the workload, on each pair mode that pushes back: a turn ended by a stop string then the next "
+        "turn, and a turn after a pause past the pin TTL against one after 1 s (use with a short --pin-ttl-s)",
+    )
+    bench.add_argument(
+        "--pin-ttl-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the pin TTL of every pair the bench starts (above 10 s; default: the pairs' own)",
+    )
     bench.add_argument("--json", default="agentkv-bench.json", help="write the report here ('' for none)")
     bench.add_argument("--plot", default="agentkv-bench.png", help="draw the plot here ('' for none)")
 
@@ -128,13 +141,18 @@ class BenchProgress:
 def _bench(args: argparse.Namespace) -> int:
     """one multi-turn workload under each mode, side by side, in one run"""
     from .._bench import (
+        PAIR_MODES,
+        after_pause_lines,
+        floor_line,
         goodput_lines,
         header,
+        late_ratio_line,
         load_replay,
         load_tables,
         make_workload,
         parse_loads,
         plot,
+        probe_lines,
         push_against_pull,
         run_bench_sync,
         served_overhead,
@@ -157,6 +175,8 @@ def _bench(args: argparse.Namespace) -> int:
         **{name: getattr(args, name) for name in population},
         max_model_len=args.max_model_len,
         dtype=args.dtype,
+        probes=args.probes,
+        pin_ttl_s=args.pin_ttl_s,
         progress=progress,
         log=progress.log,
     )
@@ -165,11 +185,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"at {report.loads[0]} session(s) per mode, the lightest load:\n")
     print(table(report.summaries))
     if report.floor is not None:
-        print(
-            f"\nfloor: {report.floor.a_s:.3f} s + {report.floor.b_s_per_token * 1000:.2f} ms/token"
-            f" + {report.floor.c_s_per_attended * 1e6:.2f} us per (new token x token it attends to)"
-            " (+ the step's transfer)"
-        )
+        print(f"\n{floor_line(report.floor)}")
     if report.answers_agree:
         agree = ", ".join(f"{mode} {'yes' if same else 'NO'}" for mode, same in report.answers_agree.items())
         print(f"greedy answers equal to bidirectional's: {agree}")
@@ -181,6 +197,12 @@ def _bench(args: argparse.Namespace) -> int:
         print(load_tables(report.load_rows))
         print()
     for line in goodput_lines(report):
+        print(line)
+    pairs = any(mode in PAIR_MODES for mode in report.modes)
+    for line in (*after_pause_lines(report.after_pause, pair_modes_ran=pairs), late_ratio_line(report.after_pause)):
+        if line is not None:
+            print(line)
+    for line in probe_lines(report.probes):
         print(line)
     if args.json:
         Path(args.json).write_text(report.model_dump_json(indent=2))
