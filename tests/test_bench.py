@@ -369,7 +369,8 @@ class _Engines:
         return start
 
     def _respond(self, request: StepRequest) -> str:
-        if request.cache_salt is not None:  # the floor's requests have none
+        # the floor's requests have no salt; a session's one-token steps between turns (pin upkeep) are its own
+        if request.cache_salt is not None and request.sampling.max_tokens > 1:
             mode = request.cache_salt.split("-", 3)[3].rsplit("-", 1)[0]  # agentkv-bench-<run>-<mode>-<session>
             self.requests.append((mode, request.placement))
         return f"answer {sum(request.prompt_token_ids) % 997}"

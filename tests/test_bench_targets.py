@@ -186,7 +186,8 @@ def _answers(request: StepRequest) -> str:
 
 
 @pytest.mark.anyio
-async def test_the_stop_probe_ends_a_turn_early_and_reports_the_next_step() -> None:
+async def test_the_stop_probe_ends_a_turn_early_and_reports_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("agentkv._bench._probes.SHORT_PAUSE_S", 0.2)
     workload = make_workload("agentic", turns=2, scale=0.1)
     async with HonestPairEngine(_answers) as engine:
         probe = await stop_probe(cast(Engine, engine), "bidirectional", workload, "salt")
@@ -347,3 +348,14 @@ def test_the_command_passes_the_probes_and_the_pin_ttl_and_prints_the_targets(
     written = json.loads(path.read_text())
     assert written["pin_ttl_s"] == 30.0 and written["after_pause"][0]["kv_wait_mean_s"] == pytest.approx(0.002)
     assert written["probes"][0]["pin_ttl"]["long_renewals"] == 2
+
+
+def test_the_pin_ttl_is_read_from_the_engines_details_or_its_configuration() -> None:
+    from types import SimpleNamespace
+
+    from agentkv import PairConfig
+
+    embedded = SimpleNamespace(info=SimpleNamespace(details={"pin_ttl_s": 30}))
+    launched = SimpleNamespace(info=SimpleNamespace(details={}), config=PairConfig(pin_ttl_s=45.0))
+    bare = SimpleNamespace(info=SimpleNamespace(details={}))
+    assert [pin_ttl_of(cast(Engine, e)) for e in (embedded, launched, bare)] == [30.0, 45.0, None]

@@ -4,7 +4,8 @@ salts of their own:
 
 * **stop string** (`stop_probe`): the first message is answered without stop, a word from the middle of that answer
   becomes the stop string of the same first turn in a second conversation (greedy: the answer is the same up to the
-  word, so the word ends it early), then the second message follows: its step's pulled tokens and miss reason say
+  word, so the word ends it early), then after `SHORT_PAUSE_S` (an agent's tool run: room for the session to pin
+  the conversation again) the second message follows: its step's pulled tokens and miss reason say
   whether D's KV still came back after a step a stop string ended (vLLM aborts such a step on D, which then pins
   nothing unless the session pins again);
 * **pause past the pin's TTL** (`pin_ttl_probe`): two conversations take the same two turns, one pausing
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 SHORT_PAUSE_S = 1.0
-"""The short pause before the reference turn of the pause probe."""
+"""The pause before the turn after the stopped one, and the short pause before the pause probe's reference turn."""
 PAST_TTL_S = 10.0
 """How far past the pin's TTL the long pause goes."""
 
@@ -53,8 +54,9 @@ def long_pause_s(pin_ttl_s: float) -> float:
 
 
 def pin_ttl_of(engine: Engine) -> float | None:
-    """The engine's pin TTL as it reports it (its details, or a pair's ``pin_ttl_s``); None if it does not."""
-    ttl = engine.info.details.get("pin_ttl_s", getattr(engine, "pin_ttl_s", None))
+    """The engine's pin TTL as it reports it (its details, else its configuration's: a launched pair's
+    `PairConfig.pin_ttl_s`); None if it says none."""
+    ttl = engine.info.details.get("pin_ttl_s", getattr(getattr(engine, "config", None), "pin_ttl_s", None))
     return None if ttl is None else float(ttl)
 
 
@@ -92,6 +94,7 @@ async def stop_probe(engine: Engine, mode: str, workload: Workload, salt: str) -
                 full_output_tokens=full.stats.output_tokens,
                 stopped_output_tokens=stopped.stats.output_tokens,
             )
+        await anyio.sleep(SHORT_PAUSE_S)  # as an agent's tool runs: room for the session to pin again
         after = await session.step([system, first, {"role": "assistant", "content": stopped.text}, second])
         turn = session.stats.turns[-1]
     return StopProbe(
