@@ -120,7 +120,11 @@ async def test_a_run_with_pauses_reports_the_steps_after_them_per_mode() -> None
         report = await run_bench(
             workload, modes=modes, engines=dict.fromkeys(modes, engine), arrivals="staggered", think_s=0.01
         )
+        sweep = await run_bench(
+            workload, modes=modes, engines=dict.fromkeys(modes, engine), sessions=[1, 2], arrival_s=0.0, think_s=0.01
+        )
         assert engine.violations == []
+    assert {s.steps for s in sweep.after_pause} == {2}  # the lightest load's: under load a step also queues
     assert [s.mode for s in report.after_pause] == modes and {s.steps for s in report.after_pause} == {2}
     by_mode = {s.mode: s for s in report.after_pause}
     assert by_mode["bidirectional"].pulled_tokens_mean > 0 and by_mode["disaggregated"].pulled_tokens_mean == 0

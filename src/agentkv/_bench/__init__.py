@@ -188,7 +188,7 @@ async def run_bench(
         slo=slo,
         slo_note=slo_note,
         load_rows=load_rows(records, walls, slo, floor),
-        after_pause=after_pause(records),
+        after_pause=after_pause([r for r in records if r.load == lightest]),
         probes=probed,
         pin_ttl_s=pin_ttl_s,
     )

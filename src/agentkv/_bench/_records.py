@@ -310,7 +310,7 @@ class BenchReport(BaseModel):
     load_rows: list[LoadRow] = Field(default_factory=list)
     """Per mode, per load (the modes' order, then ascending loads)."""
     after_pause: list[AfterPause] = Field(default_factory=list)
-    """Per pair mode, its steps after a pause: their KV wait (src/agentkv/_bench/_after_pause.py)."""
+    """Per pair mode, its steps after a pause at the lightest load: their KV wait (src/agentkv/_bench/_after_pause.py)."""
     probes: list[ModeProbes] = Field(default_factory=list)
     """Per pair mode that pushes back, the probes run after its workload (``probes=True``)."""
     pin_ttl_s: float | None = None

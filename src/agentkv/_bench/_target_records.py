@@ -25,7 +25,8 @@ PIN_TTL_RATIO_TARGET = 1.1
 
 
 class AfterPause(BaseModel):
-    """One mode's steps that followed a pause (turns after the first whose think time was above 0), every load."""
+    """One mode's steps that followed a pause (turns after the first whose think time was above 0), at the run's
+    lightest load (under load, the wait includes the queue behind other sessions' steps)."""
 
     mode: str
     steps: int
