@@ -85,8 +85,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.remote:
         if options:
             raise UserError("servers given with --remote take their vLLM arguments where they start (agentkv engine)")
-        objective = {"slo": slo} if slo is not None else {}
-        remotes = [RemotePair(*urls, model=args.model, transfer=args.transfer, **objective) for urls in args.remote]
+        objective = DEFAULT_SLO if slo is None else slo
+        remotes = [RemotePair(*urls, model=args.model, transfer=args.transfer, slo=objective) for urls in args.remote]
         return {"engine": remotes[0] if len(remotes) == 1 else EngineGroup(remotes)}
     if slo is not None:
         options["slo"] = slo
