@@ -33,7 +33,7 @@ __all__ = ["DEFAULT_SLO", "EngineLoad", "Slo", "choose_within_slo"]
 class Slo:
     """A service-level objective per step: the first token within ``ttft_s`` seconds of the step's start, and no gap
     between two tokens longer than ``itl_s`` seconds. Mode ``auto`` places each step to keep the most turns inside it
-    (``docs/concepts.md``, "Where a step is prefilled"); the other modes ignore it.
+    (``docs/performance.md``, "Per-step placement"); the other modes ignore it.
 
     Both are positive numbers of seconds (`UserError` otherwise).
     """
