@@ -77,6 +77,11 @@ def test_every_pair_takes_an_slo_and_a_running_pair_changes_it() -> None:
     pair.slo = Slo(ttft_s=5.0, itl_s=0.5)  # what the bench does once its solo load measured one
     assert pair.slo.ttft_s == 5.0
     assert EmbeddedPair(slo=None).slo is None
+    from agentkv._session._session_config import SessionConfig
+    from agentkv._session._session_core import make_engine
+
+    own = make_engine(SessionConfig.build(tools=(), engine_options={"slo": SLO}, mode="auto"))
+    assert isinstance(own, EmbeddedPair) and own.slo == SLO  # a session's own pair takes it as an engine option
     with pytest.raises(UserError, match="slo takes an Slo"):
         EmbeddedPair(slo=(1.0, 0.1))  # type: ignore[typeddict-item]
 
@@ -128,6 +133,12 @@ def test_a_long_prompt_whose_d_prefill_would_break_the_gaps_goes_to_p() -> None:
     choice = _choose(cheap_d, on_prefill=300, on_decode=300, d=EngineLoad(decodes=1))
     assert choice.engine == "prefill"
     assert choice.reason.endswith("stall 0.300 s on 1 decodes on D: P fits, D would break the gaps of its decodes")
+
+
+def test_the_stall_counts_the_prefills_queued_on_d_before_the_step() -> None:
+    queued_d = EngineLoad(prefills=1, prefill_tokens=50, decodes=4)  # 0.05 s ahead of it, 0.06 s its own
+    choice = _choose(on_prefill=200, on_decode=60, d=queued_d)
+    assert choice.engine == "prefill" and "stall 0.110 s on 4 decodes on D: P fits, D would break" in choice.reason
 
 
 def test_a_d_prefill_that_misses_the_ttft_goes_to_p() -> None:

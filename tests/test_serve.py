@@ -388,6 +388,8 @@ def test_serve_gives_its_pairs_the_objective_asked_for(
     assert "engine_options" not in made[-1]  # no objective asked: the pair's default
     assert main(["serve", "--store", "memory", "--slo-itl-s", "0"]) == 2
     assert "itl_s must be a positive number of seconds" in capsys.readouterr().err
+    assert main(["serve", "--store", "memory", "--mode", "colocated", "--slo-ttft-s", "1"]) == 2
+    assert "colocated is one engine" in capsys.readouterr().err
 
 
 def test_each_door_counts_in_its_own_registry() -> None:

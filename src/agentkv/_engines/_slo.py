@@ -4,7 +4,8 @@ Alone on an idle pair, a step goes where its estimated time to first token is sh
 (src/agentkv/_engines/_placement.py). Under load the estimates must count what else is in
 flight: a step on P waits behind P's queued prefills and pays the hop; a step on D alone waits
 behind D's queued prefills, and its own prefill stalls every decode running on D for as long
-as it computes (a prefill and the decodes share D's forward passes). `choose_within_slo`
+as it and the prefills queued before it compute (a prefill and the decodes share D's forward
+passes). `choose_within_slo`
 compares both with what the pair knows in flight on each engine (`EngineLoad`, kept by
 src/agentkv/_engines/_step_ledger.py) and the costs the pair learned (`PlacementCosts`), and
 places the step where more turns stay inside the objective:
@@ -107,7 +108,8 @@ def choose_within_slo(
     }
     via_prefill = queued["prefill"] + costs.estimate("prefill", on_prefill)
     via_decode = queued["decode"] + costs.estimate("decode", on_decode)
-    stall_s = on_decode * costs.per_token_s["decode"]
+    # D's decodes wait out the prefills queued on D as well as this one (vLLM may batch them into one pass)
+    stall_s = queued["decode"] + on_decode * costs.per_token_s["decode"]
     decodes = decode_load.decodes
     breaks_gaps = decodes > 0 and stall_s > slo.itl_s
     decode_fits = via_decode <= slo.ttft_s and not breaks_gaps

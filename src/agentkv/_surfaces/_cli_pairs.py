@@ -82,6 +82,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "max_model_len", None) is not None:
         options["max_model_len"] = args.max_model_len
     slo = _slo(args)
+    if slo is not None and args.mode == "colocated":
+        raise UserError("--slo-ttft-s and --slo-itl-s place mode auto's steps on a pair; colocated is one engine")
     if args.remote:
         if options:
             raise UserError("servers given with --remote take their vLLM arguments where they start (agentkv engine)")
