@@ -201,7 +201,8 @@ class PairLayer(Engine):
                 prefill_in_flight=on_prefill,
             )
         decode_load = self._ledger.load("decode")
-        # requests on D the ledger did not place (none but the pair's own, so far) count as decodes
+        # D's own count of requests can run ahead of the ledger (a step via P whose D request pulls before its
+        # first token): those beyond the ledger's prefills on D count as decodes
         decodes = max(decode_load.decodes, on_decode - decode_load.prefills)
         return choose_within_slo(
             self.costs,
