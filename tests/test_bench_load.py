@@ -287,3 +287,44 @@ def test_the_command_runs_a_sweep_and_prints_per_load(
     written = json.loads((tmp_path / "b.json").read_text())
     assert written["loads"] == [1, 2] and len(written["load_rows"]) == 4 and written["slo"]["ttft_factor"] == 4
     assert (tmp_path / "b.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_objective_measured_at_one_session_becomes_the_auto_pairs() -> None:
+    from agentkv import EmbeddedPair
+    from agentkv._bench._goodput import pair_slo
+    from agentkv._bench._runner import _aim_auto
+    from agentkv.engines import Slo
+
+    slo, how = pair_slo(_solo() + [_turn("auto", 2, 2, 9.0)], _FLOOR, ttft_factor=3.0, itl_factor=5.0)
+    assert slo is not None and isinstance(slo, Slo)
+    assert (slo.ttft_s, slo.itl_s) == pytest.approx((0.9, 0.5))  # 3x a 0.3 s floor; 5x a 0.1 s gap
+    assert "median of the solo turns' TTFT targets (3x their floors)" in how
+    pair, lines = EmbeddedPair(), []
+    _aim_auto({"auto": pair, "colocated": HonestPairEngine()}, _solo(), _FLOOR, (3.0, 5.0), lines.append)
+    assert pair.slo == slo and lines == [
+        f"agentkv bench: auto now places its steps for the SLO measured at 1 session: {slo} ({how})"
+    ]
+    unmeasured = EmbeddedPair()
+    _aim_auto({"auto": unmeasured}, _solo(), None, (3.0, 5.0), lines.append)  # no colocated floor
+    assert unmeasured.slo == EmbeddedPair().slo and "auto keeps its pair's objective (TTFT 2 s" in lines[-1]
+
+
+@pytest.mark.anyio
+async def test_the_sweep_aims_auto_once_after_its_solo_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[set[int], tuple[float, float]]] = []
+
+    def aim(by_mode: Any, records: list[TurnRecord], floor: Any, factors: tuple[float, float], log: Any) -> None:
+        calls.append(({r.load for r in records}, factors))
+
+    monkeypatch.setattr("agentkv._bench._runner._aim_auto", aim)
+    workload = make_workload("chat", turns=2, scale=0.25)
+    modes = ["auto", "colocated"]
+    async with HonestPairEngine() as engine:
+        engines = dict.fromkeys(modes, engine)
+        await run_bench(workload, modes=modes, engines=engines, sessions=[1, 2], think_s=0.01, slo_ttft=4, slo_itl=6)
+        assert calls == [({1}, (4, 6))]  # after the solo load, before the next
+        await run_bench(
+            workload, modes=modes, engines=engines, sessions=[2], arrivals="staggered", arrival_s=0.01, think_s=0.01
+        )
+        await run_bench(workload, modes=modes, engines=engines, sessions=[1], arrivals="staggered", think_s=0.01)
+    assert len(calls) == 1  # without a solo load, or with nothing after it: the pair's own objective

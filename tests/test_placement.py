@@ -1,8 +1,8 @@
 """Per-step placement without engines: the cost model, the pair's choice, and session mode "auto" on the doubles.
 
 A step is prefilled on P with push-back or on D alone from D's cache of the pinned conversation
-(`PlacementCosts` compares the two estimates). Mode "auto" asks the pair to choose; every other
-mode asks for P. The doubles do not place steps; a wrapper below reports a step as D's, as the
+(`PlacementCosts` compares the two estimates; under an objective, tests/test_placement_slo.py). Mode "auto"
+asks the pair to choose; every other mode asks for P. The doubles do not place steps; a wrapper below reports a step as D's, as the
 pair does, to check what the session makes of it.
 """
 
@@ -196,7 +196,8 @@ def test_the_pair_places_as_asked_and_auto_only_with_a_pin(unstarted_pair: Any) 
         assert choice == PlacementChoice("prefill", "no pin to extend on D")
 
 
-def test_the_pair_passes_what_is_in_flight_to_its_choice(unstarted_pair: Any) -> None:
+def test_without_an_slo_the_pair_passes_what_is_in_flight_to_its_choice(unstarted_pair: Any) -> None:
+    unstarted_pair.slo = None  # the rule before objectives (tests/test_placement_slo.py: with one)
     in_flight = unstarted_pair.in_flight
     request = _request("auto", pin=_pin(256), prompt=300)
     unstarted_pair.costs = PlacementCosts(fixed_s={"prefill": 0.0, "decode": 5.0})
@@ -208,7 +209,8 @@ def test_the_pair_passes_what_is_in_flight_to_its_choice(unstarted_pair: Any) ->
     assert unstarted_pair._place(request).engine == "prefill"  # D busy wins over P busy
 
 
-def test_auto_never_places_a_second_step_on_d_beside_one_not_finished(unstarted_pair: Any) -> None:
+def test_without_an_slo_auto_never_places_a_second_step_on_d_beside_one_not_finished(unstarted_pair: Any) -> None:
+    unstarted_pair.slo = None
     request = _request("auto", pin=_pin(256), prompt=300)
     unstarted_pair.costs = PlacementCosts(fixed_s={"prefill": 5.0, "decode": 0.0})
     assert unstarted_pair._place(request).engine == "decode"

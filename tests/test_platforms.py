@@ -95,6 +95,7 @@ def test_cpu_settings_are_unchanged() -> None:
         "max_num_seqs": 64,
         "enforce_eager": True,
         "enable_prefix_caching": False,
+        "kv_cache_memory_bytes": 2 * 2**30,
         "kv_transfer_config": {
             "kv_connector": "NixlConnector",
             "kv_role": "kv_producer",
@@ -115,6 +116,7 @@ def test_cpu_settings_are_unchanged() -> None:
         "max_num_seqs",
         "enforce_eager",
         "enable_prefix_caching",
+        "kv_cache_memory_bytes",
         "kv_transfer_config",
         "scheduling_policy",
     ]  # the order of the server's flags too
@@ -187,6 +189,7 @@ def test_cpu_settings_are_unchanged() -> None:
         "max_num_seqs": 64,
         "enforce_eager": True,
         "enable_prefix_caching": True,
+        "kv_cache_memory_bytes": 3 * 2**30,  # besides the variable, which vLLM reads only where the config is made
     }
     assert colocated.env == {
         "VLLM_CPU_KVCACHE_SPACE": "3",
@@ -215,6 +218,8 @@ def test_cpu_server_command_line_is_unchanged() -> None:
         "64",
         "--enforce-eager",
         "--no-enable-prefix-caching",
+        "--kv-cache-memory-bytes",
+        str(2 * 2**30),
         "--kv-transfer-config",
         kv,
         "--scheduling-policy",

@@ -359,6 +359,39 @@ def test_serve_gives_its_engines_the_context_length_asked_for(
     assert "--remote take their vLLM arguments where they start" in capsys.readouterr().err
 
 
+def test_serve_gives_its_pairs_the_objective_asked_for(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agentkv._surfaces._cli import main
+    from agentkv.engines import Slo
+
+    made: list[dict[str, Any]] = []
+
+    class NoPool:
+        def __init__(self, **options: Any) -> None:
+            made.append(options)
+
+        def __enter__(self) -> NoPool:
+            raise KeyboardInterrupt  # stands for a Ctrl-C as the engines start
+
+        def __exit__(self, *exc_info: object) -> None:
+            pass
+
+    monkeypatch.setattr("agentkv._session._pool.SessionPool", NoPool)
+    assert main(["serve", "--store", "memory", "--mode", "auto", "--slo-ttft-s", "3"]) == 130
+    assert made[-1]["engine_options"] == {"slo": Slo(ttft_s=3.0, itl_s=0.2)}  # the default's ITL
+    assert main(["serve", "--store", "memory", "--slo-itl-s", "0.5", "--remote", "http://p:1", "http://d:2"]) == 130
+    assert made[-1]["engine"].slo == Slo(ttft_s=2.0, itl_s=0.5)
+    assert main(["serve", "--store", "memory", "--engine", "launched", "--slo-ttft-s", "1.5"]) == 130
+    assert made[-1]["engine"].slo == Slo(ttft_s=1.5, itl_s=0.2)
+    assert main(["serve", "--store", "memory"]) == 130
+    assert "engine_options" not in made[-1]  # no objective asked: the pair's default
+    assert main(["serve", "--store", "memory", "--slo-itl-s", "0"]) == 2
+    assert "itl_s must be a positive number of seconds" in capsys.readouterr().err
+    assert main(["serve", "--store", "memory", "--mode", "colocated", "--slo-ttft-s", "1"]) == 2
+    assert "colocated is one engine" in capsys.readouterr().err
+
+
 def test_each_door_counts_in_its_own_registry() -> None:
     first, second = ServeMetrics(gauges=lambda: {"sessions": 3}), ServeMetrics(gauges=dict)
     first.error("rate_limit_exceeded")

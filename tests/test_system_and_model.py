@@ -12,7 +12,7 @@ import pytest
 from agentkv import EmbeddedPair, LaunchedPair, ModelPreparationError, PairConfig, UserError, prepare_model
 from agentkv._engines._pair_config import pair_engine_launch
 from agentkv._engines._server_process import ServerSpec, server_command
-from agentkv._engines._system import alive, cpu_list, descendants, free_port, split_cores
+from agentkv._engines._system import alive, compute_cores, cpu_list, descendants, free_port, split_cores
 from agentkv._model import BUNDLED_MODELS, DEFAULT_MODEL
 from agentkv._surfaces._cli import main
 
@@ -23,6 +23,12 @@ def test_cores_are_split_without_overlap() -> None:
     assert len(p) == len(d) == 32 and not set(p) & set(d)
     assert split_cores([0, 1, 2]) == ([0, 1], [2])
     assert split_cores([5]) == ([5], [5])  # one core: shared, with a warning
+
+
+def test_a_single_engine_leaves_a_core_to_its_scheduler() -> None:
+    assert compute_cores([0, 1]) == [0] and compute_cores([3, 1, 2]) == [1, 2]  # as vLLM's own binding
+    assert compute_cores([4]) == [4]  # one core: the engine takes it
+    assert compute_cores() == sorted(os.sched_getaffinity(0))[:-1] or len(os.sched_getaffinity(0)) == 1
 
 
 def test_cpu_list_is_the_form_vllm_takes() -> None:

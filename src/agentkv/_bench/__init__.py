@@ -101,7 +101,8 @@ async def run_bench(
     the first); by default staggered for several loads, a barrier for one. ``think_s`` defaults to
     `AGENTIC_THINK_S` on the agentic workload when staggered, else 0. ``seed`` seeds the population.
     Goodput counts turns within ``slo_ttft`` x their floor and ``slo_itl`` x a solo colocated session's median
-    token gap (src/agentkv/_bench/_goodput.py).
+    token gap (src/agentkv/_bench/_goodput.py); from the load after the solo one, ``auto``'s pair places its steps
+    for that objective as measured at 1 session (a given pair's ``slo`` is changed for good).
 
     ``progress`` is called before each round with (what runs, steps done, steps in all);
     ``log`` with one line per start-up stage (default: the ``agentkv`` logger).
@@ -158,6 +159,7 @@ async def run_bench(
         pin_ttl_s=pin_ttl_s,
         progress=progress or (lambda *_: None),
         log=log or (lambda line: logger.info("%s", line)),
+        slo_factors=(slo_ttft, slo_itl),
     )
     home = next(iter(homes.values()), None)
     if home is not None and not home.is_current():  # engines opened with `with`: run where they live

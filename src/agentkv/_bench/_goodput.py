@@ -7,6 +7,10 @@ without the transfer), the same for every mode since every mode reads the same p
 multiple of the median token gap of a solo colocated session (load 1). The floor rather than a solo session's TTFT:
 a solo TTFT is one mode's own speed (which would set the bar for the others) measured once per turn, the floor a
 fit over a dozen prefills per round that no mode's placement or transfer moves.
+
+Mode ``auto`` places each step for a pair's objective (`agentkv.engines.Slo`, src/agentkv/_engines/_slo.py): once the
+solo load has run, `pair_slo` turns the objective measured so far into one (a TTFT in seconds for every step, the
+median of the solo turns' targets, and the gap target), which the runner gives the pairs that run ``auto``.
 """
 
 from __future__ import annotations
@@ -14,9 +18,19 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
+from .._engines._slo import Slo as PairSlo
 from ._records import FloorFit, LoadRow, Slo, TurnRecord, percentile
 
-__all__ = ["DEFAULT_SLO_ITL", "DEFAULT_SLO_TTFT", "busy_s", "load_rows", "measure_slo", "meets", "ttft_target_s"]
+__all__ = [
+    "DEFAULT_SLO_ITL",
+    "DEFAULT_SLO_TTFT",
+    "busy_s",
+    "load_rows",
+    "measure_slo",
+    "meets",
+    "pair_slo",
+    "ttft_target_s",
+]
 
 DEFAULT_SLO_TTFT = 3.0
 """TTFT at most 3x the turn's floor: solo, a mode that reuses its KV sits at 1.05-1.15x its floor on the agentic
@@ -64,6 +78,25 @@ def measure_slo(
             ttft_target_max_s=max(targets),
         ),
         None,
+    )
+
+
+def pair_slo(
+    records: Sequence[TurnRecord], floor: FloorFit | None, *, ttft_factor: float, itl_factor: float
+) -> tuple[PairSlo | None, str]:
+    """The objective a pair's placement aims at, from the solo load's records (`measure_slo` over them): a pair
+    takes one TTFT for every step, so the median of the solo turns' targets; the gap target as it is. None, and
+    why, when the objective cannot be measured yet."""
+    solo = [r for r in records if r.load == 1]
+    slo, note = measure_slo(solo, floor, ttft_factor=ttft_factor, itl_factor=itl_factor)
+    if slo is None or floor is None:
+        return None, note or ""
+    ttft_s = statistics.median(ttft_target_s(slo, floor, r) for r in solo if r.turn > 1)
+    if not (ttft_s > 0 and slo.itl_target_s > 0):
+        return None, f"the measured targets are not positive ({ttft_s!r} s, {slo.itl_target_s!r} s)"
+    return PairSlo(ttft_s=ttft_s, itl_s=slo.itl_target_s), (
+        f"the median of the solo turns' TTFT targets ({ttft_factor:g}x their floors) and {itl_factor:g}x "
+        f"colocated's solo median gap"
     )
 
 

@@ -6,8 +6,10 @@ and warm caches hit every mode alike; a mode's sessions (src/agentkv/_bench/_con
 staggered arrivals, each mode in turn (the order rotated from load to load) runs the load's whole population: its
 sessions start at their drawn times and each runs its own turns, with its drawn pauses between them. The floor
 (`FloorSampler`) is measured on the colocated engine before the first turn and after each (staggered: after each
-load). Each load's sessions are opened for its rounds and closed after them, under cache salts of their own. Asked
-for, the probes (src/agentkv/_bench/_probes.py) run after every load, once per pair mode that pushes back.
+load). Each load's sessions are opened for its rounds and closed after them, under cache salts of their own.
+Once the solo load (1 session) has run and more loads follow, the pairs that run ``auto`` are given the objective
+measured so far (`pair_slo`, src/agentkv/_bench/_goodput.py) to place their steps for. Asked for, the probes
+(src/agentkv/_bench/_probes.py) run after the last load, once per pair mode that pushes back.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ from .._conversation._conversation import ChatRenderer
 from .._engines import Engine
 from .._engines._base import Sampling, StepRequest
 from .._engines._pair_config import PairConfig
+from .._engines._pair_layer import PairLayer
 from .._engines._system import free_port
 from .._model import prepare_model
 from .._session._pool import SessionPool
 from .._session._session import Session, load_tokenizer
 from .._surfaces._serve import FrontDoor
 from ._conversations import BenchConversation, Clock, RawConversation, ServedConversation, SessionConversation, drain
-from ._goodput import busy_s
+from ._goodput import busy_s, pair_slo
 from ._modes import PROBE_MODES, SESSION_MODES, open_engines, session_options
 from ._population import Plan
 from ._probes import run_probes
@@ -166,13 +169,16 @@ async def run_modes(
     engines: Mapping[str, Engine] | None,
     progress: Progress,
     log: Callable[[str], None],
+    slo_factors: tuple[float, float] | None = None,
     probes: bool = False,
     pin_ttl_s: float | None = None,
 ) -> tuple[list[TurnRecord], dict[int, dict[str, float]], FloorFit | None, Plan, list[ModeProbes]]:
     """Replay the workload in every mode at every load of ``plan``; return the records, each mode's wall time
     per load (its rounds' under a barrier; staggered, the time any of its turns was in flight), the floor, the
     plan as played (its arrival gap measured), and with ``probes`` each probed mode's probes (after the loads, on
-    the mode's engine). ``pin_ttl_s`` goes to every pair the bench starts."""
+    the mode's engine). ``slo_factors``: the goodput objective's TTFT and gap factors, which the pairs running
+    ``auto`` aim at from the load after the solo one (None: they keep their own). ``pin_ttl_s`` goes to every pair
+    the bench starts."""
     engine_modes = [mode for mode in modes if mode != STOCK_MODE]
     started = open_engines(
         engine_modes, given=engines, max_model_len=max_model_len, dtype=dtype, progress=log, pin_ttl_s=pin_ttl_s
@@ -194,6 +200,8 @@ async def run_modes(
             else:
                 await run.staggered(load, position)
             run.plan = run.plan.measured(run.records)
+            if load == 1 and position + 1 < len(plan.loads) and slo_factors is not None:
+                _aim_auto(by_mode, run.records, floor.fit() if floor is not None else None, slo_factors, log)
         probed = [mode for mode in by_mode if mode in PROBE_MODES] if probes else []
         results = [await run_probes(by_mode[mode], mode, workload, log=log) for mode in probed]
         progress("done", len(run.records), run.total)
@@ -272,6 +280,26 @@ class _Run:
 
     async def _turn(self, lane: _Lane, load: int, index: int, turn: int, message: str, think: float = 0.0) -> None:
         self.records.append(await lane.turn(index, turn, message, load=load, think_s=think))
+
+
+def _aim_auto(
+    by_mode: Mapping[str, Engine],
+    records: Sequence[TurnRecord],
+    floor: FloorFit | None,
+    slo_factors: tuple[float, float],
+    log: Callable[[str], None],
+) -> None:
+    """Give the pair running ``auto`` the objective the solo load measured (`pair_slo`), and say so."""
+    pair = by_mode.get("auto")
+    if not isinstance(pair, PairLayer):
+        return
+    ttft_factor, itl_factor = slo_factors
+    slo, how = pair_slo(records, floor, ttft_factor=ttft_factor, itl_factor=itl_factor)
+    if slo is None:
+        log(f"agentkv bench: auto keeps its pair's objective ({pair.slo}): {how}")
+        return
+    pair.slo = slo
+    log(f"agentkv bench: auto now places its steps for the SLO measured at 1 session: {slo} ({how})")
 
 
 async def _open_lanes(

@@ -28,3 +28,4 @@ from ._pair_config import PairSettings as PairSettings
 from ._placement import Placement as Placement
 from ._placement import PrefillEngine as PrefillEngine
 from ._remote import RemotePair as RemotePair
+from ._slo import Slo as Slo

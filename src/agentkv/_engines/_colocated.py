@@ -1,4 +1,4 @@
-"""`Colocated`: one vLLM engine with prefix caching on all given cores, the baseline to a pair."""
+"""`Colocated`: one vLLM engine with prefix caching, the baseline to a pair."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ._base import Engine, EngineDetails, EngineInfo, StepEvent, StepRequest, St
 from ._pair_config import check_engine_args, engine_launch
 from ._pair_layer import run_warmup_steps
 from ._platforms import current_platform
-from ._system import available_cores
+from ._system import compute_cores
 from ._vllm import AsyncLLMRunner, DecodeStream, EngineRequest
 from ._vllm_readouts import engine_seconds
 from ._vllm_sampling import vllm_sampling
@@ -37,7 +37,8 @@ class Colocated(Engine):
     Args:
         model: a bundled model name, a local HF folder or a Hugging Face id ``org/name[@revision]``
             from the HF cache (see `prepare_model`; default: the bundled SmolLM2-135M).
-        cores: cores for the engine (default: all available). CPU only.
+        cores: cores for the engine's compute threads (default: all available but one, left to its scheduler and
+            the front end, as vLLM binds its own: `agentkv._engines._system.compute_cores`). CPU only.
         max_model_len: context length.
         kv_cache_gib: KV cache size (``VLLM_CPU_KVCACHE_SPACE``). CPU only: on CUDA the KV takes what
             ``gpu_memory_utilization`` leaves.
@@ -96,7 +97,7 @@ class Colocated(Engine):
         cores: list[int] | None = None
         devices: tuple[str, ...] = ()
         if platform.pins_cores:  # CPU: cores of its own, claimed in the host's core table below
-            cores = list(self._cores or available_cores())
+            cores = list(self._cores or compute_cores())
             where: EngineDetails = {"cores": cores}
         else:  # a GPU host: the visible GPUs, none of the CPU machinery
             if self._cores is not None:

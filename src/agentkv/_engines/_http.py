@@ -60,6 +60,7 @@ from ._pair_layer import ON_DECODE_PARAMS, PairLayer
 from ._placement import PlacementChoice
 from ._platforms import Role
 from ._push import PushedStep
+from ._slo import DEFAULT_SLO, Slo
 from ._vllm_sampling import check_sampling
 
 __all__ = ["HTTPPair", "stock_decode_streaming_error"]
@@ -106,8 +107,9 @@ class HTTPPair(PairLayer):
         exclusive: bool = False,
         transfer: Transfer = "pull",
         max_pinned_blocks: int | None = None,
+        slo: Slo | None = DEFAULT_SLO,
     ) -> None:
-        super().__init__(max_pinned_blocks=max_pinned_blocks)
+        super().__init__(max_pinned_blocks=max_pinned_blocks, slo=slo)
         if attempts < 1:
             raise UserError("attempts must be at least 1")
         self._model = model

@@ -40,7 +40,7 @@ class LaunchedPair(HTTPPair):
     Its pair settings are `EmbeddedPair`'s: a `PairConfig` as ``config`` and/or its fields as
     keyword arguments (``model``, ``push_back``, ``prefill_prefix_cache``, ``cores``,
     ``prefill_devices``, ``decode_devices``, ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``,
-    ``max_pinned_blocks``, ``recompute_threshold``, ``connector_options``, ``idle_poll_ms``, ``warmup``, ``step_timeout_s``,
+    ``max_pinned_blocks``, ``recompute_threshold``, ``slo``, ``connector_options``, ``idle_poll_ms``, ``warmup``, ``step_timeout_s``,
     ``engine_args``, ``prefill_engine_args``, ``decode_engine_args``). The engine arguments become
     each server's ``vllm serve`` flags (``--tensor-parallel-size 2``); on a GPU host each server gets
     its GPUs as `EmbeddedPair`'s engines do, by ``CUDA_VISIBLE_DEVICES`` in its environment. And these:
@@ -83,6 +83,7 @@ class LaunchedPair(HTTPPair):
             exclusive=True,  # agentkv started the servers: nobody else talks to them
             transfer=self.config.transfer,
             max_pinned_blocks=self.config.max_pinned_blocks,
+            slo=self.config.slo,
         )
         if len(hosts) != 2 or len(launch_prefixes) != 2:
             raise UserError("hosts and launch_prefixes take two entries: prefill's, then decode's")

@@ -49,7 +49,7 @@ class EmbeddedPair(PairSteps):
         progress: called with one line per start-up stage (default: the ``agentkv`` logger).
         **settings: `PairConfig` fields (``push_back``, ``prefill_prefix_cache``, ``cores``,
             ``prefill_devices``, ``decode_devices``, ``max_model_len``, ``kv_cache_gib``, ``pin_ttl_s``,
-            ``max_pinned_blocks``, ``recompute_threshold``, ``connector_options``, ``idle_poll_ms``, ``warmup``,
+            ``max_pinned_blocks``, ``recompute_threshold``, ``slo``, ``connector_options``, ``idle_poll_ms``, ``warmup``,
             ``step_timeout_s``, ``engine_args``, ``prefill_engine_args``, ``decode_engine_args``).
 
     On a GPU host (vLLM's CUDA platform) P and D run on GPUs of their own: by default the visible

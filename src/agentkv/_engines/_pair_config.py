@@ -36,6 +36,7 @@ from ._platforms import (
     current_platform,
     pair_devices,
 )
+from ._slo import DEFAULT_SLO, Slo
 from ._system import cpu_list
 from ._vllm_features import require_feature
 
@@ -116,6 +117,10 @@ class PairConfig:
     See ``docs/reliability.md``."""
     recompute_threshold: int = 16
     """P recomputes instead of pulling fewer tokens than this (``kv_recompute_threshold``)."""
+    slo: Slo | None = DEFAULT_SLO
+    """The objective mode ``auto`` places steps for (`Slo`; default: 2 s to the first token, 0.2 s between
+    tokens, explained in `Slo`'s documentation); the running pair's ``slo`` attribute changes it. None: D alone only while D has nothing in
+    flight."""
     connector_options: Mapping[str, Any] = field(default_factory=dict[str, Any])
     """More ``kv_connector_extra_config`` for vLLM's NIXL connector (they win)."""
     idle_poll_ms: int | None = 50
@@ -143,6 +148,8 @@ class PairConfig:
             raise UserError("max_model_len must be at least 16 tokens")
         if self.max_pinned_blocks is not None and self.max_pinned_blocks < 1:
             raise UserError("max_pinned_blocks must be at least 1 block (or None: bounded by D's cache)")
+        if self.slo is not None and not isinstance(self.slo, Slo):
+            raise UserError(f"slo takes an Slo(ttft_s=..., itl_s=...) or None, not {self.slo!r}")
         if self.recompute_threshold < 0:
             raise UserError("recompute_threshold must be 0 (always pull) or more")
         kv_cache_space(self.kv_cache_gib)
@@ -217,6 +224,7 @@ class PairSettings(TypedDict, total=False):
     pin_ttl_s: float
     max_pinned_blocks: int | None
     recompute_threshold: int
+    slo: Slo | None
     connector_options: Mapping[str, Any]
     idle_poll_ms: int | None
     warmup: bool

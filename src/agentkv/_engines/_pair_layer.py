@@ -7,7 +7,9 @@ servers (`LaunchedPair`, `RemotePair`). Whatever the engines are, the pair must
   releasing the least recently pinned conversations; a pin the pair released is not
   used (its blocks may hold another conversation now: ``miss_reason="evicted"``);
 * place each step (`PlacementCosts`): on P with push-back (the protocol), or on D alone
-  from D's own cache of the pinned conversation, where the costs the pair measured say so;
+  from D's own cache of the pinned conversation, where the costs the pair measured and what
+  it has in flight on each engine (`StepLedger`) say more turns stay inside its objective
+  (`Slo`, src/agentkv/_engines/_slo.py);
 * release pins it no longer needs (a session's last, one a step on D alone replaced, a
   warm-up's), by a one-token request on P that carries the handle.
 
@@ -35,7 +37,9 @@ from ._base import Engine, Pin, ReleaseGuard, Sampling, StepDone, StepEvent, Ste
 from ._handle import KVHandle, handle_of
 from ._pin_budget import PinBudget
 from ._pinning import HeldPin, choose_pin
-from ._placement import Placement, PlacementChoice, PlacementCosts
+from ._placement import Placement, PlacementChoice, PlacementCosts, PrefillEngine
+from ._slo import DEFAULT_SLO, EngineLoad, Slo, choose_within_slo
+from ._step_ledger import StepLedger
 
 __all__ = ["ON_DECODE_PARAMS", "RELEASE_MARGIN_S", "PairLayer", "run_warmup_steps"]
 
@@ -55,10 +59,15 @@ class PairLayer(Engine):
     ``_max_pinned_blocks``, and implement the primitives below.
     """
 
-    def __init__(self, *, max_pinned_blocks: int | None) -> None:
+    def __init__(self, *, max_pinned_blocks: int | None, slo: Slo | None = DEFAULT_SLO) -> None:
         super().__init__()
         self.costs = PlacementCosts()
         """What the pair has measured of its steps on P and on D (mode ``"auto"`` compares them)."""
+        self.slo: Slo | None = slo
+        """The objective mode ``"auto"`` places steps for (`Slo`; settable while the pair runs, the next step's
+        placement reads it). None: a step goes to D alone only while nothing is in flight on D."""
+        self._ledger = StepLedger()
+        """The steps in flight: where each prefills, with how many tokens, and which decode on D."""
         self._max_pinned_blocks = max_pinned_blocks
         self._pins: PinBudget | None = None
         self._steps_on_decode = 0
@@ -136,21 +145,27 @@ class PairLayer(Engine):
             choice = self._place(request)
             on_decode = choice.engine == "decode"
             self._steps_on_decode += on_decode
+            # the compute queued ahead of it on its engine: not its own cost, which the pair learns without it
+            queued_s = self._ledger.load(choice.engine).queued_s(self.costs.per_token_s[choice.engine])
+            key = self._ledger.started(choice.engine, self._tokens_on(choice.engine, request))
             try:
                 placed = self._step_on_decode if on_decode else self._step_via_prefill
                 async with contextlib.aclosing(placed(request, started, choice)) as events:
                     async for event in events:
+                        self._ledger.first_token(key)  # the first event ends the prefill: D decodes it now
                         if isinstance(event, StepDone):
-                            self._learn(event, pins, evicted=evicted)
+                            self._learn(event, pins, queued_s, evicted=evicted)
                             if on_decode and request.pin is not None and handle is not None:  # no P read frees it
                                 self._spawn_release(handle, request.pin.expires_at)
                         yield event
             finally:
                 self._steps_on_decode -= on_decode
+                self._ledger.ended(key)
         finally:
             pins.finished(request.request_id)
 
-    def _learn(self, done: StepDone, pins: PinBudget, *, evicted: bool) -> None:
+    def _learn(self, done: StepDone, pins: PinBudget, queued_s: float, *, evicted: bool) -> None:
+        """What the step teaches: D's new pin, and its costs (less ``queued_s``, the compute ahead of it)."""
         timings = done.timings
         timings.pin_evicted = evicted
         if done.pin is not None:
@@ -158,7 +173,7 @@ class PairLayer(Engine):
         self.costs.observe(
             timings.prefill_engine or "prefill",
             computed_tokens=timings.computed_tokens,
-            ttft_s=timings.ttft_s,
+            ttft_s=max(0.0, timings.ttft_s - queued_s),
             prefill_s=timings.prefill_s,
         )
 
@@ -177,13 +192,35 @@ class PairLayer(Engine):
         if request.placement == "decode":
             return PlacementChoice("decode", "asked")
         on_prefill, on_decode = self._requests_in_flight()
-        return self.costs.choose(
-            prompt_tokens=len(request.prompt_token_ids),
-            held_tokens=request.pin.tokens,
-            block_size=self._pin_budget().block_size,
-            decode_in_flight=on_decode + self._steps_on_decode,
-            prefill_in_flight=on_prefill,
+        if self.slo is None:
+            return self.costs.choose(
+                prompt_tokens=len(request.prompt_token_ids),
+                held_tokens=request.pin.tokens,
+                block_size=self._pin_budget().block_size,
+                decode_in_flight=on_decode + self._steps_on_decode,
+                prefill_in_flight=on_prefill,
+            )
+        decode_load = self._ledger.load("decode")
+        # D's own count of requests can run ahead of the ledger (a step via P whose D request pulls before its
+        # first token): those beyond the ledger's prefills on D count as decodes
+        decodes = max(decode_load.decodes, on_decode - decode_load.prefills)
+        return choose_within_slo(
+            self.costs,
+            self.slo,
+            on_prefill=self._tokens_on("prefill", request),
+            on_decode=self._tokens_on("decode", request),
+            prefill_load=self._ledger.load("prefill"),
+            decode_load=EngineLoad(decode_load.prefills, decode_load.prefill_tokens, decode_load.busy_s, decodes),
         )
+
+    def _tokens_on(self, engine: PrefillEngine, request: StepRequest) -> int:
+        """The prompt tokens ``request`` computes on ``engine``: on P, past the pin (P pulls the pinned ones); on D
+        alone, past the pin's whole blocks (D's cache keeps whole blocks only)."""
+        held = request.pin.tokens if request.pin is not None else 0
+        if engine == "decode":
+            block_size = self._pin_budget().block_size
+            held = held // block_size * block_size
+        return max(0, len(request.prompt_token_ids) - held)
 
     async def release(self, pin: Pin) -> None:
         """Have D free the blocks ``pin`` holds, now rather than at their expiry (a pin no pair made is ignored).

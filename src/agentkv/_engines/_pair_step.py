@@ -48,7 +48,7 @@ class PairSteps(PairLayer):
     """The steps of a pair of in-process runners, P's (``_p``) and D's (``_d``), set by the subclass's start."""
 
     def __init__(self, config: PairConfig) -> None:
-        super().__init__(max_pinned_blocks=config.max_pinned_blocks)
+        super().__init__(max_pinned_blocks=config.max_pinned_blocks, slo=config.slo)
         self.config = config
         self._p: AsyncLLMRunner | None = None
         self._d: AsyncLLMRunner | None = None

@@ -7,8 +7,10 @@ tokens but pays the hop: P's scheduling, P's pull from D, D's pull from P. Which
 depends on the step and the machine, so `PlacementCosts` learns both from the pair's own
 steps (calibrated by the warm-up, updated by every step) and compares the estimates.
 
-D takes a step only while it has nothing else in flight: prefilling on D stalls the decodes
-of other conversations, which is what disaggregation exists to prevent.
+Without an objective (a pair's ``slo=None``), D takes a step only while it has nothing else in
+flight: prefilling on D stalls the decodes of other conversations, which is what disaggregation
+exists to prevent. With one (every pair's default), what is in flight on each engine is weighed
+against it instead: `choose_within_slo` in src/agentkv/_engines/_slo.py.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def platform_engine_settings(
 
     * **CPU**: no CUDA graphs to capture (``enforce_eager``: start-up ~20 s instead of ~75 s), the dtype the
       CPU computes natively (`resolve_dtype`), ``max_num_seqs``, the KV cache in whole GiB
-      (``VLLM_CPU_KVCACHE_SPACE``), the engine's threads bound to ``cores`` in order
+      (``VLLM_CPU_KVCACHE_SPACE`` and ``kv_cache_memory_bytes``), the engine's threads bound to ``cores`` in order
       (``VLLM_CPU_OMP_THREADS_BIND``), and the idle plugin's polling (``idle_poll_ms``).
     * **CUDA**: vLLM's own defaults (CUDA graphs; ``dtype="auto"``: the model's; vLLM's ``max_num_seqs``),
       the engine's GPUs as its ``CUDA_VISIBLE_DEVICES`` with ``tensor_parallel_size`` their number, and its
@@ -60,7 +60,13 @@ def platform_engine_settings(
             "enforce_eager": True,  # skip torch.compile: start-up ~20 s instead of ~75 s on CPU
             "enable_prefix_caching": prefix_caching,
         }
-        env = {"VLLM_CPU_KVCACHE_SPACE": kv_cache_space(kv_cache_gib), **engine_env(idle_poll_ms)}
+        space = kv_cache_space(kv_cache_gib)
+        # The size as an engine argument too: vLLM applies the variable only where the engine's configuration is
+        # made (here, agentkv's process, which does not have it), and without an explicit size its workers refuse to
+        # start unless 92% of the host's memory node is free (page cache counts as used: it failed here after an
+        # install had filled the page cache).
+        engine_args["kv_cache_memory_bytes"] = int(space) * 2**30
+        env = {"VLLM_CPU_KVCACHE_SPACE": space, **engine_env(idle_poll_ms)}
         if cores:
             ordered = list(cores) == sorted(set(cores))
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cores) if ordered else bind_order(cores)

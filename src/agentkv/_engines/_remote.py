@@ -10,6 +10,7 @@ from ._base import Pin, SavedPin
 from ._handle import handle_of, parse_handle, pin_of
 from ._http import HTTPPair
 from ._pair_config import Transfer
+from ._slo import DEFAULT_SLO, Slo
 
 __all__ = ["RemotePair"]
 
@@ -48,6 +49,9 @@ class RemotePair(HTTPPair):
             as leave room for the steps in flight). D's size is read from its ``/metrics`` when the pair opens;
             pins past the budget are released, least recently pinned first (see `PairLayer`). The budget
             counts this pair's pins only: other clients of the same D are not seen.
+        slo: the objective mode ``auto`` places steps for (`Slo`; default 2 s to the first token, 0.2 s between
+            tokens, explained in `Slo`'s documentation; the ``slo`` attribute
+            changes it while the pair runs; None: a step goes to D alone only while D has nothing in flight).
         attempts: tries per server call on transient errors (refused connection, 5xx).
         warmup: run two short steps at open (kernels, NIXL handshakes).
         step_timeout_s: a server that sends nothing for this long fails the step.
@@ -65,6 +69,7 @@ class RemotePair(HTTPPair):
         exclusive: bool = False,
         transfer: Transfer = "pull",
         max_pinned_blocks: int | None = None,
+        slo: Slo | None = DEFAULT_SLO,
         attempts: int = 4,
         warmup: bool = True,
         step_timeout_s: float = 300.0,
@@ -81,6 +86,7 @@ class RemotePair(HTTPPair):
             exclusive=exclusive,
             transfer=transfer,
             max_pinned_blocks=max_pinned_blocks,
+            slo=slo,
         )
         self._urls = (prefill_url, decode_url)
 

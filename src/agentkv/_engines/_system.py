@@ -19,6 +19,7 @@ __all__ = [
     "descendants",
     "alive",
     "available_cores",
+    "compute_cores",
     "free_port",
     "is_helper",
     "kill_and_reap",
@@ -33,6 +34,19 @@ logger = logging.getLogger("agentkv")
 def available_cores() -> list[int]:
     """The cores this process may run on."""
     return sorted(os.sched_getaffinity(0))
+
+
+def compute_cores(cores: Iterable[int] | None = None) -> list[int]:
+    """The cores a single engine's compute threads are bound to by default on a CPU host: all of ``cores`` (default:
+    the available ones) but the last, which is left to the engine's scheduler process and the caller's front end.
+
+    vLLM's own binding (``VLLM_CPU_OMP_THREADS_BIND=auto``) reserves a core per worker the same way. Bound to every
+    core instead, the compute threads (which spin between forward passes) and the scheduler that feeds them take
+    turns on the same cores: stock vLLM ran about 2x slower that way under a multi-turn load on a 2-core host
+    (docs/benchmarks.md, "The colocated baseline"). A single core is used as it is.
+    """
+    ordered = sorted(cores) if cores is not None else available_cores()
+    return ordered[:-1] if len(ordered) > 1 else ordered
 
 
 def split_cores(cores: Iterable[int] | None = None) -> tuple[list[int], list[int]]:

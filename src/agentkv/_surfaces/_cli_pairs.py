@@ -1,20 +1,22 @@
 """The pair (or pairs) a session command of ``agentkv`` runs on (``demo``, ``chat``, ``serve``): the ``--engine``,
-``--remote`` and ``--transfer`` options, and the engine arguments of the `Session` or `SessionPool` they ask for."""
+``--remote`` and ``--transfer`` options (and serve's objective, ``--slo-ttft-s`` and ``--slo-itl-s``), and the engine
+arguments of the `Session` or `SessionPool` they ask for."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any, get_args
 
-from .._engines import EmbeddedPair, Engine, EngineGroup, LaunchedPair, RemotePair
+from .._engines import EmbeddedPair, Engine, EngineGroup, LaunchedPair, RemotePair, Slo
 from .._engines._pair_config import Transfer
 from .._engines._platforms import current_platform, split_devices_among_pairs
+from .._engines._slo import DEFAULT_SLO
 from .._engines._system import split_cores_among_pairs
 from .._errors import UserError
 from .._session._session import Mode
 from ._cli_options import add_model_argument
 
-__all__ = ["add_engine_choice", "add_session_arguments", "engine_options"]
+__all__ = ["add_engine_choice", "add_session_arguments", "add_slo_arguments", "engine_options"]
 
 
 def add_engine_choice(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +46,34 @@ def add_session_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--slo-ttft-s`` and ``--slo-itl-s``: the objective mode auto places each step for (`Slo`)."""
+    parser.add_argument(
+        "--slo-ttft-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"mode auto: the time to first token each step aims at (default {DEFAULT_SLO.ttft_s:g} s)",
+    )
+    parser.add_argument(
+        "--slo-itl-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"mode auto: the longest gap between tokens it keeps D's decodes within (default {DEFAULT_SLO.itl_s:g} s)",
+    )
+
+
+def _slo(args: argparse.Namespace) -> Slo | None:
+    """The objective ``--slo-ttft-s`` and ``--slo-itl-s`` ask for (the default's for the one not given), or None."""
+    ttft_s, itl_s = getattr(args, "slo_ttft_s", None), getattr(args, "slo_itl_s", None)
+    if ttft_s is None and itl_s is None:
+        return None
+    return Slo(
+        ttft_s=DEFAULT_SLO.ttft_s if ttft_s is None else ttft_s, itl_s=DEFAULT_SLO.itl_s if itl_s is None else itl_s
+    )
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments of a session or pool the command line asks for (the engine opens and closes with it)."""
     pairs: int = getattr(args, "pairs", 1)
@@ -51,11 +81,17 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"engine_args": engine_args} if engine_args else {}
     if getattr(args, "max_model_len", None) is not None:
         options["max_model_len"] = args.max_model_len
+    slo = _slo(args)
+    if slo is not None and args.mode == "colocated":
+        raise UserError("--slo-ttft-s and --slo-itl-s place mode auto's steps on a pair; colocated is one engine")
     if args.remote:
         if options:
             raise UserError("servers given with --remote take their vLLM arguments where they start (agentkv engine)")
-        remotes = [RemotePair(*urls, model=args.model, transfer=args.transfer) for urls in args.remote]
+        objective = DEFAULT_SLO if slo is None else slo
+        remotes = [RemotePair(*urls, model=args.model, transfer=args.transfer, slo=objective) for urls in args.remote]
         return {"engine": remotes[0] if len(remotes) == 1 else EngineGroup(remotes)}
+    if slo is not None:
+        options["slo"] = slo
     kind = LaunchedPair if args.engine == "launched" else EmbeddedPair
     if pairs == 1:
         if args.engine == "embedded" and args.transfer == "pull":  # the session's own default pair

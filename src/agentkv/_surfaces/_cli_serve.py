@@ -10,7 +10,7 @@ import signal
 from typing import Any
 
 from ._cli_options import Commands, add_vllm_command, positive_int, positive_seconds
-from ._cli_pairs import add_session_arguments, engine_options
+from ._cli_pairs import add_session_arguments, add_slo_arguments, engine_options
 from ._signals import StopSignals
 
 __all__ = ["add_serve_command"]
@@ -46,6 +46,7 @@ def add_serve_command(commands: Commands) -> None:
         default=None,
         help="the engines' context length in tokens (default 4096; not with --remote)",
     )
+    add_slo_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this host only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(

@@ -1,0 +1,140 @@
+"""Placement that aims at a service-level objective (`Slo`): mode ``auto`` under load.
+
+Alone on an idle pair, a step goes where its estimated time to first token is shorter
+(src/agentkv/_engines/_placement.py). Under load the estimates must count what else is in
+flight: a step on P waits behind P's queued prefills and pays the hop; a step on D alone waits
+behind D's queued prefills, and its own prefill stalls every decode running on D for as long
+as it and the prefills queued before it compute (a prefill and the decodes share D's forward
+passes). `choose_within_slo`
+compares both with what the pair knows in flight on each engine (`EngineLoad`, kept by
+src/agentkv/_engines/_step_ledger.py) and the costs the pair learned (`PlacementCosts`), and
+places the step where more turns stay inside the objective:
+
+* D when its TTFT fits the SLO, its prefill keeps the token gaps of D's decodes within the
+  ITL objective (or D decodes nothing), and it is no slower than P;
+* else P when its TTFT fits;
+* else, neither fitting, the faster of the two, unless D's prefill would break the gaps of
+  decodes in flight on D (then P: one turn lost rather than several).
+
+With nothing in flight this is the plain comparison of the two estimates, whatever the SLO.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .._errors import UserError
+from ._placement import PlacementChoice, PlacementCosts, PrefillEngine
+
+__all__ = ["DEFAULT_SLO", "EngineLoad", "Slo", "choose_within_slo"]
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A service-level objective per step: the first token within ``ttft_s`` seconds of the step's start, and no gap
+    between two tokens longer than ``itl_s`` seconds. Mode ``auto`` places each step to keep the most turns inside it
+    (``docs/performance.md``, "Per-step placement"); the other modes ignore it.
+
+    Both are positive numbers of seconds (`UserError` otherwise).
+    """
+
+    ttft_s: float
+    """Time to first token, from the step's start, in seconds."""
+    itl_s: float
+    """The longest gap between two tokens of an answer, in seconds."""
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "itl_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise UserError(f"the SLO's {name} must be a positive number of seconds, not {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    def __str__(self) -> str:
+        return f"TTFT {self.ttft_s:g} s, ITL {self.itl_s:g} s"
+
+
+DEFAULT_SLO = Slo(ttft_s=2.0, itl_s=0.2)
+"""A pair's objective unless it is given one: the first token within 2 s, no token gap over 0.2 s.
+
+On a GPU host these are an interactive agent's usual bounds (a turn starts answering within a couple of seconds,
+tokens stream at 5 or more a second) and leave room for a D prefill of a few thousand tokens beside D's decodes.
+On a CPU host (the 2-core test bed) a prefill costs milliseconds per token, so a prefill on D of more than about a
+hundred tokens would exceed 0.2 s: with decodes in flight on D the step goes to P, as it always did before the
+objective, while an idle pair still takes the faster placement (the SLO decides nothing without load). Under
+heavy load on such a host no placement meets 2 s: each step then takes the faster estimate unless that breaks
+D's decodes. Set the pair's own (``slo=``) for another machine or workload.
+"""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the pair has in flight on one engine when a step is placed."""
+
+    prefills: int = 0
+    """Steps whose prefill runs (or waits) on the engine."""
+    prefill_tokens: int = 0
+    """Prompt tokens still to compute of the steps whose prefill runs (or waits) on the engine."""
+    busy_s: float = 0.0
+    """How long the oldest of those prefills has been in flight (the engine has computed since then)."""
+    decodes: int = 0
+    """Answers being decoded on the engine (D's decodes stall while a prefill on D computes)."""
+
+    def queued_s(self, per_token_s: float) -> float:
+        """The compute still ahead of a new step, at ``per_token_s``: what the prefills in flight need, less
+        what the engine has computed since the oldest of them started."""
+        return max(0.0, self.prefill_tokens * per_token_s - self.busy_s)
+
+
+def choose_within_slo(
+    costs: PlacementCosts,
+    slo: Slo,
+    *,
+    on_prefill: int,
+    on_decode: int,
+    prefill_load: EngineLoad,
+    decode_load: EngineLoad,
+) -> PlacementChoice:
+    """P or D for a step that computes ``on_prefill`` tokens on P or ``on_decode`` tokens on D alone, given what
+    is in flight on each: the placement that keeps the most turns inside ``slo`` (see the module's docstring).
+
+    The reason gives both estimates (queue included), the stall a prefill on D imposes on D's decodes, and the
+    test that decided.
+    """
+    queued: dict[PrefillEngine, float] = {
+        "prefill": prefill_load.queued_s(costs.per_token_s["prefill"]),
+        "decode": decode_load.queued_s(costs.per_token_s["decode"]),
+    }
+    via_prefill = queued["prefill"] + costs.estimate("prefill", on_prefill)
+    via_decode = queued["decode"] + costs.estimate("decode", on_decode)
+    # D's decodes wait out the prefills queued on D as well as this one (vLLM may batch them into one pass)
+    stall_s = queued["decode"] + on_decode * costs.per_token_s["decode"]
+    decodes = decode_load.decodes
+    breaks_gaps = decodes > 0 and stall_s > slo.itl_s
+    decode_fits = via_decode <= slo.ttft_s and not breaks_gaps
+    prefill_fits = via_prefill <= slo.ttft_s
+    if decode_fits and via_decode <= via_prefill:
+        engine: PrefillEngine = "decode"
+        verdict = "D fits and is no slower"
+    elif prefill_fits:
+        engine = "prefill"
+        verdict = "P fits" + (", D is slower" if decode_fits else _why_not_decode(via_decode, slo, breaks_gaps))
+    elif breaks_gaps:
+        engine = "prefill"
+        verdict = "neither fits; D would break the gaps of its decodes"
+    else:
+        engine = "decode" if via_decode <= via_prefill else "prefill"
+        verdict = f"neither fits; {'D' if engine == 'decode' else 'P'} is faster"
+    gaps = f"stall {stall_s:.3f} s on {decodes} decodes on D" if decodes else "no decode on D"
+    reason = (
+        f"SLO {slo}: D {via_decode:.3f} s ({on_decode} tokens, {queued['decode']:.3f} s queued), "
+        f"P {via_prefill:.3f} s ({on_prefill} tokens, {queued['prefill']:.3f} s queued), {gaps}: {verdict}"
+    )
+    return PlacementChoice(engine, reason)
+
+
+def _why_not_decode(via_decode: float, slo: Slo, breaks_gaps: bool) -> str:
+    if breaks_gaps:
+        return ", D would break the gaps of its decodes"
+    return ", D misses the TTFT" if via_decode > slo.ttft_s else ""

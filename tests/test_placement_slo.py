@@ -1,0 +1,264 @@
+"""Mode "auto" under an objective (`Slo`), without engines: the policy on synthetic loads and costs, the ledger
+of what is in flight, and the pair layer that feeds one to the other (src/agentkv/_engines/_slo.py).
+
+Costs in these tests are round: P 0.1 s fixed (its hop) + 1 ms a token, D 0.02 s fixed + 1 ms a token, unless a
+test says otherwise; the objective 1 s to the first token, 0.1 s between tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import anyio
+import pytest
+
+from agentkv import EmbeddedPair, UserError
+from agentkv._engines._placement import PlacementChoice, PlacementCosts
+from agentkv._engines._slo import DEFAULT_SLO, EngineLoad, choose_within_slo
+from agentkv._engines._step_ledger import StepLedger
+from agentkv.engines import Sampling, Slo, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
+from test_placement import BLOCK, _pin, _PlacingPair, _request
+
+SLO = Slo(ttft_s=1.0, itl_s=0.1)
+
+
+def _costs(**changes: dict[str, float]) -> PlacementCosts:
+    fields: dict[str, Any] = {
+        "fixed_s": {"prefill": 0.1, "decode": 0.02},
+        "per_token_s": {"prefill": 1e-3, "decode": 1e-3},
+    }
+    return PlacementCosts(**(fields | changes))
+
+
+def _choose(
+    costs: PlacementCosts | None = None,
+    slo: Slo = SLO,
+    *,
+    on_prefill: int = 50,
+    on_decode: int = 60,
+    p: EngineLoad | None = None,
+    d: EngineLoad | None = None,
+) -> PlacementChoice:
+    return choose_within_slo(
+        costs or _costs(),
+        slo,
+        on_prefill=on_prefill,
+        on_decode=on_decode,
+        prefill_load=p or EngineLoad(),
+        decode_load=d or EngineLoad(),
+    )
+
+
+# ----------------------------------------------------------------- the objective
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, "1"])
+def test_an_slo_takes_positive_seconds_only(bad: Any) -> None:
+    with pytest.raises(UserError, match="positive number of seconds"):
+        Slo(ttft_s=bad, itl_s=0.1)
+    with pytest.raises(UserError, match="itl_s"):
+        Slo(ttft_s=1.0, itl_s=bad)
+
+
+def test_an_slo_is_frozen_seconds_and_says_itself() -> None:
+    slo = Slo(ttft_s=2, itl_s=0.25)
+    assert (slo.ttft_s, slo.itl_s) == (2.0, 0.25) and isinstance(slo.ttft_s, float)
+    assert str(slo) == "TTFT 2 s, ITL 0.25 s"
+    with pytest.raises(AttributeError):
+        slo.ttft_s = 3.0  # type: ignore[misc]
+
+
+def test_every_pair_takes_an_slo_and_a_running_pair_changes_it() -> None:
+    assert EmbeddedPair().slo == DEFAULT_SLO == Slo(ttft_s=2.0, itl_s=0.2)
+    pair = EmbeddedPair(slo=SLO)
+    assert pair.slo == pair.config.slo == SLO
+    pair.slo = Slo(ttft_s=5.0, itl_s=0.5)  # what the bench does once its solo load measured one
+    assert pair.slo.ttft_s == 5.0
+    assert EmbeddedPair(slo=None).slo is None
+    from agentkv._session._session_config import SessionConfig
+    from agentkv._session._session_core import make_engine
+
+    own = make_engine(SessionConfig.build(tools=(), engine_options={"slo": SLO}, mode="auto"))
+    assert isinstance(own, EmbeddedPair) and own.slo == SLO  # a session's own pair takes it as an engine option
+    with pytest.raises(UserError, match="slo takes an Slo"):
+        EmbeddedPair(slo=(1.0, 0.1))  # type: ignore[typeddict-item]
+
+
+# ----------------------------------------------------------------- the policy
+
+
+@pytest.mark.parametrize("slo", [SLO, Slo(ttft_s=1e-3, itl_s=1e-3), Slo(ttft_s=1e3, itl_s=1e3)])
+def test_an_idle_pair_takes_the_faster_estimate_whatever_the_slo(slo: Slo) -> None:
+    assert _choose(slo=slo, on_prefill=50, on_decode=60).engine == "decode"  # 0.08 s against 0.15 s
+    assert _choose(slo=slo, on_prefill=20, on_decode=127).engine == "prefill"  # 0.147 s against 0.12 s
+
+
+def test_the_reason_gives_both_estimates_the_queue_the_stall_and_the_verdict() -> None:
+    choice = _choose(on_prefill=50, on_decode=60, d=EngineLoad(decodes=3))
+    assert choice.engine == "decode"
+    assert choice.reason == (
+        "SLO TTFT 1 s, ITL 0.1 s: D 0.080 s (60 tokens, 0.000 s queued), P 0.150 s (50 tokens, 0.000 s queued), "
+        "stall 0.060 s on 3 decodes on D: D fits and is no slower"
+    )
+    assert "no decode on D" in _choose().reason
+
+
+def test_a_deep_queue_on_p_sends_the_step_to_d() -> None:
+    cheap_p = _costs(fixed_s={"prefill": 0.0, "decode": 0.3})  # alone, P wins: 0.05 s against 0.36 s
+    assert _choose(cheap_p).engine == "prefill"
+    deep = EngineLoad(prefills=4, prefill_tokens=2000, busy_s=0.5)  # 2 s of work, 0.5 s of it done
+    choice = _choose(cheap_p, p=deep)
+    assert choice.engine == "decode"
+    assert "P 1.550 s (50 tokens, 1.500 s queued)" in choice.reason and "D fits" in choice.reason
+
+
+def test_a_queue_the_slo_still_absorbs_keeps_the_faster_placement() -> None:
+    cheap_p = _costs(fixed_s={"prefill": 0.0, "decode": 0.3})
+    choice = _choose(cheap_p, p=EngineLoad(prefills=1, prefill_tokens=200))  # P 0.25 s, D 0.36 s: both fit
+    assert choice.engine == "prefill" and "P 0.250 s (50 tokens, 0.200 s queued)" in choice.reason
+    assert choice.reason.endswith("P fits, D is slower")
+
+
+def test_d_decoding_many_still_takes_a_short_step_whose_prefill_fits_the_gaps() -> None:
+    many = EngineLoad(decodes=12)
+    choice = _choose(on_decode=60, d=many)  # stalls each decode 0.06 s < 0.1 s
+    assert choice.engine == "decode" and "stall 0.060 s on 12 decodes on D" in choice.reason
+
+
+def test_a_long_prompt_whose_d_prefill_would_break_the_gaps_goes_to_p() -> None:
+    cheap_d = _costs(fixed_s={"prefill": 0.5, "decode": 0.0})  # D far faster even for 300 tokens
+    assert _choose(cheap_d, on_prefill=300, on_decode=300).engine == "decode"  # nothing decodes on D
+    choice = _choose(cheap_d, on_prefill=300, on_decode=300, d=EngineLoad(decodes=1))
+    assert choice.engine == "prefill"
+    assert choice.reason.endswith("stall 0.300 s on 1 decodes on D: P fits, D would break the gaps of its decodes")
+
+
+def test_the_stall_counts_the_prefills_queued_on_d_before_the_step() -> None:
+    queued_d = EngineLoad(prefills=1, prefill_tokens=50, decodes=4)  # 0.05 s ahead of it, 0.06 s its own
+    choice = _choose(on_prefill=200, on_decode=60, d=queued_d)
+    assert choice.engine == "prefill" and "stall 0.110 s on 4 decodes on D: P fits, D would break" in choice.reason
+
+
+def test_a_d_prefill_that_misses_the_ttft_goes_to_p() -> None:
+    queued_d = EngineLoad(prefills=1, prefill_tokens=1500)  # 1.5 s of D's prefills ahead
+    choice = _choose(on_prefill=200, on_decode=60, d=queued_d)
+    assert choice.engine == "prefill" and choice.reason.endswith("P fits, D misses the TTFT")
+
+
+def test_when_neither_fits_the_faster_wins_unless_d_breaks_the_gaps() -> None:
+    tight = Slo(ttft_s=0.01, itl_s=0.1)
+    assert _choose(slo=tight, on_prefill=50, on_decode=60).reason.endswith("neither fits; D is faster")
+    assert _choose(slo=tight, on_prefill=20, on_decode=127).reason.endswith("neither fits; P is faster")
+    cheap_d = _costs(fixed_s={"prefill": 0.5, "decode": 0.0})
+    choice = _choose(cheap_d, tight, on_prefill=300, on_decode=300, d=EngineLoad(decodes=2))
+    assert choice.engine == "prefill" and choice.reason.endswith("neither fits; D would break the gaps of its decodes")
+
+
+def test_the_queue_counts_what_the_engine_computed_since_its_oldest_prefill() -> None:
+    assert EngineLoad(prefill_tokens=1000, busy_s=0.4).queued_s(1e-3) == pytest.approx(0.6)
+    assert EngineLoad(prefill_tokens=1000, busy_s=3.0).queued_s(1e-3) == 0.0
+
+
+# ----------------------------------------------------------------- the ledger
+
+
+def test_the_ledger_follows_each_step_from_its_prefill_to_its_decode() -> None:
+    ledger = StepLedger()
+    on_p = ledger.started("prefill", 100, now=10.0)
+    on_d = ledger.started("decode", 40, now=11.0)
+    ledger.started("prefill", 300, now=12.0)
+    assert ledger.load("prefill", now=12.5) == EngineLoad(prefills=2, prefill_tokens=400, busy_s=2.5, decodes=0)
+    assert ledger.load("decode", now=12.5) == EngineLoad(prefills=1, prefill_tokens=40, busy_s=1.5, decodes=0)
+    ledger.first_token(on_p)  # P's prefill over: its answer decodes on D
+    ledger.first_token(on_d)
+    assert ledger.load("prefill", now=13.0) == EngineLoad(prefills=1, prefill_tokens=300, busy_s=1.0)
+    assert ledger.load("decode", now=13.0) == EngineLoad(decodes=2)
+    ledger.ended(on_p)
+    ledger.ended(on_p)  # twice: nothing more
+    ledger.first_token(on_p)
+    assert ledger.load("decode", now=13.0).decodes == 1 and len(ledger) == 2
+
+
+# ----------------------------------------------------------------- the pair layer
+
+
+def test_the_pair_places_by_its_slo_with_what_it_has_in_flight(unstarted_pair: Any) -> None:
+    unstarted_pair.costs = _costs()
+    unstarted_pair.slo = SLO
+    request = _request("auto", pin=_pin(2 * BLOCK + 10), prompt=2 * BLOCK + 100)  # P 90 tokens, D 100
+    choice = unstarted_pair._place(request)
+    assert choice.engine == "decode" and "D 0.120 s (100 tokens" in choice.reason and "P 0.190 s (90" in choice.reason
+    unstarted_pair._ledger.first_token(unstarted_pair._ledger.started("prefill", 10))  # one answer decoding on D
+    assert "stall 0.100 s on 1 decodes on D: D fits" in unstarted_pair._place(request).reason  # 0.1 s: within
+    unstarted_pair.in_flight.d = 3  # D's own count sees two more requests than the ledger: decodes too
+    assert "on 3 decodes on D" in unstarted_pair._place(request).reason
+    unstarted_pair.slo = Slo(ttft_s=1.0, itl_s=0.05)  # changed while the pair runs: the next step reads it
+    choice = unstarted_pair._place(request)
+    assert choice.engine == "prefill" and "D would break the gaps" in choice.reason
+
+
+def test_placement_asked_or_impossible_ignores_the_slo(unstarted_pair: Any) -> None:
+    unstarted_pair.slo = Slo(ttft_s=1e-3, itl_s=1e-3)
+    assert unstarted_pair._place(_request("decode", pin=_pin(256))) == PlacementChoice("decode", "asked")
+    assert unstarted_pair._place(_request("auto", pin=None)).reason == "no pin to extend on D"
+
+
+class _SteppingPair(_PlacingPair):
+    """The placing pair with steps that hold at their first token and at their end until the test lets them go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: dict[str, tuple[anyio.Event, anyio.Event]] = {}
+
+    async def _step(self, request: StepRequest, started: float, choice: PlacementChoice) -> AsyncGenerator[StepEvent]:
+        first, done = self.gates[request.request_id]
+        await first.wait()
+        yield TokenDelta(token_ids=[7], text="a")
+        await done.wait()
+        timings = StepTimings(
+            ttft_s=2.0, prefill_s=0.5, computed_tokens=100, prefill_engine=choice.engine, placement_reason=choice.reason
+        )
+        yield StepDone(token_ids=[7], text="a", finish_reason="stop", timings=timings)
+
+    _step_via_prefill = _step_on_decode = _step  # type: ignore[assignment]
+
+
+@pytest.mark.anyio
+async def test_the_pair_counts_its_steps_in_flight_and_learns_without_their_queue() -> None:
+    pair = _SteppingPair()
+    pair.costs = _costs(fixed_s={"prefill": 0.0, "decode": 5.0})  # every step to P
+    pair.gates = {name: (anyio.Event(), anyio.Event()) for name in ("a", "b")}
+
+    async def run(request_id: str) -> None:
+        request = StepRequest(request_id=request_id, prompt_token_ids=list(range(300)), sampling=Sampling())
+        async for _ in pair._pinned_step(request):
+            pass
+
+    async def let_go(name: str) -> None:
+        for gate in pair.gates[name]:
+            gate.set()
+            await anyio.wait_all_tasks_blocked()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run, "a")
+        await anyio.wait_all_tasks_blocked()
+        group.start_soon(run, "b")
+        await anyio.wait_all_tasks_blocked()
+        assert pair._ledger.load("prefill").prefill_tokens == 600  # no pin: the whole prompt on P, each
+        pair.gates["a"][0].set()
+        await anyio.wait_all_tasks_blocked()
+        assert (pair._ledger.load("prefill").prefills, pair._ledger.load("decode").decodes) == (1, 1)  # a decodes
+        await let_go("a")
+        await let_go("b")
+    assert len(pair._ledger) == 0
+    # each step learns its TTFT (2 s) less its own compute (100 tokens at 5 ms) and the queue estimated ahead of it
+    # (b: a's 300 tokens at 1 ms)
+    assert pair.costs.per_token_s["prefill"] == pytest.approx(5e-3)
+    assert pair.costs.fixed_s["prefill"] == pytest.approx(0.7 * 1.5 + 0.3 * 1.2, abs=1e-3)
+
+
+@pytest.fixture
+def unstarted_pair() -> Any:
+    return _PlacingPair()
