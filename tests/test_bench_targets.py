@@ -28,6 +28,7 @@ from agentkv._bench._after_pause import after_pause
 from agentkv._bench._modes import PAIR_MODES, PROBE_MODES, session_options
 from agentkv._bench._probes import pick_stop, pin_ttl_of, pin_ttl_probe, stop_probe
 from agentkv._bench._records import FloorFit, FloorPoint, TurnRecord
+from agentkv._bench._report import header as report_header
 from agentkv._bench._runner import FloorSampler
 from agentkv._engines import Engine, StepRequest
 from agentkv._engines._base import StepDone, StepEvent, StepTimings, TokenDelta
@@ -303,6 +304,13 @@ async def test_the_pin_ttl_goes_to_every_pair_the_bench_starts(monkeypatch: pyte
     async with HonestPairEngine() as engine:
         with pytest.raises(UserError, match="pin_ttl_s applies to the pairs the bench starts"):
             await run_bench(workload, modes=["bidirectional"], engines={"bidirectional": engine}, pin_ttl_s=30.0)
+        with pytest.raises(UserError, match="compiled applies to the engines the bench starts"):
+            await run_bench(workload, modes=["bidirectional"], engines={"bidirectional": engine}, compiled=True)
+    started.clear()  # --compiled: every engine compiles its model, as stock vLLM does (no enforce_eager)
+    report = await run_bench(workload, modes=["bidirectional", "colocated"], max_model_len=1024, compiled=True)
+    compiled = {"max_model_len": 1024, "dtype": "float32", "engine_args": {"enforce_eager": False}}
+    assert started == [("EmbeddedPair", compiled), ("Colocated", compiled)] and report.compiled
+    assert "compiled (--compiled)" in report_header(report)
 
 
 def test_the_command_passes_the_probes_and_the_pin_ttl_and_prints_the_targets(

@@ -89,6 +89,7 @@ async def run_bench(
     engines: Mapping[str, Engine] | None = None,
     probes: bool = False,
     pin_ttl_s: float | None = None,
+    compiled: bool = False,
     progress: Progress | None = None,
     log: Callable[[str], None] | None = None,
 ) -> BenchReport:
@@ -110,7 +111,8 @@ async def run_bench(
     the bench starts what the modes need, every engine in ``dtype`` (one of `DTYPES`; default
     float32, see `DEFAULT_DTYPE`: it keeps the modes' greedy answers, hence their prompts,
     identical), and closes them at the end. ``dtype`` and ``engines`` exclude each other, as do ``pin_ttl_s`` (the
-    pin TTL of every pair the bench starts; above 10 s) and ``engines``. ``probes``: after the workload, each pair
+    pin TTL of every pair the bench starts; above 10 s) and ``engines``, and ``compiled`` (every engine the bench
+    starts compiles its model as stock vLLM does, instead of agentkv's eager mode on a CPU) and ``engines``. ``probes``: after the workload, each pair
     mode that pushes back runs the probes on its engine (src/agentkv/_bench/_probes.py). Mode ``served``
     puts a front door in a thread before its sessions: a given engine for it must be open on a loop that
     thread can call (opened with ``with``).
@@ -138,6 +140,8 @@ async def run_bench(
         raise UserError("dtype applies to the engines the bench starts; the given engines run in their own")
     if pin_ttl_s is not None and engines is not None:
         raise UserError("pin_ttl_s applies to the pairs the bench starts; the given engines keep their own")
+    if compiled and engines is not None:
+        raise UserError("compiled applies to the engines the bench starts; the given engines run as they were started")
     if pin_ttl_s is not None and not (math.isfinite(pin_ttl_s) and pin_ttl_s > 10):
         raise UserError(f"the pin TTL must be a number of seconds above 10, not {pin_ttl_s!r}")
     started_dtype = None if engines is not None else resolve_dtype(dtype or DEFAULT_DTYPE)
@@ -157,6 +161,7 @@ async def run_bench(
         engines=engines,
         probes=probes,
         pin_ttl_s=pin_ttl_s,
+        compiled=compiled,
         progress=progress or (lambda *_: None),
         log=log or (lambda line: logger.info("%s", line)),
         slo_factors=(slo_ttft, slo_itl),
@@ -193,6 +198,7 @@ async def run_bench(
         after_pause=after_pause([r for r in records if r.load == lightest]),
         probes=probed,
         pin_ttl_s=pin_ttl_s,
+        compiled=compiled,
     )
 
 

@@ -112,16 +112,27 @@ def session_options(mode: str) -> dict[str, Any]:
     return options
 
 
+COMPILED_ENGINE_ARGS = {"enforce_eager": False}
+"""``agentkv bench --compiled``: agentkv's engines compile their model as stock vLLM does (on a CPU agentkv runs them
+eager, for a start-up of ~20 s instead of minutes: src/agentkv/_engines/_platform_settings.py), so that the
+``vllm-serve`` mode's speed compares with theirs and not with eager mode's."""
+
 _Start = Callable[[contextlib.AsyncExitStack], Engine]
 """Makes an engine (not yet open); what it needs besides (network namespaces) goes on the stack."""
 
 
 def _starts(
-    max_model_len: int, dtype: str, progress: Callable[[str], None], pin_ttl_s: float | None = None
+    max_model_len: int,
+    dtype: str,
+    progress: Callable[[str], None],
+    pin_ttl_s: float | None = None,
+    compiled: bool = False,
 ) -> list[tuple[frozenset[str], _Start]]:
     """Each engine the bench may start, in the order it starts them, with the modes it serves; every pair with
-    ``pin_ttl_s`` when given."""
+    ``pin_ttl_s`` when given; every engine compiling its model when ``compiled`` (`COMPILED_ENGINE_ARGS`)."""
     single: dict[str, Any] = {"max_model_len": max_model_len, "dtype": dtype, "progress": progress}
+    if compiled:
+        single["engine_args"] = COMPILED_ENGINE_ARGS
     common = {**single, **({} if pin_ttl_s is None else {"pin_ttl_s": pin_ttl_s})}
 
     def across_hosts(stack: contextlib.AsyncExitStack) -> Engine:
@@ -152,9 +163,10 @@ async def open_engines(
     dtype: str,
     progress: Callable[[str], None],
     pin_ttl_s: float | None = None,
+    compiled: bool = False,
 ) -> AsyncIterator[dict[str, Engine]]:
     """The engines the modes need (given, or started one after another, all in ``dtype``, every pair with
-    ``pin_ttl_s`` when given, and closed on the way out). Started ones live on the running loop, reachable from
+    ``pin_ttl_s`` when given, compiling their model when ``compiled``, and closed on the way out). Started ones live on the running loop, reachable from
     other threads (the front door's)."""
     if given is not None:
         missing = [mode for mode in modes if mode not in given]
@@ -165,7 +177,7 @@ async def open_engines(
     async with BlockingPortal() as portal, contextlib.AsyncExitStack() as stack:
         home = EventLoopHome(asyncio.get_running_loop(), portal)  # the home names asyncio's loop (the engines')
         by_mode: dict[str, Engine] = {}
-        for served, start in _starts(max_model_len, dtype, progress, pin_ttl_s):
+        for served, start in _starts(max_model_len, dtype, progress, pin_ttl_s, compiled):
             if served & set(modes):
                 engine = start(stack)
                 await engine.open(home=home)

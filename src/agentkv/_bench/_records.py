@@ -315,6 +315,8 @@ class BenchReport(BaseModel):
     """Per pair mode that pushes back, the probes run after its workload (``probes=True``)."""
     pin_ttl_s: float | None = None
     """The pin TTL the bench gave every pair it started; None: the pairs' default (or the given engines')."""
+    compiled: bool = False
+    """Every engine the bench started compiled its model (``--compiled``) instead of running eager on a CPU."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:

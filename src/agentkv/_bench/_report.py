@@ -113,6 +113,8 @@ def table(summaries: Sequence[ModeSummary]) -> str:
 def header(report: BenchReport) -> str:
     """The lines above the tables: what ran, in which dtype, and how to read the columns."""
     dtype = f"dtype {report.dtype}" if report.dtype is not None else "the given engines' dtype"
+    if report.compiled:
+        dtype += ", agentkv's engines compiled (--compiled)"
     sessions = (
         f"{', '.join(map(str, report.loads))} sessions per mode (one load after another)"
         if len(report.loads) > 1

@@ -172,16 +172,23 @@ async def run_modes(
     slo_factors: tuple[float, float] | None = None,
     probes: bool = False,
     pin_ttl_s: float | None = None,
+    compiled: bool = False,
 ) -> tuple[list[TurnRecord], dict[int, dict[str, float]], FloorFit | None, Plan, list[ModeProbes]]:
     """Replay the workload in every mode at every load of ``plan``; return the records, each mode's wall time
     per load (its rounds' under a barrier; staggered, the time any of its turns was in flight), the floor, the
     plan as played (its arrival gap measured), and with ``probes`` each probed mode's probes (after the loads, on
     the mode's engine). ``slo_factors``: the goodput objective's TTFT and gap factors, which the pairs running
     ``auto`` aim at from the load after the solo one (None: they keep their own). ``pin_ttl_s`` goes to every pair
-    the bench starts."""
+    the bench starts; ``compiled``: every engine it starts compiles its model (no ``enforce_eager``)."""
     engine_modes = [mode for mode in modes if mode != STOCK_MODE]
     started = open_engines(
-        engine_modes, given=engines, max_model_len=max_model_len, dtype=dtype, progress=log, pin_ttl_s=pin_ttl_s
+        engine_modes,
+        given=engines,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        progress=log,
+        pin_ttl_s=pin_ttl_s,
+        compiled=compiled,
     )
     async with (
         started as by_mode,

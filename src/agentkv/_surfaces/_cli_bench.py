@@ -103,6 +103,12 @@ def add_bench_command(commands: Commands) -> None:
         metavar="S",
         help="the pin TTL of every pair the bench starts (above 10 s; default: the pairs' own)",
     )
+    bench.add_argument(
+        "--compiled",
+        action="store_true",
+        help="every engine the bench starts compiles its model as stock vLLM does (on a CPU agentkv runs them eager "
+        "for a quick start): compare with vllm-serve this way; each start then takes minutes",
+    )
     bench.add_argument("--json", default="agentkv-bench.json", help="write the report here ('' for none)")
     bench.add_argument("--plot", default="agentkv-bench.png", help="draw the plot here ('' for none)")
 
@@ -177,6 +183,7 @@ def _bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         probes=args.probes,
         pin_ttl_s=args.pin_ttl_s,
+        compiled=args.compiled,
         progress=progress,
         log=progress.log,
     )
