@@ -256,7 +256,13 @@ class HonestPairEngine(BundledModelDouble):
         )
         pin, pin_error = (None, None) if stopped else self._issue(prompt + token_ids[:-1], faults)
         yield StepDone(
-            token_ids=token_ids, text=text, finish_reason=finish_reason, pin=pin, timings=timings, pin_error=pin_error
+            token_ids=token_ids,
+            text=text,
+            finish_reason=finish_reason,
+            pin=pin,
+            timings=timings,
+            pin_error=pin_error,
+            stopped_by_string=stopped,
         )
 
     def saved_pin(self, pin: Pin) -> SavedPin | None:
