@@ -52,6 +52,7 @@ def test_the_answer_ends_before_the_stop_string_and_the_history_keeps_its_tokens
     assert pair.violations == []
 
 
+@pytest.mark.upkeep
 def test_the_step_after_a_stop_extends_the_history_exactly_and_pulls_the_repinned_conversation() -> None:
     """A real pair's D pins nothing for a request a stop string ended: the session repins the conversation from
     D's prefix cache (one token, no pin given), so the next step pushes back and pulls, as does the one after it

@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 import anyio
 import anyio.lowlevel
 
-from .._engines import StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
+from .._engines import Placement, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
 from .._engines._base import Pin, ReleaseGuard, SavedPin
 from .._engines._handle import KVHandle, handle_of, parse_handle, pin_of
 from .._errors import EngineDeadError, EngineError, UserError
@@ -75,6 +75,8 @@ class StepRecord:
     request_id: str
     prompt_tokens: int
     faults: list[Fault]
+    placement: Placement = "prefill"
+    """Where the request asked to be prefilled (`StepRequest.placement`; the double computes alike everywhere)."""
     forwarded: bool = False
     """A pin came with the request."""
     declined: bool = False
@@ -200,7 +202,12 @@ class HonestPairEngine(BundledModelDouble):
         self.check_open()
         refuse_unhonoured(request)  # refused before the engine: no record, the faults wait for the next step
         faults, self._pending = self._pending, []
-        record = StepRecord(request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids), faults=faults)
+        record = StepRecord(
+            request_id=request.request_id,
+            prompt_tokens=len(request.prompt_token_ids),
+            faults=faults,
+            placement=request.placement,
+        )
         self.steps.append(record)
         try:
             async for event in self._step(request, record):

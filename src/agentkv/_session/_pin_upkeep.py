@@ -143,13 +143,21 @@ class PinUpkeep:
         engine, home = session._engine, session.home
         if engine is None or home is None or not self._pins(session, engine):
             return
-        config = session._config
-        if repin and session._pin is None and config.renew_pins:
-            self._start(home, _Wake("repin", None, time.perf_counter()))
-        elif turn and session._pin is not None and config.early_transfer:
-            self._start(home, _Wake("prefetch", session._pin, time.perf_counter()))
+        wake = self._after_turn(session, turn=turn, repin=repin)
+        if wake is not None:
+            self._start(home, wake)
         else:
             self.schedule(session)
+
+    @staticmethod
+    def _after_turn(session: Upkept, *, turn: bool, repin: bool) -> _Wake | None:
+        """The step due at once when the session is idle again: a repin, a prefetch, or None (a renewal later)."""
+        config = session._config
+        if repin and session._pin is None and config.renew_pins:
+            return _Wake("repin", None, time.perf_counter())
+        if turn and session._pin is not None and config.early_transfer:
+            return _Wake("prefetch", session._pin, time.perf_counter())
+        return None
 
     def schedule(self, session: Upkept) -> None:
         """Schedule the renewal of the session's pin, replacing a waiting upkeep step; nothing when it needs none."""
@@ -256,7 +264,7 @@ class PinUpkeep:
             pin = None
             if wake.held is not None:
                 pin, _ = choose_pin(wake.held, tokens, push_back=True, expiry_margin_s=config.expiry_margin_s)
-                if pin is None and not _refreshable(wake, tokens, engine, config.expiry_margin_s):
+                if pin is None and not _refreshable(wake, tokens, config.expiry_margin_s):
                     return  # the conversation's tokens do not strictly extend the pin's: left as it is
             session._pin, wake.running = None, True
         replaced = wake.held if pin is None else None
@@ -320,7 +328,9 @@ class PinUpkeep:
         new = HeldPin(done.pin, tokens)
         if done.timings.pin_evicted or done.pin.tokens > len(tokens):
             # evicted: D's budget gave this idle conversation's blocks to others; it does not take them back
-            logger.debug("agentkv: a pin's %s step's pin is not kept (evicted, or holding more than the conversation)", kind)
+            logger.debug(
+                "agentkv: a pin's %s step's pin is not kept (evicted, or holding more than the conversation)", kind
+            )
             session = self._session()
             if session is not None:
                 session._discard_pin(new)
@@ -328,15 +338,15 @@ class PinUpkeep:
         return new
 
 
-def _refreshable(wake: _Wake, tokens: list[int], engine: Engine, expiry_margin_s: float) -> bool:
+def _refreshable(wake: _Wake, tokens: list[int], expiry_margin_s: float) -> bool:
     """Whether ``wake`` renews a pin that holds the conversation's ``tokens`` exactly (the pin of an upkeep step: D
     keeps its prompt, the output token is thrown away). No prompt strictly extends it, so it cannot be given back;
-    but D's prefix cache holds its blocks, and a step with no pin on D alone prefills from them and pins anew."""
+    but D's prefix cache holds its blocks, and a step with no pin on D alone prefills from them and pins anew (where
+    the pair cannot place a step on D, on P: from P's prefix cache, which the prefetch filled, and D pulls it all)."""
     held = wake.held
     return (
         wake.kind == "renew"
         and held is not None
-        and engine.info.places_steps
         and held.pin.tokens == len(tokens)
         and held.token_ids[: len(tokens)] == tokens
         and time.perf_counter() + expiry_margin_s < held.pin.expires_at

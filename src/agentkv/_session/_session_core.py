@@ -181,7 +181,11 @@ class SessionCore(EngineUser):
                     turn.pin = turn.taken_pin = self._pin
                     self._pin = None
                 upkeep = self._upkeep
-                turn.pin_renewals, turn.repins, turn.early_transfers = upkeep.count, upkeep.repins, upkeep.early_transfers
+                turn.pin_renewals, turn.repins, turn.early_transfers = (
+                    upkeep.count,
+                    upkeep.repins,
+                    upkeep.early_transfers,
+                )
             await self._ensure_engine(turn)
             change(turn)
         except BaseException:
