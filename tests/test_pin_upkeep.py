@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from agentkv import Session
+from agentkv._doubles._honest_pair import BLOCK_SIZE
 from agentkv._session import _pin_upkeep
 from agentkv.engines import StepEvent, StepRequest
 from agentkv.testing import Fault, HonestPairEngine
@@ -266,4 +267,29 @@ def test_honest_pair_a_pause_after_the_prefetch_renews_its_pin_from_ds_cache(mon
     step = after.steps[0].stats
     assert step.handle_forwarded and step.pulled_tokens > 0 and step.miss_reason is None
     assert after.stats.early_transfers == 1 and after.stats.pin_renewals == len(renewals)
+    engine.assert_honest()
+
+
+def _long_answer(request: StepRequest) -> str:
+    return "The capital is Paris, a city on the Seine with many bridges, museums and cafes. " * 2
+
+
+@pytest.mark.parametrize("early_transfer", [True, False])
+def test_honest_pair_with_ps_cache_the_step_after_the_prefetch_pulls_at_most_a_partial_block(
+    early_transfer: bool,
+) -> None:
+    engine = HonestPairEngine(_long_answer, prefill_cache=True)
+    with Session(engine=engine, early_transfer=early_transfer) as session:
+        first = session.run_sync("Capital of France?")
+        if early_transfer:
+            _wait_for(lambda: session.pinned_tokens == len(session.token_ids))
+        after = session.run_sync("And Italy?")
+    output = first.steps[0].stats.output_tokens
+    step = after.steps[0].stats
+    assert step.handle_forwarded and step.miss_reason is None
+    if early_transfer:  # P pulled the previous output before the turn: now at most the partial last block
+        assert step.pulled_tokens < BLOCK_SIZE and step.local_hit_tokens > output
+        assert _of(engine, "prefetch")[0].pulled_tokens >= output - BLOCK_SIZE
+    else:  # on the critical path: at least the previous output but its last token
+        assert step.pulled_tokens >= output - 1
     engine.assert_honest()
