@@ -125,6 +125,10 @@ class PinUpkeep:
         """When the session last kept a turn (or took a pin up): renewals stop ``renew_pins_for_s`` after it."""
         self._last_ttft_s = 0.0
 
+    def counts(self) -> tuple[int, int, int]:
+        """(renewals, repins, prefetches) since the last turn was kept: the next turn's `TurnStats` counts."""
+        return self.count, self.repins, self.early_transfers
+
     @property
     def renewing(self) -> HeldPin | None:
         """The pin a running upkeep step took from the session (None: none runs, or a repin, which took none)."""

@@ -180,12 +180,7 @@ class SessionCore(EngineUser):
                 if turn.taken_pin is None and self._pin is not None and self._active is turn:
                     turn.pin = turn.taken_pin = self._pin
                     self._pin = None
-                upkeep = self._upkeep
-                turn.pin_renewals, turn.repins, turn.early_transfers = (
-                    upkeep.count,
-                    upkeep.repins,
-                    upkeep.early_transfers,
-                )
+                turn.pin_renewals, turn.repins, turn.early_transfers = self._upkeep.counts()
             await self._ensure_engine(turn)
             change(turn)
         except BaseException:
