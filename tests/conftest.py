@@ -15,6 +15,7 @@ import pytest
 from agentkv import Colocated, EmbeddedPair, LaunchedPair, prepare_model
 from agentkv._engines._start_log import ENGINE_LOG_VARIABLE
 from agentkv._engines._system import alive
+from agentkv._session._pin_upkeep import PinUpkeep
 from agentkv.testing import block_real_engines
 from freed import assert_ports_freed, running_pids
 from postgres_server import PostgresServer, postgres_server
@@ -34,6 +35,16 @@ def _no_real_engines_in_unit_tests(request: pytest.FixtureRequest) -> Iterator[N
         return
     with block_real_engines():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _no_upkeep_after_turns(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right after each turn a session on an engine that pins starts a one-token step of its own: the repin after a
+    stop string, the early transfer into P (src/agentkv/_session/_pin_upkeep.py). Tests not marked `upkeep` count
+    their doubles' steps and script one output per step of a turn, so there it does not happen (the renewals, due
+    later, still do): tests/test_pin_upkeep.py and the tests marked `upkeep` test it."""
+    if request.node.get_closest_marker("upkeep") is None:
+        monkeypatch.setattr(PinUpkeep, "_after_turn", staticmethod(lambda session, *, turn, repin: None))
 
 
 @pytest.fixture(autouse=True)

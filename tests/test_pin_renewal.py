@@ -1,4 +1,4 @@
-"""Pins that outlive the agent's pause (src/agentkv/_session/_renewal.py; issue 30, point 4).
+"""Pins that outlive the agent's pause (src/agentkv/_session/_pin_upkeep.py; issue 30, point 4).
 
 A `HonestPairEngine` with a short pin TTL stands in for the pair: it checks every pin given back (its own, unspent,
 not expired, its exact tokens strictly extended by the prompt), so a renewal that broke the token-exact rule, reused
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from agentkv import Session, SessionPool, SqliteSessionStore
-from agentkv._session import _renewal
+from agentkv._session import _pin_upkeep as _renewal
 from agentkv.testing import HonestPairEngine
 
 TTL_S = 2.0
@@ -48,7 +48,7 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 def test_a_pause_longer_than_the_ttl_pulls_the_renewed_pin_and_changes_no_answer() -> None:
     engine = _engine()
-    with Session(engine=engine, expiry_margin_s=MARGIN_S) as session:
+    with Session(engine=engine, expiry_margin_s=MARGIN_S, early_transfer=False) as session:
         session.run_sync("Capital of France?")
         time.sleep(PAUSE_S)
         after = session.run_sync("And Italy?")
@@ -61,7 +61,7 @@ def test_a_pause_longer_than_the_ttl_pulls_the_renewed_pin_and_changes_no_answer
     assert all(r.forwarded and not r.declined and len(r.output_token_ids) == 1 for r in renewals)
     engine.assert_honest()
     reference = HonestPairEngine()  # no pause, no renewal: the same conversation token for token
-    with Session(engine=reference, expiry_margin_s=MARGIN_S) as plain:
+    with Session(engine=reference, expiry_margin_s=MARGIN_S, early_transfer=False) as plain:
         plain.run_sync("Capital of France?")
         plain.run_sync("And Italy?")
         assert plain.token_ids == tokens and [m.content for m in plain.messages] == texts
@@ -69,7 +69,7 @@ def test_a_pause_longer_than_the_ttl_pulls_the_renewed_pin_and_changes_no_answer
 
 def test_without_renewals_the_pin_expires() -> None:
     engine = _engine()
-    with Session(engine=engine, expiry_margin_s=MARGIN_S, renew_pins=False) as session:
+    with Session(engine=engine, expiry_margin_s=MARGIN_S, renew_pins=False, early_transfer=False) as session:
         session.run_sync("Capital of France?")
         time.sleep(PAUSE_S)
         after = session.run_sync("And Italy?")
@@ -82,7 +82,7 @@ def test_without_renewals_the_pin_expires() -> None:
 def test_the_step_api_renews_between_a_turns_steps() -> None:
     """A caller-run tool longer than the TTL: the step after it, in the same turn, pulls."""
     engine = _engine()
-    with Session(engine=engine, expiry_margin_s=MARGIN_S) as session:
+    with Session(engine=engine, expiry_margin_s=MARGIN_S, early_transfer=False) as session:
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Run the tests."}]
         reply = session.step_sync(messages)
         messages.append(reply.message.model_dump(exclude_none=True))
@@ -96,7 +96,7 @@ def test_the_step_api_renews_between_a_turns_steps() -> None:
 
 def test_a_step_that_starts_during_a_renewal_waits_for_it_and_pulls() -> None:
     engine = _engine(stall_s=1.0)
-    with Session(engine=engine, expiry_margin_s=MARGIN_S) as session:
+    with Session(engine=engine, expiry_margin_s=MARGIN_S, early_transfer=False) as session:
         session.run_sync("Capital of France?")
         engine.inject("stall")  # played by the next step: the renewal, 1.5 s from now
         _wait_for(lambda: any(r.outcome == "running" for r in _renewals(engine)))
@@ -115,9 +115,9 @@ def test_a_step_that_starts_during_a_renewal_waits_for_it_and_pulls() -> None:
 async def test_closing_cancels_a_pending_renewal_and_leaves_no_task() -> None:
     async with _engine() as engine:
         tasks = asyncio.all_tasks()
-        async with Session(engine=engine, expiry_margin_s=MARGIN_S) as session:
+        async with Session(engine=engine, expiry_margin_s=MARGIN_S, early_transfer=False) as session:
             await session.run("Capital of France?")
-            assert session._renewal._wake is not None  # scheduled, not yet due
+            assert session._upkeep._wake is not None  # scheduled, not yet due
         await asyncio.sleep(0.05)
         assert asyncio.all_tasks() <= tasks
         assert not _renewals(engine) and engine.live_pins == 0  # the pin was released at close
@@ -126,7 +126,7 @@ async def test_closing_cancels_a_pending_renewal_and_leaves_no_task() -> None:
 
 def test_closing_during_a_renewal_cancels_it_quietly() -> None:
     engine = _engine(stall_s=30.0)
-    with engine, Session(engine=engine, expiry_margin_s=MARGIN_S) as session:
+    with engine, Session(engine=engine, expiry_margin_s=MARGIN_S, early_transfer=False) as session:
         session.run_sync("Capital of France?")
         engine.inject("stall")
         _wait_for(lambda: any(r.outcome == "running" for r in _renewals(engine)))
@@ -147,7 +147,7 @@ EDITS: dict[str, Callable[[Session], None]] = {
 @pytest.mark.parametrize("edit", sorted(EDITS))
 def test_an_edit_cancels_the_renewal(edit: str) -> None:
     engine = _engine()
-    with Session(engine=engine, expiry_margin_s=MARGIN_S) as session:
+    with Session(engine=engine, expiry_margin_s=MARGIN_S, early_transfer=False) as session:
         session.run_sync("Capital of France?")
         session.run_sync("And Italy?")
         EDITS[edit](session)
@@ -160,7 +160,7 @@ def test_an_edit_cancels_the_renewal(edit: str) -> None:
 
 def test_an_edit_during_a_renewal_cancels_it_and_releases_nothing_it_did_not_get() -> None:
     engine = _engine(stall_s=30.0)
-    with Session(engine=engine, expiry_margin_s=MARGIN_S) as session:
+    with Session(engine=engine, expiry_margin_s=MARGIN_S, early_transfer=False) as session:
         session.run_sync("Capital of France?")
         session.run_sync("And Italy?")
         engine.inject("stall")
@@ -174,7 +174,7 @@ def test_an_edit_during_a_renewal_cancels_it_and_releases_nothing_it_did_not_get
 
 def test_a_failed_renewal_drops_the_pin_and_the_next_step_recomputes() -> None:
     engine = _engine()
-    with Session(engine=engine, expiry_margin_s=MARGIN_S) as session:
+    with Session(engine=engine, expiry_margin_s=MARGIN_S, early_transfer=False) as session:
         session.run_sync("Capital of France?")
         engine.inject("error")  # the renewal's step fails
         _wait_for(lambda: any(r.outcome == "error" for r in _renewals(engine)))
@@ -188,7 +188,7 @@ def test_a_failed_renewal_drops_the_pin_and_the_next_step_recomputes() -> None:
 
 def test_renewals_stop_after_the_idle_bound() -> None:
     engine = _engine()
-    with Session(engine=engine, expiry_margin_s=MARGIN_S, renew_pins_for_s=1.0) as session:
+    with Session(engine=engine, expiry_margin_s=MARGIN_S, renew_pins_for_s=1.0, early_transfer=False) as session:
         session.run_sync("Capital of France?")  # its renewal would be due after 1.5 s: past the bound
         time.sleep(PAUSE_S)
         after = session.run_sync("And Italy?")
@@ -204,7 +204,7 @@ def test_a_pools_sessions_renew_unless_its_store_offers_pins(tmp_path: Path) -> 
     with SqliteSessionStore(tmp_path / "a.db") as plain, OfferingStore(tmp_path / "b.db") as offering:
         assert SessionPool(engine=engine, store=plain)._config.renew_pins
         assert not SessionPool(engine=engine, store=offering)._config.renew_pins
-    with SessionPool(engine=engine, expiry_margin_s=MARGIN_S) as pool:
+    with SessionPool(engine=engine, expiry_margin_s=MARGIN_S, early_transfer=False) as pool:
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Capital of France?"}]
         reply = pool.step_sync(messages, conversation_id="c1")
         messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "And Italy?"}]

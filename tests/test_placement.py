@@ -190,10 +190,10 @@ def _request(placement: Placement, *, pin: Pin | None, prompt: int = 300) -> Ste
 def test_the_pair_places_as_asked_and_auto_only_with_a_pin(unstarted_pair: Any) -> None:
     assert unstarted_pair._place(_request("prefill", pin=_pin(256))).engine == "prefill"
     assert unstarted_pair._place(_request("decode", pin=_pin(256))) == PlacementChoice("decode", "asked")
-    placements: tuple[Placement, ...] = ("auto", "decode")
-    for placement in placements:  # nothing pinned on D to extend: P, whatever was asked
-        choice = unstarted_pair._place(_request(placement, pin=None))
-        assert choice == PlacementChoice("prefill", "no pin to extend on D")
+    # D alone with no pin, as asked: a session's repin prefills from D's own prefix cache
+    assert unstarted_pair._place(_request("decode", pin=None)) == PlacementChoice("decode", "asked")
+    choice = unstarted_pair._place(_request("auto", pin=None))  # nothing pinned on D to extend: P
+    assert choice == PlacementChoice("prefill", "no pin to extend on D")
 
 
 def test_without_an_slo_the_pair_passes_what_is_in_flight_to_its_choice(unstarted_pair: Any) -> None:

@@ -58,6 +58,12 @@ from agentkv.testing import MALFORMATIONS, Fault, HonestPairEngine
 BATCHES = 10
 EPISODES_PER_BATCH = {"landing": 10, "nightly": 100}
 """100 episodes on every landing (seeds 0-99), 1,000 in the nightly tier (seeds 0-999), in ten batches each."""
+
+pytestmark = pytest.mark.upkeep  # the sessions' repins and early transfers run amid the faults
+
+UPKEEP_STEPS = ("agentkv-renew-", "agentkv-repin-", "agentkv-prefetch-")
+"""The request ids of a session's own steps while it waits (src/agentkv/_session/_pin_upkeep.py)."""
+
 WORDS = ("alpha", "beta", "gamma", "delta", "kv", "pin", "block", "tea", "red", "seven", "Paris", "ok")
 GARBLED = ("seven", "tea", "red", "ok")
 """The words `echo` returns with a lone surrogate after them."""
@@ -148,7 +154,8 @@ class Episode:
 
     def _respond(self, request: StepRequest) -> str:
         prompt = list(request.prompt_token_ids)
-        if prompt.count(self.im_start) != prompt.count(self.im_end) + 1:
+        upkeep = request.request_id.startswith(UPKEEP_STEPS)  # a one-token step over a kept conversation
+        if not upkeep and prompt.count(self.im_start) != prompt.count(self.im_end) + 1:
             self.problems.append(
                 "a prompt has unbalanced <|im_start|>/<|im_end|> control tokens: text in a message was "
                 "tokenized as a control token (defect 12)"
@@ -231,6 +238,7 @@ class Episode:
                 + (["die", "die_mid_stream"] if rng.random() < 0.15 else [])
             )
         malformation = rng.choice(MALFORMATIONS)
+        await self._settle()  # a fault is meant for the turn's step, not for a session's upkeep step before it
         if fault is not None:
             self.engine.inject(fault, malformation=malformation)
         at = rng.randint(1, 8)
@@ -254,7 +262,7 @@ class Episode:
             self._fail(f"a non-agentkv exception escaped run(): {type(exc).__name__}: {exc}")
         finally:
             self.engine.clear_faults()
-        records = self.engine.steps[first_step:]
+        records = [r for r in self.engine.steps[first_step:] if not r.request_id.startswith(UPKEEP_STEPS)]
         if result is not None:
             self.log.append(f"  accepted: {len(result.steps)} step(s), {result.text[:40]!r}")
             self._check_accepted(twin, result, records, first_handle)
@@ -288,6 +296,13 @@ class Episode:
         if how == "stall" or how == "cancel" or abandoned:
             return
         self._fail(f"the turn ({how}) neither returned nor raised")
+
+    async def _settle(self) -> None:
+        """Let the sessions' upkeep steps due now (a repin, an early transfer after a kept turn) run to their end."""
+        for _ in range(3):
+            await anyio.lowlevel.checkpoint()
+        for twin in self.twins:
+            await twin.live._upkeep.settled()
 
     async def _run(self, session: Session, message: str, how: str, at: int) -> tuple[TurnResult | None, bool]:
         """(the result, or None if the turn did not complete; whether the caller abandoned it)."""

@@ -52,11 +52,13 @@ def test_the_answer_ends_before_the_stop_string_and_the_history_keeps_its_tokens
     assert pair.violations == []
 
 
-def test_the_step_after_a_stop_extends_the_history_exactly_and_forwards_no_dropped_pin() -> None:
-    """A real pair's D pins nothing for a request a stop string ended: the next step recomputes, and the one
-    after it (the output ended normally) pushes back again."""
+@pytest.mark.upkeep
+def test_the_step_after_a_stop_extends_the_history_exactly_and_pulls_the_repinned_conversation() -> None:
+    """A real pair's D pins nothing for a request a stop string ended: the session repins the conversation from
+    D's prefix cache (one token, no pin given), so the next step pushes back and pulls, as does the one after it
+    (the output ended normally). Before the repin (src/agentkv/_session/_pin_upkeep.py) the next step recomputed."""
     respond = Counting()
-    with HonestPairEngine(respond) as pair, Session(engine=pair) as session:
+    with HonestPairEngine(respond) as pair, Session(engine=pair, early_transfer=False) as session:
         history: list[dict[str, Any]] = [*USER]
         stopped = session.step_sync(history, stop="two")
         history += [{"role": "assistant", "content": stopped.text}, {"role": "user", "content": "Go on."}]
@@ -65,11 +67,15 @@ def test_the_step_after_a_stop_extends_the_history_exactly_and_forwards_no_dropp
         third = session.step_sync(history)
         steps = [s for t in session.stats.turns for s in t.steps]
     assert (stopped.text, second.text, third.text) == ("One, ", "One, two, three. Done.", "One, two, three. Done.")
-    assert [r.forwarded for r in pair.steps] == [False, False, True]
-    assert [s.miss_reason for s in steps] == ["no_handle", "no_handle", None]
+    repin = pair.steps[1]
+    assert repin.request_id.startswith("agentkv-repin-") and not repin.forwarded and len(repin.output_token_ids) == 1
+    records = [r for i, r in enumerate(pair.steps) if i != 1]
+    assert [r.forwarded for r in records] == [False, True, True]
+    assert [s.miss_reason for s in steps] == ["no_handle", None, None] and steps[1].pulled_tokens > 0
+    assert [t.repins for t in session.stats.turns] == [0, 1, 0]
     assert [s.turn for s in steps] == [1, 2, 3]  # the session kept the conversation: no rebuild
-    prompts = [list(r.prompt_token_ids) for r in respond.requests]
-    for before, step, after in zip(prompts, pair.steps, prompts[1:], strict=False):  # token-exact history
+    prompts = [list(r.prompt_token_ids) for i, r in enumerate(respond.requests) if i != 1]
+    for before, step, after in zip(prompts, records, prompts[1:], strict=False):  # token-exact history
         assert after[: len(before) + len(step.output_token_ids)] == before + step.output_token_ids
     assert pair.violations == []
 

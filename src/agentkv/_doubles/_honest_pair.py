@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 import anyio
 import anyio.lowlevel
 
-from .._engines import StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
+from .._engines import Placement, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
 from .._engines._base import Pin, ReleaseGuard, SavedPin
 from .._engines._handle import KVHandle, handle_of, parse_handle, pin_of
 from .._errors import EngineDeadError, EngineError, UserError
@@ -64,6 +64,9 @@ Malformation = Literal[
 ]
 """How a ``malformed_handle`` fault breaks D's dict."""
 
+BLOCK_SIZE = 16
+"""Tokens per KV block of the double's P cache (``prefill_cache``)."""
+
 MALFORMATIONS: tuple[Malformation, ...] = get_args(Malformation)
 """Every `Malformation`, for tests that draw one."""
 
@@ -75,10 +78,14 @@ class StepRecord:
     request_id: str
     prompt_tokens: int
     faults: list[Fault]
+    placement: Placement = "prefill"
+    """Where the request asked to be prefilled (`StepRequest.placement`; the double computes alike everywhere)."""
     forwarded: bool = False
     """A pin came with the request."""
     declined: bool = False
     """The pin was not read (expired early, a ``decline`` fault, or a violation): the prompt was computed."""
+    local_hit_tokens: int = 0
+    """Prompt tokens P found in its own prefix cache (only with ``prefill_cache``; else 0)."""
     pulled_tokens: int = 0
     computed_tokens: int = 0
     output_token_ids: list[int] = dataclasses.field(default_factory=list[int])
@@ -129,6 +136,10 @@ class HonestPairEngine(BundledModelDouble):
         pin_ttl_s: how long an issued pin says D keeps its blocks.
         forward_margin_s: a pin given back with less than this left before its deadline is a violation.
         stall_s: how long a ``stall`` fault hangs.
+        prefill_cache: model P's prefix cache too: P keeps the whole blocks (`BLOCK_SIZE`) of every prompt it
+            prefilled (computed or pulled), a step hits them locally, and a pin given back pulls only what P lacks
+            (the pin's tokens past P's hits, as vLLM's P pulls ``remote_num_tokens - num_computed_tokens``).
+            Off by default: a read pin's tokens are all pulled.
         decode_of: another double whose D this one drives too (two doors on one decode server): pins travel
             between them (`saved_pin`, `adopt_pin`), and each checks every pin given back against D's record.
     """
@@ -145,12 +156,15 @@ class HonestPairEngine(BundledModelDouble):
         forward_margin_s: float = 0.0,
         stall_s: float = 60.0,
         decode_of: HonestPairEngine | None = None,
+        prefill_cache: bool = False,
     ) -> None:
         super().__init__(model_path=model_path, max_model_len=max_model_len)
         self._respond = respond or _default_response
         self._pin_ttl_s = pin_ttl_s
         self._forward_margin_s = forward_margin_s
         self._stall_s = stall_s
+        self._p_cache: set[tuple[str | None, tuple[int, ...]]] | None = set() if prefill_cache else None
+        """P's prefix cache (``prefill_cache``): the whole-block prefixes it holds, by cache salt."""
         self._d: _Decode = decode_of._d if decode_of is not None else _Decode()
         self._pins = self._d.pins
         self._guard: ReleaseGuard | None = None
@@ -200,7 +214,12 @@ class HonestPairEngine(BundledModelDouble):
         self.check_open()
         refuse_unhonoured(request)  # refused before the engine: no record, the faults wait for the next step
         faults, self._pending = self._pending, []
-        record = StepRecord(request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids), faults=faults)
+        record = StepRecord(
+            request_id=request.request_id,
+            prompt_tokens=len(request.prompt_token_ids),
+            faults=faults,
+            placement=request.placement,
+        )
         self.steps.append(record)
         try:
             async for event in self._step(request, record):
@@ -229,7 +248,9 @@ class HonestPairEngine(BundledModelDouble):
             read = self._read(request.pin, prompt, request.request_id, decline="decline" in faults)
             record.declined = not read
             record.pulled_tokens = request.pin.tokens if read else 0
-        record.computed_tokens = len(prompt) - record.pulled_tokens
+        if self._p_cache is not None and request.placement != "decode":
+            self._through_p_cache(request, prompt, record)
+        record.computed_tokens = len(prompt) - record.local_hit_tokens - record.pulled_tokens
         if "error" in faults:
             raise EngineError("injected: the engine failed the step")
         token_ids, text, finish_reason, stopped = self._output(request)
@@ -249,6 +270,7 @@ class HonestPairEngine(BundledModelDouble):
             ttft_s=time.perf_counter() - started,
             pulled_tokens=record.pulled_tokens,
             computed_tokens=record.computed_tokens,
+            local_hit_tokens=record.local_hit_tokens,
             handoff_tokens=len(prompt),
             kv_bytes=0,
             kv_transfer_s=0.0,
@@ -256,8 +278,27 @@ class HonestPairEngine(BundledModelDouble):
         )
         pin, pin_error = (None, None) if stopped else self._issue(prompt + token_ids[:-1], faults)
         yield StepDone(
-            token_ids=token_ids, text=text, finish_reason=finish_reason, pin=pin, timings=timings, pin_error=pin_error
+            token_ids=token_ids,
+            text=text,
+            finish_reason=finish_reason,
+            pin=pin,
+            timings=timings,
+            pin_error=pin_error,
+            stopped_by_string=stopped,
         )
+
+    def _through_p_cache(self, request: StepRequest, prompt: list[int], record: StepRecord) -> None:
+        """P's share of a step with its prefix cache: hits on its whole blocks (at most the prompt but one token),
+        a pull of the pin's tokens past them, and the prompt's whole blocks kept."""
+        assert self._p_cache is not None
+        salt, hit = request.cache_salt, 0
+        while hit + BLOCK_SIZE < len(prompt) and (salt, tuple(prompt[: hit + BLOCK_SIZE])) in self._p_cache:
+            hit += BLOCK_SIZE
+        record.local_hit_tokens = hit
+        if record.pulled_tokens:
+            record.pulled_tokens = max(0, record.pulled_tokens - hit)
+        for end in range(BLOCK_SIZE, len(prompt) + 1, BLOCK_SIZE):
+            self._p_cache.add((salt, tuple(prompt[:end])))
 
     def saved_pin(self, pin: Pin) -> SavedPin | None:
         """The pin as a double on the same D (``decode_of``) takes it back: D's handle, its deadline in wall time."""

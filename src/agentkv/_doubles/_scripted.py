@@ -122,16 +122,19 @@ class ScriptedEngine(BundledModelDouble):
         if cut is not None:
             token_ids, text = cut
         yield TokenDelta(token_ids=token_ids, text=text)
-        yield self._done(request, token_ids, text, started)
+        yield self._done(request, token_ids, text, started, stopped_by_string=cut is not None)
 
     @staticmethod
-    def _done(request: StepRequest, token_ids: list[int], text: str, started: float) -> StepDone:
+    def _done(
+        request: StepRequest, token_ids: list[int], text: str, started: float, *, stopped_by_string: bool = False
+    ) -> StepDone:
         """The `StepDone` of an output ``text`` (``token_ids``) of ``request``, begun at ``started``."""
         return StepDone(
             token_ids=token_ids,
             text=text,
             finish_reason="stop",
             timings=StepTimings(ttft_s=time.perf_counter() - started, computed_tokens=len(request.prompt_token_ids)),
+            stopped_by_string=stopped_by_string,
         )
 
     def _encode(self, text: str) -> list[int]:

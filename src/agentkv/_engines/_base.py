@@ -167,6 +167,9 @@ class StepDone:
     answer stands, the next step computes its whole prompt."""
     logprobs: Sequence[TokenLogprob] | None = None
     """One per token of `token_ids` when the step asked for them (`SamplingOptions.logprobs`), else None."""
+    stopped_by_string: bool = False
+    """One of the step's stop strings ended it (vLLM's ``stop_reason`` is the string): vLLM's front end aborted the
+    request, so a pair's D pinned nothing (`pin` None) although its prefix cache still holds the blocks."""
 
 
 StepEvent = TokenDelta | StepDone

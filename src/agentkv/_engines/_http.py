@@ -360,6 +360,7 @@ class HTTPPair(PairLayer):
             pin=pin,
             pin_error=pin_error,
             logprobs=None if answer.logprobs_count is None else answer.logprobs or [],
+            stopped_by_string=isinstance(answer.stop_reason, str),
             timings=StepTimings(
                 ttft_s=(answer.first_token_at or time.perf_counter()) - started,
                 prefill_s=computed_on.seconds("prefill"),

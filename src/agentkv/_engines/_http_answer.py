@@ -48,6 +48,8 @@ class DecodeAnswer:
     texts: list[str] = field(default_factory=list[str])
     first_token_at: float | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    """What ended the output as vLLM's server says (a stop string, a stop token id; None: end of sequence, length)."""
     reply: ServerReply = field(default_factory=ServerReply)
     logprobs_count: int | None = None
     """The alternatives per token the step asked for (`SamplingOptions.logprobs`); None: no logprobs."""
@@ -66,6 +68,8 @@ class DecodeAnswer:
             self.token_ids.extend(ids)
             self.texts.append(choice.text)
             self.finish_reason = choice.finish_reason or self.finish_reason
+            stop_reason = getattr(choice, "stop_reason", None)
+            self.stop_reason = stop_reason if stop_reason is not None else self.stop_reason
             logprobs = None
             if self.logprobs_count is not None:
                 logprobs = completion_logprobs(getattr(choice, "logprobs", None), self.logprobs_count)

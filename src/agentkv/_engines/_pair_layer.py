@@ -178,7 +178,8 @@ class PairLayer(Engine):
         )
 
     def _place(self, request: StepRequest) -> PlacementChoice:
-        """Where to prefill ``request``: P unless asked for D, or ``auto`` finds D faster."""
+        """Where to prefill ``request``: P unless asked for D (even with no pin: D's prefix cache may hold the
+        conversation, `agentkv._session._pin_upkeep`'s repin), or ``auto`` finds D faster with a pin."""
         if self._transfer_is_push():
             if request.placement == "decode":
                 raise UserError("a step on D alone needs a pull pair (transfer='pull'); this pair pushes")
@@ -187,10 +188,10 @@ class PairLayer(Engine):
             if request.placement == "decode":
                 raise UserError(f"a step on D alone needs agentkv's auto placement: {self._placement_off}")
             return PlacementChoice("prefill", f"auto placement is off ({self._placement_off})")
+        if request.placement == "decode":  # with no pin: a session's repin, from D's own prefix cache
+            return PlacementChoice("decode", "asked")
         if request.pin is None or request.placement == "prefill":
             return PlacementChoice("prefill", "no pin to extend on D" if request.placement != "prefill" else "asked")
-        if request.placement == "decode":
-            return PlacementChoice("decode", "asked")
         on_prefill, on_decode = self._requests_in_flight()
         if self.slo is None:
             return self.costs.choose(

@@ -443,4 +443,5 @@ class DecodeStream:
             pin_error=pin_error,
             timings=timings,
             logprobs=logprobs,
+            stopped_by_string=isinstance(getattr(completion, "stop_reason", None), str),
         )

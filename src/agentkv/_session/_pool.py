@@ -77,8 +77,8 @@ class SessionPool(EngineUser):
             closed: the conversation's next step resumes from its last saved step. A named conversation's
             step holds its lease in the store (`SessionStore.lease`: a PostgreSQL store several doors
             share); one another door holds is a `SessionBusyError`, as a busy session is. With a store that
-            offers pins (PostgreSQL), the sessions do not renew their pins (`Session`'s ``renew_pins``): a
-            renewal would leave the pin the store offers stale.
+            offers pins (PostgreSQL), the sessions do not renew their pins nor move them early (`Session`'s
+            ``renew_pins``, ``early_transfer``): either would leave the pin the store offers stale.
         session_options: keyword arguments of each `Session` (``system``, ``mode``, ``tool_format``,
             ``tool_call_parser`` and ``reasoning_parser`` (vLLM's parsers, by name), ``max_tokens``, ``temperature``, ``seed``, ``sampling`` (`SamplingOptions`: every session's
             defaults, which a step's ``sampling=`` overrides field by field), ``cache_salt``; ``model`` and
@@ -106,7 +106,7 @@ class SessionPool(EngineUser):
         self._use_engine(engine)
         self.store = check_session_store(store)
         if self.store is not None and self.store.offers_pins:  # a renewed pin would leave the store's saved one stale
-            self._config = self._config.model_copy(update={"renew_pins": False})
+            self._config = self._config.model_copy(update={"renew_pins": False, "early_transfer": False})
         self._owns_store = self.store is not store
         """Whether the pool opened its store (from a URL), and so closes it."""
         self._members: list[_Member] = []

@@ -71,11 +71,21 @@ class Session(TurnAPI, StepAPI):
             is thrown away and the conversation does not change. So a pause longer than the pair's ``pin_ttl_s``
             costs no recompute: the next step pulls. A step that starts during a renewal waits for it; an edit or
             ``close`` cancels it; a renewal that fails drops the pin quietly (the next step recomputes).
-            `TurnStats.pin_renewals` counts them. It costs one token on D per pin TTL per idle session. Default:
-            on; only engines that pin (push-back modes) renew. In a `SessionPool` whose store offers pins to
-            other doors, sessions do not renew (a renewal would leave the store's saved pin stale).
+            `TurnStats.pin_renewals` counts them. It costs one token on D per pin TTL per idle session. It also
+            repins: a step that a stop string ended leaves no pin (vLLM aborts it), so right after such a turn a
+            one-token step with no pin, on D alone where the engine can, pins the conversation from D's prefix
+            cache (`TurnStats.repins`). Default: on; only engines that pin (push-back modes) renew. In a
+            `SessionPool` whose store offers pins to other doors, sessions do not renew (a renewal would leave the
+            store's saved pin stale).
         renew_pins_for_s: stop renewing once the session has been idle this long after its last turn (positive;
             default an hour): the pin then expires, so an abandoned session does not hold D's blocks forever.
+        early_transfer: right after each turn, while the session waits for its caller, move the pin's KV into P's
+            prefix cache: a one-token step over the conversation's tokens, given the pin and placed on P (P pulls
+            D's new blocks now, D pins again). The next step then finds them in P's cache and pulls at most the
+            partial last block, off the critical path. A step that starts meanwhile waits for it (one token) and
+            takes its pin; an edit or ``close`` cancels it; one that fails drops the pin quietly.
+            `TurnStats.early_transfers` counts them. It costs one token on the pair per turn. Default: on; only on
+            engines that pin (push-back modes); off, like ``renew_pins``, in a `SessionPool` whose store offers pins.
         cache_salt: keep this session's cached KV apart: blocks cached under one salt never
             serve a request with another (vLLM ``cache_salt``), on P, D or a colocated engine.
             For tenants that must not share KV, and for measurements that must not help
@@ -105,6 +115,7 @@ class Session(TurnAPI, StepAPI):
         expiry_margin_s: float = 10.0,
         renew_pins: bool = True,
         renew_pins_for_s: float = 3600.0,
+        early_transfer: bool = True,
         cache_salt: str | None = None,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -127,6 +138,7 @@ class Session(TurnAPI, StepAPI):
             expiry_margin_s=expiry_margin_s,
             renew_pins=renew_pins,
             renew_pins_for_s=renew_pins_for_s,
+            early_transfer=early_transfer,
             cache_salt=cache_salt,
             engine_options=engine_options,
         )

@@ -56,9 +56,12 @@ class SessionConfig(BaseModel):
     """Every other sampling setting (vLLM's names; see `SamplingOptions`)."""
     expiry_margin_s: float = Field(default=10.0, ge=0.0, allow_inf_nan=False)
     renew_pins: bool = True
-    """Renew the pin while the session is idle (`agentkv._session._renewal`); only engines that pin renew."""
+    """Renew the pin while the session is idle, and repin after a stop string (`agentkv._session._pin_upkeep`);
+    only engines that pin renew."""
     renew_pins_for_s: float = Field(default=3600.0, gt=0.0, allow_inf_nan=False)
     """How long after its last turn an idle session stops renewing its pin."""
+    early_transfer: bool = True
+    """Move the pin's KV into P's prefix cache right after each turn (`agentkv._session._pin_upkeep`)."""
     cache_salt: str | None = None
     engine_options: dict[str, Any] = Field(default_factory=dict[str, Any])
 

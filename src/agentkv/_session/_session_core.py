@@ -34,7 +34,7 @@ from .._lifecycle import LifecycleState
 from .._stats._stats import SessionStats, TurnStats
 from ._engine_user import EngineUser
 from ._modes import Mode, modes_of, natural_mode, off_reason, pushes_back
-from ._renewal import PinRenewal
+from ._pin_upkeep import PinUpkeep
 from ._session_config import SessionConfig, check_count, check_message
 from ._snapshot import SessionSnapshot, load_transcript, save_transcript
 from ._turn import StepContext, Turn
@@ -86,8 +86,8 @@ class SessionCore(EngineUser):
         self._resumed = False
         """Restored from a snapshot, and no step since (its first step's miss reason is ``resumed``)."""
         self.mode: Mode = config.mode or "bidirectional"
-        self._renewal = PinRenewal(self)
-        """The pin's renewal while the session is idle (`agentkv._session._renewal`)."""
+        self._upkeep = PinUpkeep(self)
+        """The pin's renewal, repin and prefetch while the session is idle (`agentkv._session._pin_upkeep`)."""
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -114,7 +114,7 @@ class SessionCore(EngineUser):
         if self._owns_engine:  # the forks run on this session's engine, which closes now
             for fork in list(self._forks):
                 await fork.aclose()
-        await self._renewal.close()
+        await self._upkeep.close()
         with self._lock:
             if self._pin is not None:
                 self._releases.append(self._pin.pin)
@@ -151,7 +151,7 @@ class SessionCore(EngineUser):
     @property
     def pinned_tokens(self) -> int:
         """Tokens whose KV D holds for this conversation now, for the next step to pull back (0: no pin)."""
-        pin = self._pin or self._renewal.renewing
+        pin = self._pin or self._upkeep.renewing
         return pin.pin.tokens if pin is not None else 0
 
     @property
@@ -167,7 +167,7 @@ class SessionCore(EngineUser):
         assert self._conversation is not None
         turn = Turn(number, self._conversation.copy(), self._pin, self._pin, consumer)
         self._pin, self._active = None, turn
-        self._renewal.pause()
+        self._upkeep.pause()
         return turn
 
     async def _prepare(self, turn: Turn, change: Callable[[Turn], None]) -> None:
@@ -175,12 +175,12 @@ class SessionCore(EngineUser):
         On any failure the turn ends (the session is as before)."""
         try:
             await self._release_pins()
-            await self._renewal.settled()  # a renewal that runs ends first (one token): the turn takes its pin
+            await self._upkeep.settled()  # an upkeep step that runs ends first (one token): the turn takes its pin
             with self._lock:
                 if turn.taken_pin is None and self._pin is not None and self._active is turn:
                     turn.pin = turn.taken_pin = self._pin
                     self._pin = None
-                turn.pin_renewals = self._renewal.count
+                turn.pin_renewals, turn.repins, turn.early_transfers = self._upkeep.counts()
             await self._ensure_engine(turn)
             change(turn)
         except BaseException:
@@ -207,7 +207,7 @@ class SessionCore(EngineUser):
         self._resumed = False
         turn.ended = True
         self._active = None
-        self._renewal.kept(self, turn=True)
+        self._upkeep.kept(self, turn=True, repin=turn.repinnable)
 
     def _end_turn(self, turn: Turn) -> None:
         """Drop a turn that was not kept (failed, cancelled, abandoned). Safe to call twice."""
@@ -220,7 +220,7 @@ class SessionCore(EngineUser):
             pin, turn.pin = turn.pin, None
             if pin is not None and pin is turn.taken_pin and self._pin is None:
                 self._pin = pin  # never forwarded, and the conversation is unchanged: still good
-                self._renewal.kept(self, turn=False)
+                self._upkeep.kept(self, turn=False)
             elif pin is not None:
                 self._discard_pin(pin)
 
@@ -301,12 +301,12 @@ class SessionCore(EngineUser):
                 self._releases.append(pin)
                 return False
             self._pin = HeldPin(pin, tokens)
-            self._renewal.kept(self, turn=True)
+            self._upkeep.kept(self, turn=True)
             return True
 
     def _drop_pin(self) -> None:
-        """Release the session's pin and cancel its renewal (called with the lock held, after an edit)."""
-        self._renewal.cancel()
+        """Release the session's pin and cancel its upkeep (called with the lock held, after an edit)."""
+        self._upkeep.cancel()
         if self._pin is not None:
             pin, self._pin = self._pin, None
             self._discard_pin(pin)

@@ -24,7 +24,7 @@ from ._answer_text import tool_call_delta
 from ._message_step import MessageRequest, StepOptions, ToolsArgument, read_reply
 from ._results import ReasoningDelta, Step, StepReply, TextPiece, ToolCallDelta
 from ._session_core import SessionCore
-from ._turn import Turn, model_step
+from ._turn import Turn, model_step, upkeep_counts
 
 __all__ = ["StepAPI"]
 
@@ -174,13 +174,11 @@ class StepAPI(SessionCore):
                 if continues:
                     last = self._turns[-1]
                     wall_s += last.wall_s
-                    renewals = last.pin_renewals + turn.pin_renewals
+                    counts = {name: getattr(last, name) + value for name, value in upkeep_counts(turn).items()}
                     steps = [*last.steps, step.stats]
-                    self._turns[-1] = TurnStats(turn=last.turn, steps=steps, wall_s=wall_s, pin_renewals=renewals)
+                    self._turns[-1] = TurnStats(turn=last.turn, steps=steps, wall_s=wall_s, **counts)
                 else:
-                    stats = TurnStats(
-                        turn=turn.number, steps=[step.stats], wall_s=wall_s, pin_renewals=turn.pin_renewals
-                    )
+                    stats = TurnStats(turn=turn.number, steps=[step.stats], wall_s=wall_s, **upkeep_counts(turn))
                     self._turns.append(stats)
             return reply
         finally:

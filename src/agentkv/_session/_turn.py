@@ -34,7 +34,7 @@ from ._answer_text import OutputReader, OutputShape, stream_events
 from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
 from ._session_config import SessionConfig
 
-__all__ = ["Turn", "model_step", "turn_events"]
+__all__ = ["Turn", "ended_at_stop_string", "model_step", "turn_events", "upkeep_counts"]
 
 T = TypeVar("T")
 
@@ -57,6 +57,13 @@ class Turn:
     ended: bool = False
     pin_renewals: int = 0
     """Renewals of the session's pin since the turn before (`TurnStats.pin_renewals`)."""
+    repins: int = 0
+    """Repins of the conversation since the turn before (`TurnStats.repins`)."""
+    early_transfers: int = 0
+    """Prefetches of the pin's KV into P since the turn before (`TurnStats.early_transfers`)."""
+    repinnable: bool = False
+    """The turn's last step ended at a stop string, so D pinned nothing although its cache holds the blocks: the
+    session repins once it keeps the turn (`agentkv._session._pin_upkeep`)."""
 
     def abandoned(self) -> bool:
         return self.consumer is not None and self.consumer() is None
@@ -172,6 +179,7 @@ async def model_step(
     conversation.add_output(done.token_ids, done.text)
     if done.pin is not None:
         turn.pin = HeldPin(done.pin, prompt + list(done.token_ids))
+    turn.repinnable = ended_at_stop_string(done, sampling)
     yield Step(
         text=done.text,
         token_ids=list(done.token_ids),
@@ -212,13 +220,29 @@ async def tool_round(
 def finish(turn: Turn, config: SessionConfig, answer: str) -> TurnResult:
     """The turn's result (kept on the turn until the session commits it)."""
     wall_s = time.perf_counter() - turn.started
-    stats = TurnStats(
-        turn=turn.number, steps=[s.stats for s in turn.steps], wall_s=wall_s, pin_renewals=turn.pin_renewals
-    )
+    stats = TurnStats(turn=turn.number, steps=[s.stats for s in turn.steps], wall_s=wall_s, **upkeep_counts(turn))
     bounded = bool(config.tools) and config.max_steps > 1 and len(turn.steps) == config.max_steps
     stop_reason: Literal["answer", "max_steps"] = "max_steps" if bounded else "answer"
     turn.result = TurnResult(text=answer, steps=list(turn.steps), stats=stats, stop_reason=stop_reason)
     return turn.result
+
+
+def upkeep_counts(turn: Turn) -> dict[str, int]:
+    """The `TurnStats` counts of what the session did to its pin before ``turn`` (`agentkv._session._pin_upkeep`)."""
+    return {"pin_renewals": turn.pin_renewals, "repins": turn.repins, "early_transfers": turn.early_transfers}
+
+
+def ended_at_stop_string(done: StepDone, sampling: Sampling) -> bool:
+    """Whether a step ended at one of its stop strings with no pin, its blocks still in D's prefix cache: vLLM's
+    front end aborts such a request, and D pins nothing (a step that had a pin evicted or a malformed one is not)."""
+    return (
+        done.stopped_by_string
+        and bool(sampling.stop)
+        and done.finish_reason == "stop"
+        and done.pin is None
+        and done.pin_error is None
+        and not done.timings.pin_evicted
+    )
 
 
 def step_reader(config: SessionConfig, parsers: OutputParsers, call_prefix: str) -> OutputReader:

@@ -138,6 +138,14 @@ class TurnStats(BaseModel):
     """How many times the session renewed its pin on D before the turn, while it waited for its caller (after the
     turn before, and between the turn's `Session.step` calls): each a one-token step that kept the conversation's
     KV pinned past the pin's TTL (``Session(renew_pins=...)``)."""
+    repins: int = 0
+    """How many times the session pinned its conversation again on D before the turn: the step before had ended at
+    a stop string, so D pinned nothing, and a one-token step on D made a pin from D's prefix cache
+    (``Session(renew_pins=...)``)."""
+    early_transfers: int = 0
+    """How many times the session moved its pin's KV into P's prefix cache before the turn, while it waited for its
+    caller: a one-token step given the pin and placed on P, so that the turn's first step pulls almost nothing
+    (``Session(early_transfer=...)``)."""
 
     @computed_field  # type: ignore[prop-decorator]
     @property
