@@ -68,8 +68,9 @@ class StepAPI(SessionCore):
                 output the model writes freely (plain answers, ``tool_format="native"``); a schema-format
                 step with tools writes JSON forced by a grammar, which a stop string would cut, and takes
                 none. The history keeps the output's token ids as generated, stop string included. On a
-                pair, a step a stop string ended leaves no pin (vLLM aborts it on D, freeing its blocks):
-                the next step recomputes (``miss_reason="no_handle"``).
+                pair, a step a stop string ended leaves no pin (vLLM aborts it on D, freeing its blocks), so
+                the session pins the conversation again right after it, from D's prefix cache (a one-token
+                step, `TurnStats.repins`; not with ``renew_pins=False``): the next step still pulls.
             sampling: this step's other sampling settings (`SamplingOptions` or a mapping of its fields), put
                 over the session's ``sampling`` field by field (the fields given replace the session's). With
                 ``logprobs``, `Step.logprobs` of the reply carries each output token's log probability.

@@ -18,6 +18,10 @@ What is checked (`SmokeReport.checks`):
   With ``mode="auto"`` (``--mode auto``) the pair may place a step on D alone, which reuses D's own cache of
   the pinned conversation instead of pulling: such a step counts as reuse when D's cache served tokens.
 
+The session runs without the early transfer (``Session(early_transfer=False)``): with it, the KV a turn needs is
+pulled by a one-token step between turns (src/agentkv/_session/_pin_upkeep.py), out of the turn's own stats, and
+the check would see only P's own cache. The pull it checks is the same one.
+
 A turn that raises is a failed check too (the report says which turn and what was raised).
 """
 
@@ -237,6 +241,7 @@ def run_smoke(
             max_steps=SMOKE_MAX_STEPS,
             max_tokens=SMOKE_MAX_TOKENS,
             cache_salt=f"agentkv-smoke-{uuid.uuid4().hex[:12]}",
+            early_transfer=False,  # the pull is checked at the step (the early transfer makes it between turns)
         ) as session
     ):
         info = session.engine.info
