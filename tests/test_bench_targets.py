@@ -1,4 +1,4 @@
-"""The bench on issue 30's targets: the KV wait of the steps after a pause, ``bidirectional-late``, the probes (a
+"""The bench on issue 30's targets: the KV wait of the steps after a pause, ``bidirectional-early``, the probes (a
 stop string, a pause past the pin's TTL), the floor's measured fixed cost, on records made by hand and on the honest
 pair double (no real engine)."""
 
@@ -14,12 +14,12 @@ import pytest
 from agentkv import UserError
 from agentkv._bench import (
     DEFAULT_MODES,
-    LATE_MODE,
+    EARLY_MODE,
     MODES,
     BenchReport,
     after_pause_lines,
+    early_ratio_line,
     floor_line,
-    late_ratio_line,
     make_workload,
     probe_lines,
     run_bench,
@@ -68,16 +68,16 @@ def _record(mode: str, turn: int, *, think: float, wait: float, ttft: float = 0.
 
 def test_the_steps_after_a_pause_give_each_pair_modes_kv_wait_and_the_late_ratio() -> None:
     records = [
-        _record("bidirectional", 1, think=0.0, wait=0.5),  # the first turn: no pause before it
-        _record("bidirectional", 2, think=2.0, wait=0.002, ttft=0.3, pulled=0),
-        _record("bidirectional", 3, think=1.0, wait=0.004, ttft=0.5, pulled=8),
-        _record(LATE_MODE, 2, think=2.0, wait=0.030, ttft=0.6),
-        _record(LATE_MODE, 3, think=1.0, wait=0.050, ttft=0.6),
-        _record(LATE_MODE, 4, think=0.0, wait=9.0),  # no pause before it: not counted
+        _record(EARLY_MODE, 1, think=0.0, wait=0.5),  # the first turn: no pause before it
+        _record(EARLY_MODE, 2, think=2.0, wait=0.002, ttft=0.3, pulled=0),
+        _record(EARLY_MODE, 3, think=1.0, wait=0.004, ttft=0.5, pulled=8),
+        _record("bidirectional", 2, think=2.0, wait=0.030, ttft=0.6),
+        _record("bidirectional", 3, think=1.0, wait=0.050, ttft=0.6),
+        _record("bidirectional", 4, think=0.0, wait=9.0),  # no pause before it: not counted
         _record("colocated", 2, think=2.0, wait=0.0),  # one engine: no KV to wait for
     ]
     early, late = after_pause(records)
-    assert (early.mode, early.steps, late.mode, late.steps) == ("bidirectional", 2, LATE_MODE, 2)
+    assert (early.mode, early.steps, late.mode, late.steps) == (EARLY_MODE, 2, "bidirectional", 2)
     assert (early.kv_wait_mean_s, early.kv_wait_max_s) == pytest.approx((0.003, 0.004))
     assert (early.ttft_mean_s, early.pulled_tokens_mean, early.think_mean_s) == pytest.approx((0.4, 4.0, 1.5))
     assert early.kv_transfer_mean_s == pytest.approx(0.0015) and late.kv_wait_mean_s == pytest.approx(0.04)
@@ -85,10 +85,10 @@ def test_the_steps_after_a_pause_give_each_pair_modes_kv_wait_and_the_late_ratio
     assert "KV wait target <= 5 ms" in header
     assert "2 steps after 1.50 s mean pause: KV wait mean 3.0 ms (met), max 4.0 ms" in first
     assert "KV wait mean 40.0 ms (NOT met)" in second and "pulled 40 tokens" in second
-    line = late_ratio_line([early, late])
-    assert line is not None and line.startswith(f"bidirectional over {LATE_MODE}, steps after a pause: TTFT 0.67x")
+    line = early_ratio_line([early, late])
+    assert line is not None and line.startswith(f"{EARLY_MODE} over bidirectional, steps after a pause: TTFT 0.67x")
     assert "(0.400 vs 0.600 s over 2 and 2 steps; target <= 0.75x on coding: met)" in line
-    assert late_ratio_line([early]) is None
+    assert early_ratio_line([early]) is None
     shared = [r.model_copy(update={"kv_transfer_s": None}) if r.turn == 3 else r for r in records]
     assert after_pause(shared)[0].kv_transfer_mean_s is None  # a transfer not attributable: no mean
     assert after_pause_lines([], pair_modes_ran=True) == [
@@ -97,11 +97,11 @@ def test_the_steps_after_a_pause_give_each_pair_modes_kv_wait_and_the_late_ratio
     assert after_pause_lines([], pair_modes_ran=False) == []
 
 
-def test_bidirectional_late_is_bidirectional_without_early_transfer_and_not_a_default() -> None:
-    assert LATE_MODE in MODES and LATE_MODE not in DEFAULT_MODES and LATE_MODE in PAIR_MODES
-    late = {"early_transfer": False} if "early_transfer" in SessionConfig.model_fields else {}
-    assert session_options(LATE_MODE) == {"mode": "bidirectional", **late}
-    assert session_options("bidirectional") == {"mode": "bidirectional"}  # early transfer: the session's default
+def test_bidirectional_early_is_bidirectional_with_early_transfer_and_not_a_default() -> None:
+    assert EARLY_MODE in MODES and EARLY_MODE not in DEFAULT_MODES and EARLY_MODE in PAIR_MODES
+    assert session_options(EARLY_MODE) == {"mode": "bidirectional", "early_transfer": True}
+    assert session_options("bidirectional") == {"mode": "bidirectional"}  # no early transfer: the session's default
+    assert not SessionConfig().early_transfer
     assert PROBE_MODES == {
         "auto",
         "bidirectional",
@@ -109,14 +109,14 @@ def test_bidirectional_late_is_bidirectional_without_early_transfer_and_not_a_de
         "launched",
         "netns",
         "push",
-        LATE_MODE,
+        EARLY_MODE,
     }
 
 
 @pytest.mark.anyio
 async def test_a_run_with_pauses_reports_the_steps_after_them_per_mode() -> None:
     workload = make_workload("coding", turns=3, scale=0.1)
-    modes = ["bidirectional", LATE_MODE, "disaggregated"]
+    modes = ["bidirectional", EARLY_MODE, "disaggregated"]
     async with HonestPairEngine() as engine:
         report = await run_bench(
             workload, modes=modes, engines=dict.fromkeys(modes, engine), arrivals="staggered", think_s=0.01
@@ -129,9 +129,9 @@ async def test_a_run_with_pauses_reports_the_steps_after_them_per_mode() -> None
     assert [s.mode for s in report.after_pause] == modes and {s.steps for s in report.after_pause} == {2}
     by_mode = {s.mode: s for s in report.after_pause}
     assert by_mode["bidirectional"].pulled_tokens_mean > 0 and by_mode["disaggregated"].pulled_tokens_mean == 0
-    assert report.answers_agree == {LATE_MODE: True, "disaggregated": True}
+    assert report.answers_agree == {EARLY_MODE: True, "disaggregated": True}
     assert BenchReport.model_validate_json(report.model_dump_json()) == report
-    assert late_ratio_line(report.after_pause) is not None
+    assert early_ratio_line(report.after_pause) is not None
 
 
 def test_the_floors_fixed_cost_is_measured_on_one_token_steps() -> None:
@@ -191,6 +191,7 @@ def _answers(request: StepRequest) -> str:
 
 
 @pytest.mark.anyio
+@pytest.mark.upkeep  # the session's repin after the stop string runs (tests/conftest.py)
 async def test_the_stop_probe_ends_a_turn_early_and_reports_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("agentkv._bench._probes.SHORT_PAUSE_S", 0.2)
     workload = make_workload("agentic", turns=2, scale=0.1)
@@ -265,11 +266,11 @@ async def test_probes_run_after_the_workload_once_per_mode_that_pushes_back(monk
     monkeypatch.setattr("agentkv._bench._probes.long_pause_s", lambda ttl: 0.01)
     monkeypatch.setattr("agentkv._bench._probes.pin_ttl_of", lambda engine: 3600.0)
     workload = make_workload("chat", turns=2, scale=0.25)
-    modes = ["bidirectional", "disaggregated", LATE_MODE]
+    modes = ["bidirectional", "disaggregated", EARLY_MODE]
     async with HonestPairEngine(_answers) as engine:
         report = await run_bench(workload, modes=modes, engines=dict.fromkeys(modes, engine), probes=True)
         no_probes = await run_bench(workload, modes=modes, engines=dict.fromkeys(modes, engine))
-    assert [p.mode for p in report.probes] == ["bidirectional", LATE_MODE] and no_probes.probes == []
+    assert [p.mode for p in report.probes] == ["bidirectional", EARLY_MODE] and no_probes.probes == []
     assert [(r.mode, r.turn) for r in report.records] == [(m, t) for m in modes for t in (1, 2)]  # probes: apart
     for probe in report.probes:
         assert probe.stop.stop is not None and probe.pin_ttl is not None  # the answer cut at the chat's length
@@ -292,7 +293,7 @@ async def test_the_pin_ttl_goes_to_every_pair_the_bench_starts(monkeypatch: pyte
     for name in ("EmbeddedPair", "Colocated"):
         monkeypatch.setattr(f"agentkv._bench._modes.{name}", kind(name))
     workload = make_workload("chat", turns=2, scale=0.25)
-    report = await run_bench(workload, modes=[LATE_MODE, "colocated"], max_model_len=1024, pin_ttl_s=30.0)
+    report = await run_bench(workload, modes=[EARLY_MODE, "colocated"], max_model_len=1024, pin_ttl_s=30.0)
     assert started == [
         ("EmbeddedPair", {"max_model_len": 1024, "dtype": "float32", "pin_ttl_s": 30.0}),
         ("Colocated", {"max_model_len": 1024, "dtype": "float32"}),  # one engine: no pins
@@ -320,13 +321,13 @@ def test_the_command_passes_the_probes_and_the_pin_ttl_and_prints_the_targets(
 
     records = [
         _record(mode, turn, think=1.0 if turn > 1 else 0.0, wait=0.002)
-        for mode in ("bidirectional", LATE_MODE)
+        for mode in ("bidirectional", EARLY_MODE)
         for turn in (1, 2)
     ]
     report = BenchReport(
         workload="coding",
         workload_description="test",
-        modes=["bidirectional", LATE_MODE],
+        modes=["bidirectional", EARLY_MODE],
         sessions=1,
         turns=2,
         machine={},
@@ -355,7 +356,7 @@ def test_the_command_passes_the_probes_and_the_pin_ttl_and_prints_the_targets(
     assert (calls[0]["probes"], calls[0]["pin_ttl_s"]) == (True, 30.0)
     out = capsys.readouterr().out
     assert "steps after a pause (turns 2+ with a think time; KV wait target <= 5 ms):" in out
-    assert f"bidirectional over {LATE_MODE}, steps after a pause: TTFT 1.00x" in out
+    assert f"{EARLY_MODE} over bidirectional, steps after a pause: TTFT 1.00x" in out
     assert "probe bidirectional: after 40 s (pin TTL 30 s)" in out
     written = json.loads(path.read_text())
     assert written["pin_ttl_s"] == 30.0 and written["after_pause"][0]["kv_wait_mean_s"] == pytest.approx(0.002)

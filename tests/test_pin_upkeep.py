@@ -89,7 +89,7 @@ def test_honest_pair_a_stop_string_ended_step_is_repinned_and_the_next_step_pull
 
 def test_honest_pair_without_renew_pins_a_stopped_step_is_not_repinned() -> None:
     engine = HonestPairEngine(_respond)
-    with Session(engine=engine, renew_pins=False) as session:
+    with Session(engine=engine, renew_pins=False, early_transfer=True) as session:
         _, after = _stopped_then_next(session)
         turns = session.stats.turns
     assert not _of(engine, "repin") and _of(engine, "prefetch")[0].prompt_tokens > after.stats.prompt_tokens
@@ -112,7 +112,7 @@ def test_honest_pair_a_step_during_a_repin_waits_for_it_and_takes_its_pin() -> N
 
 def test_honest_pair_closing_during_a_repin_cancels_it_quietly() -> None:
     engine = StalledUpkeep("repin", stall_s=30.0)
-    with engine, Session(engine=engine) as session:
+    with engine, Session(engine=engine, early_transfer=True) as session:
         session.step_sync(USER, stop=STOP)
         _wait_for(lambda: any(r.outcome == "running" for r in _of(engine, "repin")))
         started = time.perf_counter()
@@ -152,7 +152,7 @@ def test_honest_pair_an_edit_after_a_repin_releases_its_pin() -> None:
 
 def test_honest_pair_after_a_turn_the_prefetch_replaces_the_pin_and_the_next_step_takes_it() -> None:
     engine = HonestPairEngine(_respond)
-    with Session(engine=engine) as session:
+    with Session(engine=engine, early_transfer=True) as session:
         session.run_sync("Capital of France?")
         _wait_for(lambda: bool(_of(engine, "prefetch")) and _of(engine, "prefetch")[0].outcome == "done")
         _wait_for(lambda: session.pinned_tokens == len(session.token_ids))  # the prefetch's pin: the conversation
@@ -194,7 +194,7 @@ def test_honest_pair_no_early_transfer_in_a_mode_without_push_back() -> None:
 
 def test_honest_pair_a_turn_during_the_prefetch_waits_for_it_and_takes_its_pin() -> None:
     engine = StalledUpkeep("prefetch", stall_s=1.0)
-    with Session(engine=engine) as session:
+    with Session(engine=engine, early_transfer=True) as session:
         session.run_sync("Capital of France?")
         started = time.perf_counter()
         after = session.run_sync("And Italy?")  # the prefetch runs (stalled): the turn waits for it
@@ -208,7 +208,7 @@ def test_honest_pair_a_turn_during_the_prefetch_waits_for_it_and_takes_its_pin()
 
 def test_honest_pair_closing_during_the_prefetch_cancels_it_quietly() -> None:
     engine = StalledUpkeep("prefetch", stall_s=30.0)
-    with engine, Session(engine=engine) as session:
+    with engine, Session(engine=engine, early_transfer=True) as session:
         session.run_sync("Capital of France?")
         _wait_for(lambda: any(r.outcome == "running" for r in _of(engine, "prefetch")))
         started = time.perf_counter()
@@ -222,7 +222,7 @@ def test_honest_pair_closing_during_the_prefetch_cancels_it_quietly() -> None:
 @pytest.mark.parametrize("edit", ["rewind", "replace"])
 def test_honest_pair_an_edit_during_the_prefetch_cancels_it(edit: str) -> None:
     engine = StalledUpkeep("prefetch", stall_s=30.0)
-    with Session(engine=engine) as session:
+    with Session(engine=engine, early_transfer=True) as session:
         session.run_sync("Capital of France?")
         session.run_sync("And Italy?")
         _wait_for(lambda: any(r.outcome == "running" for r in _of(engine, "prefetch")[1:]))
@@ -240,7 +240,7 @@ def test_honest_pair_an_edit_during_the_prefetch_cancels_it(edit: str) -> None:
 @pytest.mark.parametrize("fault", ["error", "error_mid_stream"])
 def test_honest_pair_a_failed_prefetch_drops_the_pin_quietly_and_the_next_step_recomputes(fault: Fault) -> None:
     engine = StalledUpkeep("prefetch", fault)
-    with Session(engine=engine) as session:
+    with Session(engine=engine, early_transfer=True) as session:
         session.run_sync("Capital of France?")
         _wait_for(lambda: bool(_of(engine, "prefetch")) and _of(engine, "prefetch")[0].outcome == "error")
         _wait_for(lambda: session.pinned_tokens == 0)
@@ -256,7 +256,7 @@ def test_honest_pair_a_pause_after_the_prefetch_renews_its_pin_from_ds_cache(mon
     with no pin, on D alone, and releases it; the step after a pause longer than the TTL pulls the renewed pin."""
     monkeypatch.setattr(_pin_upkeep, "RENEW_LEAD_S", 0.3)
     engine = HonestPairEngine(_respond, pin_ttl_s=2.0)
-    with Session(engine=engine, expiry_margin_s=0.2) as session:
+    with Session(engine=engine, expiry_margin_s=0.2, early_transfer=True) as session:
         session.run_sync("Capital of France?")
         time.sleep(2.6)  # longer than the TTL: the prefetch's pin would have expired
         after = session.run_sync("And Italy?")

@@ -15,9 +15,9 @@ import anyio
 from .._engines import Engine
 from .._engines._platform_settings import resolve_dtype
 from .._errors import AgentKVError, UserError
-from ._after_pause import after_pause, after_pause_lines, late_ratio_line
+from ._after_pause import after_pause, after_pause_lines, early_ratio_line
 from ._goodput import DEFAULT_SLO_ITL, DEFAULT_SLO_TTFT, load_rows, measure_slo
-from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, LATE_MODE, MODES, PAIR_MODES
+from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, EARLY_MODE, MODES, PAIR_MODES
 from ._population import AGENTIC_THINK_S, ARRIVALS, Arrivals, Plan, parse_loads
 from ._probes import probe_lines
 from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, TurnRecord, first_prompt_divergence, summarize
@@ -33,7 +33,7 @@ __all__ = [
     "DEFAULT_SLO_ITL",
     "DEFAULT_SLO_TTFT",
     "DTYPES",
-    "LATE_MODE",
+    "EARLY_MODE",
     "MODES",
     "PAIR_MODES",
     "SERVED_TTFT_TARGET",
@@ -47,7 +47,7 @@ __all__ = [
     "floor_line",
     "goodput_lines",
     "header",
-    "late_ratio_line",
+    "early_ratio_line",
     "load_replay",
     "load_tables",
     "make_workload",

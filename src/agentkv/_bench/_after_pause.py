@@ -1,5 +1,5 @@
-"""The steps that follow a pause (issue 30): how long each waited for its KV, per mode, and bidirectional's TTFT over
-``bidirectional-late``'s (the same session with the KV moved on the step's critical path) on those steps.
+"""The steps that follow a pause (issue 30): how long each waited for its KV, per mode, and ``bidirectional-early``'s
+TTFT (the same session with the KV moved into P during the pause) over bidirectional's on those steps.
 
 A step follows a pause when its turn is not the first and its session paused before it (`TurnRecord.think_s` above
 0: staggered arrivals with a think time, src/agentkv/_bench/_population.py). Its KV wait is what `StepStats` records
@@ -12,11 +12,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from ._modes import LATE_MODE, PAIR_MODES
+from ._modes import EARLY_MODE, PAIR_MODES
 from ._records import TurnRecord
-from ._target_records import KV_WAIT_TARGET_S, LATE_RATIO_TARGET, AfterPause
+from ._target_records import EARLY_RATIO_TARGET, KV_WAIT_TARGET_S, AfterPause
 
-__all__ = ["after_pause", "after_pause_lines", "after_pause_records", "late_ratio_line"]
+__all__ = ["after_pause", "after_pause_lines", "after_pause_records", "early_ratio_line"]
 
 
 def after_pause_records(records: Sequence[TurnRecord], mode: str) -> list[TurnRecord]:
@@ -67,17 +67,17 @@ def after_pause_lines(summaries: Sequence[AfterPause], *, pair_modes_ran: bool) 
     return lines
 
 
-def late_ratio_line(summaries: Sequence[AfterPause]) -> str | None:
-    """Bidirectional's mean TTFT over ``bidirectional-late``'s, steps after a pause only, against
-    `LATE_RATIO_TARGET`; None unless both had such steps."""
+def early_ratio_line(summaries: Sequence[AfterPause]) -> str | None:
+    """``bidirectional-early``'s mean TTFT over bidirectional's, steps after a pause only, against
+    `EARLY_RATIO_TARGET`; None unless both had such steps."""
     by_mode = {s.mode: s for s in summaries}
-    early, late = by_mode.get("bidirectional"), by_mode.get(LATE_MODE)
+    early, late = by_mode.get(EARLY_MODE), by_mode.get("bidirectional")
     if early is None or late is None or late.ttft_mean_s <= 0:
         return None
     ratio = early.ttft_mean_s / late.ttft_mean_s
-    verdict = "met" if ratio <= LATE_RATIO_TARGET else "NOT met"
+    verdict = "met" if ratio <= EARLY_RATIO_TARGET else "NOT met"
     return (
-        f"bidirectional over {LATE_MODE}, steps after a pause: TTFT {ratio:.2f}x ({early.ttft_mean_s:.3f} vs "
-        f"{late.ttft_mean_s:.3f} s over {early.steps} and {late.steps} steps; target <= {LATE_RATIO_TARGET:g}x on "
+        f"{EARLY_MODE} over bidirectional, steps after a pause: TTFT {ratio:.2f}x ({early.ttft_mean_s:.3f} vs "
+        f"{late.ttft_mean_s:.3f} s over {early.steps} and {late.steps} steps; target <= {EARLY_RATIO_TARGET:g}x on "
         f"coding: {verdict}); KV wait {early.kv_wait_mean_s * 1000:.1f} vs {late.kv_wait_mean_s * 1000:.1f} ms"
     )

@@ -10,9 +10,9 @@ as two API-server processes over HTTP (`LaunchedPair`); ``netns`` the same with 
 two network namespaces (KV over UCX/TCP; needs root: `two_hosts`); ``served`` sends the conversation
 through the front door (`FrontDoor`) to sessions on the bidirectional pair; ``push`` and ``push-disaggregated``
 get a pair with push transfer (P writes each step's KV into D), with push-back and without; ``vllm-serve`` is stock
-``vllm serve`` with vLLM's defaults, driven as ``served`` is (src/agentkv/_bench/_stock.py); ``bidirectional-late`` is
-bidirectional's session on the same default pair without early transfer (`LATE_MODE`: the KV moved on the step's
-critical path). All stay up for the whole run, all with the run's dtype; every pair with the run's pin TTL when one
+``vllm serve`` with vLLM's defaults, driven as ``served`` is (src/agentkv/_bench/_stock.py); ``bidirectional-early`` is
+bidirectional's session on the same default pair with the early transfer (`EARLY_MODE`: the KV moved into P during
+the pause before each turn). All stay up for the whole run, all with the run's dtype; every pair with the run's pin TTL when one
 is given.
 """
 
@@ -30,14 +30,13 @@ from .._engines._netns import two_hosts
 from .._errors import UserError
 from .._home import EventLoopHome
 from .._session._session import Mode
-from .._session._session_config import SessionConfig
 
 __all__ = [
     "DEFAULT_DTYPE",
     "DEFAULT_MODES",
     "DEFAULT_PAIR_MODES",
     "DTYPES",
-    "LATE_MODE",
+    "EARLY_MODE",
     "MODES",
     "PAIR_MODES",
     "PROBE_MODES",
@@ -58,7 +57,7 @@ SESSION_MODES: dict[str, Mode] = {
     "served": "bidirectional",
     "push": "bidirectional",
     "push-disaggregated": "disaggregated",
-    "bidirectional-late": "bidirectional",
+    "bidirectional-early": "bidirectional",
 }
 """The `Session` mode of each bench mode that runs sessions (``raw`` drives the engine by hand; ``served``'s
 sessions are the front door's)."""
@@ -76,12 +75,12 @@ MODES = (
     "push",
     "push-disaggregated",
     "vllm-serve",
-    "bidirectional-late",
+    "bidirectional-early",
 )
-LATE_MODE = "bidirectional-late"
-"""Bidirectional with the KV moved on the step's critical path: its session on the default pair with
-``early_transfer=False`` (where `SessionConfig` has that field), so the steps after a pause pull what D added during
-it, where ``bidirectional``'s session moved it into P's cache during the pause."""
+EARLY_MODE = "bidirectional-early"
+"""Bidirectional with the early transfer: its session on the default pair with ``early_transfer=True``, so that
+during the pause before each turn a one-token step moves what D added into P's cache, where ``bidirectional``'s
+session (the default, without it) pulls it when the step starts."""
 PAIR_MODES = frozenset(MODES) - {"colocated", "vllm-serve"}
 """The modes that run on a pair of engines (P and D)."""
 PROBE_MODES = frozenset(mode for mode, kind in SESSION_MODES.items() if kind != "disaggregated") - {
@@ -92,7 +91,7 @@ PROBE_MODES = frozenset(mode for mode, kind in SESSION_MODES.items() if kind != 
 DEFAULT_MODES = MODES[:6]
 """What ``agentkv bench`` runs unless told: the modes of one embedded pair, the source's baseline and the
 colocated engine."""
-DEFAULT_PAIR_MODES = frozenset({"auto", "bidirectional", "disaggregated", "raw", "served", LATE_MODE})
+DEFAULT_PAIR_MODES = frozenset({"auto", "bidirectional", "disaggregated", "raw", "served", EARLY_MODE})
 """The modes that share the default (elastic-cores, push-back) pair."""
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -105,10 +104,10 @@ later turns' prompts differ; float32 keeps every mode token-exact, so every mode
 
 def session_options(mode: str) -> dict[str, Any]:
     """The `Session` keywords of a bench mode's sessions besides the workload's: its `Session` mode, and for
-    `LATE_MODE` ``early_transfer=False`` where the session has that option."""
+    `EARLY_MODE` ``early_transfer=True``."""
     options: dict[str, Any] = {"mode": SESSION_MODES[mode]}
-    if mode == LATE_MODE and "early_transfer" in SessionConfig.model_fields:
-        options["early_transfer"] = False
+    if mode == EARLY_MODE:
+        options["early_transfer"] = True
     return options
 
 

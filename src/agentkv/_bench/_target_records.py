@@ -8,7 +8,7 @@ from pydantic import BaseModel
 
 __all__ = [
     "KV_WAIT_TARGET_S",
-    "LATE_RATIO_TARGET",
+    "EARLY_RATIO_TARGET",
     "PIN_TTL_RATIO_TARGET",
     "AfterPause",
     "ModeProbes",
@@ -18,8 +18,8 @@ __all__ = [
 
 KV_WAIT_TARGET_S = 0.005
 """The most KV wait a step after a pause may have on average once early transfer moves the KV during the pause."""
-LATE_RATIO_TARGET = 0.75
-"""The most bidirectional's mean TTFT of the steps after a pause may be over ``bidirectional-late``'s (coding)."""
+EARLY_RATIO_TARGET = 0.75
+"""The most ``bidirectional-early``'s mean TTFT of the steps after a pause may be over bidirectional's (coding)."""
 PIN_TTL_RATIO_TARGET = 1.1
 """The most a turn after a pause longer than the pin TTL may take over the same turn after a short pause."""
 

@@ -84,8 +84,11 @@ class Session(TurnAPI, StepAPI):
             D's new blocks now, D pins again). The next step then finds them in P's cache and pulls at most the
             partial last block, off the critical path. A step that starts meanwhile waits for it (one token) and
             takes its pin; an edit or ``close`` cancels it; one that fails drops the pin quietly.
-            `TurnStats.early_transfers` counts them. It costs one token on the pair per turn. Default: on; only on
-            engines that pin (push-back modes); off, like ``renew_pins``, in a `SessionPool` whose store offers pins.
+            `TurnStats.early_transfers` counts them. It costs one token on the pair per turn (two forward passes, P's and
+            D's). Default: off: on the 2-core test bed it moved 2.5x fewer tokens at the step but left its TTFT as
+            it was (docs/benchmarks.md, "Steps after a pause"); on a host where P's pull of D's new blocks is a
+            larger share of TTFT (long answers, slow links) turn it on. Only on engines that pin (push-back modes);
+            off, like ``renew_pins``, in a `SessionPool` whose store offers pins.
         cache_salt: keep this session's cached KV apart: blocks cached under one salt never
             serve a request with another (vLLM ``cache_salt``), on P, D or a colocated engine.
             For tenants that must not share KV, and for measurements that must not help
@@ -115,7 +118,7 @@ class Session(TurnAPI, StepAPI):
         expiry_margin_s: float = 10.0,
         renew_pins: bool = True,
         renew_pins_for_s: float = 3600.0,
-        early_transfer: bool = True,
+        early_transfer: bool = False,
         cache_salt: str | None = None,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:

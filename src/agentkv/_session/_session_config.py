@@ -60,7 +60,7 @@ class SessionConfig(BaseModel):
     only engines that pin renew."""
     renew_pins_for_s: float = Field(default=3600.0, gt=0.0, allow_inf_nan=False)
     """How long after its last turn an idle session stops renewing its pin."""
-    early_transfer: bool = True
+    early_transfer: bool = False
     """Move the pin's KV into P's prefix cache right after each turn (`agentkv._session._pin_upkeep`)."""
     cache_salt: str | None = None
     engine_options: dict[str, Any] = Field(default_factory=dict[str, Any])

@@ -149,10 +149,10 @@ def _bench(args: argparse.Namespace) -> int:
     from .._bench import (
         PAIR_MODES,
         after_pause_lines,
+        early_ratio_line,
         floor_line,
         goodput_lines,
         header,
-        late_ratio_line,
         load_replay,
         load_tables,
         make_workload,
@@ -206,7 +206,7 @@ def _bench(args: argparse.Namespace) -> int:
     for line in goodput_lines(report):
         print(line)
     pairs = any(mode in PAIR_MODES for mode in report.modes)
-    for line in (*after_pause_lines(report.after_pause, pair_modes_ran=pairs), late_ratio_line(report.after_pause)):
+    for line in (*after_pause_lines(report.after_pause, pair_modes_ran=pairs), early_ratio_line(report.after_pause)):
         if line is not None:
             print(line)
     for line in probe_lines(report.probes):
