@@ -335,11 +335,8 @@ def test_a_restarted_server_resumes_its_conversations_from_the_store(tmp_path: P
             engine.assert_honest()
 
 
-def test_serve_gives_its_engines_the_context_length_asked_for(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from agentkv._surfaces._cli import main
-
+def _pools_made(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The options of every pool `agentkv serve` makes from now on; each is interrupted as its engines start."""
     made: list[dict[str, Any]] = []
 
     class NoPool:
@@ -353,6 +350,15 @@ def test_serve_gives_its_engines_the_context_length_asked_for(
             pass
 
     monkeypatch.setattr("agentkv._session._pool.SessionPool", NoPool)
+    return made
+
+
+def test_serve_gives_its_engines_the_context_length_asked_for(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agentkv._surfaces._cli import main
+
+    made = _pools_made(monkeypatch)
     assert main(["serve", "--store", "memory", "--max-model-len", "2048"]) == 130  # the shell's code for SIGINT
     assert made[0]["engine_options"] == {"max_model_len": 2048}
     assert main(["serve", "--max-model-len", "2048", "--remote", "http://p:1", "http://d:2"]) == 2
@@ -365,19 +371,7 @@ def test_serve_gives_its_pairs_the_objective_asked_for(
     from agentkv._surfaces._cli import main
     from agentkv.engines import Slo
 
-    made: list[dict[str, Any]] = []
-
-    class NoPool:
-        def __init__(self, **options: Any) -> None:
-            made.append(options)
-
-        def __enter__(self) -> NoPool:
-            raise KeyboardInterrupt  # stands for a Ctrl-C as the engines start
-
-        def __exit__(self, *exc_info: object) -> None:
-            pass
-
-    monkeypatch.setattr("agentkv._session._pool.SessionPool", NoPool)
+    made = _pools_made(monkeypatch)
     assert main(["serve", "--store", "memory", "--mode", "auto", "--slo-ttft-s", "3"]) == 130
     assert made[-1]["engine_options"] == {"slo": Slo(ttft_s=3.0, itl_s=0.2)}  # the default's ITL
     assert main(["serve", "--store", "memory", "--slo-itl-s", "0.5", "--remote", "http://p:1", "http://d:2"]) == 130
