@@ -14,7 +14,7 @@ import pytest
 
 from agentkv import Colocated, EmbeddedPair, LaunchedPair, prepare_model
 from agentkv._engines._start_log import ENGINE_LOG_VARIABLE
-from agentkv._engines._system import alive
+from agentkv._engines._system import alive, available_cores
 from agentkv._session._pin_upkeep import PinUpkeep
 from agentkv.testing import block_real_engines
 from freed import assert_ports_freed, running_pids
@@ -81,8 +81,10 @@ def pair() -> Iterator[EmbeddedPair]:
 
 @pytest.fixture(scope="session")
 def colocated() -> Iterator[Colocated]:
-    """One engine with prefix caching on all the cores, as the pair is sized: every test's colocated engine."""
-    with Colocated(max_model_len=2048, dtype=EXACT_DTYPE) as engine:
+    """One engine with prefix caching on all the cores, as the pair is sized: every test's colocated engine. (By
+    default a `Colocated` leaves a core to its scheduler, as vLLM binds; on this 2-core host it would compute on core
+    0 alone, spinning beside the launched pair's P, which the suite starts while it is open.)"""
+    with Colocated(max_model_len=2048, dtype=EXACT_DTYPE, cores=available_cores()) as engine:
         yield engine
 
 
