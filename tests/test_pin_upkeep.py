@@ -207,7 +207,7 @@ def test_honest_pair_a_turn_during_the_prefetch_waits_for_it_and_takes_its_pin()
 
 
 def test_honest_pair_closing_during_the_prefetch_cancels_it_quietly() -> None:
-    engine = StalledUpkeep("prefetch", stall_s=30.0)
+    engine = StalledUpkeep("prefetch", stall_s=5.0)  # turn 2 waits for the first prefetch: keep it short
     with engine, Session(engine=engine, early_transfer=True) as session:
         session.run_sync("Capital of France?")
         _wait_for(lambda: any(r.outcome == "running" for r in _of(engine, "prefetch")))
@@ -221,7 +221,7 @@ def test_honest_pair_closing_during_the_prefetch_cancels_it_quietly() -> None:
 
 @pytest.mark.parametrize("edit", ["rewind", "replace"])
 def test_honest_pair_an_edit_during_the_prefetch_cancels_it(edit: str) -> None:
-    engine = StalledUpkeep("prefetch", stall_s=30.0)
+    engine = StalledUpkeep("prefetch", stall_s=5.0)  # turn 2 waits for the first prefetch: keep it short
     with Session(engine=engine, early_transfer=True) as session:
         session.run_sync("Capital of France?")
         session.run_sync("And Italy?")
