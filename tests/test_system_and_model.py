@@ -10,9 +10,18 @@ from pathlib import Path
 import pytest
 
 from agentkv import EmbeddedPair, LaunchedPair, ModelPreparationError, PairConfig, UserError, prepare_model
-from agentkv._engines._pair_config import pair_engine_launch
+from agentkv._engines._pair_config import engine_launch, pair_engine_launch
 from agentkv._engines._server_process import ServerSpec, server_command
-from agentkv._engines._system import alive, compute_cores, cpu_list, descendants, free_port, split_cores
+from agentkv._engines._system import (
+    alive,
+    compute_cores,
+    cpu_list,
+    descendants,
+    free_port,
+    single_engine_cores,
+    split_cores,
+)
+from agentkv._engines._vllm import AsyncLLMRunner
 from agentkv._model import BUNDLED_MODELS, DEFAULT_MODEL
 from agentkv._surfaces._cli import main
 
@@ -122,3 +131,18 @@ def test_agentkv_engine_uses_the_config_defaults(monkeypatch: pytest.MonkeyPatch
         main(["engine", "--role", "decode", "--nixl-host", "10.0.0.2"])
     kv = json.loads(ran["args"][ran["args"].index("--kv-transfer-config") + 1])
     assert kv["kv_connector_extra_config"]["kv_recompute_threshold"] == PairConfig().recompute_threshold
+
+
+def test_a_single_engine_leaves_its_scheduler_the_core_its_compute_threads_leave() -> None:
+    available = sorted(os.sched_getaffinity(0))
+    compute, home = single_engine_cores()
+    assert home == available and compute == compute_cores(available)
+    assert single_engine_cores([3, 1]) == ([3, 1], [3, 1])  # given: every thread of the engine on them, in order
+    launch = engine_launch(
+        name="colocated", model_path=Path("/m"), cores=[0], home_cores=[0, 1], max_model_len=1024, kv_cache_gib=1
+    )
+    assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and launch.home_cores == [0, 1]
+    assert AsyncLLMRunner(launch).cores == [0, 1]  # the scheduler process may run on both
+    assert AsyncLLMRunner(
+        engine_launch(name="p", model_path=Path("/m"), cores=[1], max_model_len=1024, kv_cache_gib=1)
+    ).cores == [1]

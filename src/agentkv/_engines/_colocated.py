@@ -18,7 +18,7 @@ from ._base import Engine, EngineDetails, EngineInfo, StepEvent, StepRequest, St
 from ._pair_config import check_engine_args, engine_launch
 from ._pair_layer import run_warmup_steps
 from ._platforms import current_platform
-from ._system import compute_cores
+from ._system import single_engine_cores
 from ._vllm import AsyncLLMRunner, DecodeStream, EngineRequest
 from ._vllm_readouts import engine_seconds
 from ._vllm_sampling import vllm_sampling
@@ -38,7 +38,9 @@ class Colocated(Engine):
         model: a bundled model name, a local HF folder or a Hugging Face id ``org/name[@revision]``
             from the HF cache (see `prepare_model`; default: the bundled SmolLM2-135M).
         cores: cores for the engine's compute threads (default: all available but one, left to its scheduler and
-            the front end, as vLLM binds its own: `agentkv._engines._system.compute_cores`). CPU only.
+            the front end, as vLLM binds its own: `agentkv._engines._system.compute_cores`, while its
+            other threads, its scheduler process among them, may run on any available core). Given, every thread
+            of the engine stays on them. CPU only.
         max_model_len: context length.
         kv_cache_gib: KV cache size (``VLLM_CPU_KVCACHE_SPACE``). CPU only: on CUDA the KV takes what
             ``gpu_memory_utilization`` leaves.
@@ -95,9 +97,10 @@ class Colocated(Engine):
         model_path = await prepare_model_off_loop(self._model, progress=self._progress)
         platform = current_platform()
         cores: list[int] | None = None
+        home: list[int] | None = None
         devices: tuple[str, ...] = ()
         if platform.pins_cores:  # CPU: cores of its own, claimed in the host's core table below
-            cores = list(self._cores or compute_cores())
+            cores, home = single_engine_cores(self._cores)
             where: EngineDetails = {"cores": cores}
         else:  # a GPU host: the visible GPUs, none of the CPU machinery
             if self._cores is not None:
@@ -114,9 +117,10 @@ class Colocated(Engine):
             platform=platform,
             devices=devices or None,
             engine_args=self._engine_args,
+            home_cores=home,
         )
         # elastic pairs on the host see a claimed slot busy and keep off its cores
-        core_slot = CoreTable().claim(cores) if cores is not None else None
+        core_slot = CoreTable().claim(home) if home is not None else None
         self._engine = AsyncLLMRunner(launch, core_slot=core_slot)
         await self._engine.start_async(self._progress)
         self._know_started(model_path, where)

@@ -250,6 +250,8 @@ class EngineLaunch:
     side_channel_port: int | None = None
     devices: list[str] | None = None
     """The GPUs the engine sees (its ``CUDA_VISIBLE_DEVICES``); None on CPU, or where vLLM chooses."""
+    home_cores: list[int] | None = None
+    """The cores the engine's other threads (its scheduler process) stay on, a superset of ``cores``; None: ``cores``."""
 
     @property
     def where(self) -> str:
@@ -278,12 +280,14 @@ def engine_launch(
     devices: Sequence[str] | None = None,
     memory_fraction: float | None = None,
     engine_args: Mapping[str, Any] | None = None,
+    home_cores: Sequence[int] | None = None,
 ) -> EngineLaunch:
     """The engine arguments and environment of one engine (the only place agentkv writes them).
 
     ``platform``: default `current_platform` (vLLM's). ``devices``: the engine's GPUs (CUDA).
     ``memory_fraction``: its ``gpu_memory_utilization`` (CUDA; None: vLLM's). ``engine_args``: the
-    user's vLLM engine arguments, over agentkv's (checked by `check_engine_args`).
+    user's vLLM engine arguments, over agentkv's (checked by `check_engine_args`). ``home_cores``: where
+    the engine's threads other than its compute threads may run (`EngineLaunch.home_cores`).
     """
     platform = platform or current_platform()
     own, env = platform_engine_settings(
@@ -316,6 +320,7 @@ def engine_launch(
         side_channel_host=side_channel[0] if side_channel else None,
         side_channel_port=side_channel[1] if side_channel else None,
         devices=list(devices) if devices else None,
+        home_cores=list(home_cores) if home_cores else None,
     )
 
 

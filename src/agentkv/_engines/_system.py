@@ -25,6 +25,7 @@ __all__ = [
     "kill_and_reap",
     "parent_of",
     "repin_threads",
+    "single_engine_cores",
     "split_cores",
 ]
 
@@ -47,6 +48,16 @@ def compute_cores(cores: Iterable[int] | None = None) -> list[int]:
     """
     ordered = sorted(cores) if cores is not None else available_cores()
     return ordered[:-1] if len(ordered) > 1 else ordered
+
+
+def single_engine_cores(given: Iterable[int] | None = None) -> tuple[list[int], list[int]]:
+    """A single engine's compute cores (its bound threads) and home cores (where its other threads, the scheduler
+    process among them, run). Given cores hold both; by default the compute threads get `compute_cores` and the rest
+    of the engine every available core, so the core left free is its scheduler's, as stock vLLM runs."""
+    if given is not None:
+        return list(given), list(given)
+    home = available_cores()
+    return compute_cores(home), home
 
 
 def split_cores(cores: Iterable[int] | None = None) -> tuple[list[int], list[int]]:

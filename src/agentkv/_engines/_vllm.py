@@ -107,7 +107,8 @@ class AsyncLLMRunner:
     def __init__(self, launch: EngineLaunch, *, core_slot: CoreSlot | None = None) -> None:
         self.launch = launch
         self.name = launch.name
-        self.cores = list(launch.cores or [])
+        self.cores = list(launch.home_cores or launch.cores or [])
+        """The cores every thread of the engine stays on (its compute threads are bound finer, to ``launch.cores``)."""
         self.side_channel_port = launch.side_channel_port
         self.pids: set[int] = set()
         self._llm: AsyncLLM | None = None
