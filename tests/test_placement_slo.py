@@ -100,7 +100,7 @@ def test_the_reason_gives_both_estimates_the_queue_the_stall_and_the_verdict() -
     assert choice.engine == "decode"
     assert choice.reason == (
         "SLO TTFT 1 s, ITL 0.1 s: D 0.080 s (60 tokens, 0.000 s queued), P 0.150 s (50 tokens, 0.000 s queued), "
-        "stall 0.060 s on 3 decodes on D: D fits and is no slower"
+        "stall 0.060 s on 3 decodes on D (gap 0.000 s): D fits and is no slower"
     )
     assert "no decode on D" in _choose().reason
 
@@ -124,7 +124,7 @@ def test_a_queue_the_slo_still_absorbs_keeps_the_faster_placement() -> None:
 def test_d_decoding_many_still_takes_a_short_step_whose_prefill_fits_the_gaps() -> None:
     many = EngineLoad(decodes=12)
     choice = _choose(on_decode=60, d=many)  # stalls each decode 0.06 s < 0.1 s
-    assert choice.engine == "decode" and "stall 0.060 s on 12 decodes on D" in choice.reason
+    assert choice.engine == "decode" and "stall 0.060 s on 12 decodes on D (gap" in choice.reason
 
 
 def test_a_long_prompt_whose_d_prefill_would_break_the_gaps_goes_to_p() -> None:
@@ -132,13 +132,38 @@ def test_a_long_prompt_whose_d_prefill_would_break_the_gaps_goes_to_p() -> None:
     assert _choose(cheap_d, on_prefill=300, on_decode=300).engine == "decode"  # nothing decodes on D
     choice = _choose(cheap_d, on_prefill=300, on_decode=300, d=EngineLoad(decodes=1))
     assert choice.engine == "prefill"
-    assert choice.reason.endswith("stall 0.300 s on 1 decodes on D: P fits, D would break the gaps of its decodes")
+    assert choice.reason.endswith(
+        "stall 0.300 s on 1 decodes on D (gap 0.000 s): P fits, D would break the gaps of its decodes"
+    )
+
+
+def test_a_decode_gap_is_d_s_usual_gap_plus_the_prefill() -> None:
+    slow_pass = _costs()
+    slow_pass.gap_s = 0.05  # D's passes over its decodes: 0.05 s each
+    choice = _choose(slow_pass, on_prefill=200, on_decode=60, d=EngineLoad(decodes=3))  # 0.05 + 0.06 s > 0.1 s
+    assert choice.engine == "prefill"
+    assert "stall 0.060 s on 3 decodes on D (gap 0.050 s): P fits, D would break the gaps" in choice.reason
+    assert _choose(slow_pass, on_prefill=200, on_decode=40, d=EngineLoad(decodes=3)).engine == "decode"  # 0.09 s
+
+
+def test_the_pair_learns_d_s_gap_from_answers_long_enough_to_have_one() -> None:
+    costs = PlacementCosts()
+    costs.observe("prefill", computed_tokens=10, ttft_s=0.2, prefill_s=0.1, decode_s=0.7, output_tokens=8)
+    assert costs.gap_s == pytest.approx(0.1)  # 7 gaps in 0.7 s
+    costs.observe("decode", computed_tokens=10, ttft_s=0.2, prefill_s=0.1, decode_s=0.9, output_tokens=4)  # too short
+    costs.observe("decode", computed_tokens=10, ttft_s=0.2, prefill_s=0.1, decode_s=None, output_tokens=40)
+    assert costs.gap_s == pytest.approx(0.1)
+    costs.observe("decode", computed_tokens=10, ttft_s=0.2, prefill_s=0.1, decode_s=1.8, output_tokens=10)
+    assert costs.gap_s == pytest.approx(0.7 * 0.1 + 0.3 * 0.2)  # a running mean
 
 
 def test_the_stall_counts_the_prefills_queued_on_d_before_the_step() -> None:
     queued_d = EngineLoad(prefills=1, prefill_tokens=50, decodes=4)  # 0.05 s ahead of it, 0.06 s its own
     choice = _choose(on_prefill=200, on_decode=60, d=queued_d)
-    assert choice.engine == "prefill" and "stall 0.110 s on 4 decodes on D: P fits, D would break" in choice.reason
+    assert (
+        choice.engine == "prefill"
+        and "stall 0.110 s on 4 decodes on D (gap 0.000 s): P fits, D would break" in choice.reason
+    )
 
 
 def test_a_d_prefill_that_misses_the_ttft_goes_to_p() -> None:
@@ -191,7 +216,9 @@ def test_the_pair_places_by_its_slo_with_what_it_has_in_flight(unstarted_pair: A
     choice = unstarted_pair._place(request)
     assert choice.engine == "decode" and "D 0.120 s (100 tokens" in choice.reason and "P 0.190 s (90" in choice.reason
     unstarted_pair._ledger.first_token(unstarted_pair._ledger.started("prefill", 10))  # one answer decoding on D
-    assert "stall 0.100 s on 1 decodes on D: D fits" in unstarted_pair._place(request).reason  # 0.1 s: within
+    assert (
+        "stall 0.100 s on 1 decodes on D (gap 0.000 s): D fits" in unstarted_pair._place(request).reason
+    )  # 0.1 s: within
     unstarted_pair.in_flight.d = 3  # D's own count sees two more requests than the ledger: decodes too
     assert "on 3 decodes on D" in unstarted_pair._place(request).reason
     unstarted_pair.slo = Slo(ttft_s=1.0, itl_s=0.05)  # changed while the pair runs: the next step reads it

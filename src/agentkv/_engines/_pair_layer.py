@@ -175,6 +175,8 @@ class PairLayer(Engine):
             computed_tokens=timings.computed_tokens,
             ttft_s=max(0.0, timings.ttft_s - queued_s),
             prefill_s=timings.prefill_s,
+            decode_s=timings.decode_s,
+            output_tokens=len(done.token_ids),
         )
 
     def _place(self, request: StepRequest) -> PlacementChoice:

@@ -31,6 +31,8 @@ _SMOOTHING = 0.3
 """Weight of the newest observation in each running estimate."""
 _MIN_TOKENS_FOR_RATE = 32
 """A step teaches the per-token cost only when it computed at least this many tokens."""
+_MIN_TOKENS_FOR_GAP = 8
+"""A step teaches D's token gap only when its answer has at least this many tokens."""
 
 
 @dataclass(frozen=True)
@@ -50,14 +52,30 @@ class PlacementCosts:
 
     fixed_s: dict[PrefillEngine, float] = field(default_factory=lambda: {"prefill": 0.1, "decode": 0.02})
     per_token_s: dict[PrefillEngine, float] = field(default_factory=lambda: {"prefill": 2e-3, "decode": 2e-3})
+    gap_s: float = 0.0
+    """D's gap between two tokens of an answer (its forward pass over the decodes in flight): the running mean
+    of steps' mean gaps. A prefill on D lengthens the pass its decodes wait for by its own compute, so a decode's
+    gap then is this plus the prefill's (`agentkv._engines._slo.choose_within_slo`)."""
     _seen: set[tuple[str, PrefillEngine]] = field(default_factory=set[tuple[str, PrefillEngine]])
 
     def estimate(self, engine: PrefillEngine, computed_tokens: int) -> float:
         """Estimated time to first token for a step that computes ``computed_tokens`` on ``engine``."""
         return self.fixed_s[engine] + computed_tokens * self.per_token_s[engine]
 
-    def observe(self, engine: PrefillEngine, *, computed_tokens: int, ttft_s: float, prefill_s: float | None) -> None:
-        """Learn from a finished step: its compute time per token, and the rest of its time to first token."""
+    def observe(
+        self,
+        engine: PrefillEngine,
+        *,
+        computed_tokens: int,
+        ttft_s: float,
+        prefill_s: float | None,
+        decode_s: float | None = None,
+        output_tokens: int = 0,
+    ) -> None:
+        """Learn from a finished step: its compute time per token, the rest of its time to first token, and (from an
+        answer of `_MIN_TOKENS_FOR_GAP` tokens or more) D's gap between tokens."""
+        if decode_s is not None and output_tokens >= _MIN_TOKENS_FOR_GAP:
+            self.gap_s = self._blend("gap", "decode", self.gap_s, decode_s / (output_tokens - 1))
         if prefill_s is not None and computed_tokens >= _MIN_TOKENS_FOR_RATE:
             self.per_token_s[engine] = self._blend(
                 "rate", engine, self.per_token_s[engine], prefill_s / computed_tokens

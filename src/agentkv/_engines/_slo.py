@@ -11,7 +11,9 @@ src/agentkv/_engines/_step_ledger.py) and the costs the pair learned (`Placement
 places the step where more turns stay inside the objective:
 
 * D when its TTFT fits the SLO, its prefill keeps the token gaps of D's decodes within the
-  ITL objective (or D decodes nothing), and it is no slower than P;
+  ITL objective (or D decodes nothing), and it is no slower than P; a decode's gap while D
+  prefills is D's usual gap (`PlacementCosts.gap_s`, learned from the pair's answers) plus the
+  prefill's compute;
 * else P when its TTFT fits;
 * else, neither fitting, the faster of the two, unless D's prefill would break the gaps of
   decodes in flight on D (then P: one turn lost rather than several).
@@ -108,10 +110,11 @@ def choose_within_slo(
     }
     via_prefill = queued["prefill"] + costs.estimate("prefill", on_prefill)
     via_decode = queued["decode"] + costs.estimate("decode", on_decode)
-    # D's decodes wait out the prefills queued on D as well as this one (vLLM may batch them into one pass)
+    # D's decodes wait out the prefills queued on D as well as this one (vLLM may batch them into one pass), on top
+    # of the pass that computes their own next tokens
     stall_s = queued["decode"] + on_decode * costs.per_token_s["decode"]
     decodes = decode_load.decodes
-    breaks_gaps = decodes > 0 and stall_s > slo.itl_s
+    breaks_gaps = decodes > 0 and costs.gap_s + stall_s > slo.itl_s
     decode_fits = via_decode <= slo.ttft_s and not breaks_gaps
     prefill_fits = via_prefill <= slo.ttft_s
     if decode_fits and via_decode <= via_prefill:
@@ -126,7 +129,7 @@ def choose_within_slo(
     else:
         engine = "decode" if via_decode <= via_prefill else "prefill"
         verdict = f"neither fits; {'D' if engine == 'decode' else 'P'} is faster"
-    gaps = f"stall {stall_s:.3f} s on {decodes} decodes on D" if decodes else "no decode on D"
+    gaps = f"stall {stall_s:.3f} s on {decodes} decodes on D (gap {costs.gap_s:.3f} s)" if decodes else "no decode on D"
     reason = (
         f"SLO {slo}: D {via_decode:.3f} s ({on_decode} tokens, {queued['decode']:.3f} s queued), "
         f"P {via_prefill:.3f} s ({on_prefill} tokens, {queued['prefill']:.3f} s queued), {gaps}: {verdict}"
