@@ -31,7 +31,7 @@ from agentkv._bench._records import FloorFit, FloorPoint, TurnRecord, first_prom
 from agentkv._bench._runner import FloorSampler
 from agentkv._engines import Engine, PrefillEngine, StepRequest
 from agentkv._engines._base import StepDone, StepEvent, StepTimings, TokenDelta
-from agentkv._engines._pair_config import EngineLaunch
+from agentkv._engines._engine_launch import EngineLaunch
 from agentkv._engines._platform_settings import resolve_dtype
 from agentkv._stats._stats import StepStats
 from agentkv._surfaces._cli import main

@@ -22,8 +22,8 @@ from _agentkv_vllm._patches import stop_output_handler
 from agentkv import EmbeddedPair, EngineError, PairConfig, UserError
 from agentkv._engines import StepDone, StepRequest, TokenDelta
 from agentkv._engines._base import Pin, Sampling
+from agentkv._engines._engine_launch import engine_launch
 from agentkv._engines._handle import handle_of
-from agentkv._engines._pair_config import engine_launch
 from agentkv._engines._pair_layer import run_warmup_steps
 from agentkv._engines._vllm import AsyncLLMRunner, EngineRequest
 from agentkv.testing import HonestPairEngine

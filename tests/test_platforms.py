@@ -22,13 +22,8 @@ import pytest
 
 from agentkv import Colocated, EmbeddedPair, LaunchedPair, PairConfig, UserError
 from agentkv._engines import _pair_config
-from agentkv._engines._pair_config import (
-    OWNED_ENGINE_ARGS,
-    PUSH_CONNECTOR,
-    EngineLaunch,
-    engine_launch,
-    pair_engine_launch,
-)
+from agentkv._engines._engine_launch import EngineLaunch, engine_launch, pair_engine_launch
+from agentkv._engines._pair_config import OWNED_ENGINE_ARGS, PUSH_CONNECTOR
 from agentkv._engines._platform_settings import resolve_dtype
 from agentkv._engines._platforms import (
     CPU_PLATFORM,

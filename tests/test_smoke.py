@@ -21,7 +21,8 @@ from agentkv._engines import _pair_config
 from agentkv._engines._base import EngineInfo
 from agentkv._surfaces import _smoke
 from agentkv._surfaces._cli import main
-from agentkv._surfaces._smoke import SmokeStep, engine_placement, run_smoke, smoke_question
+from agentkv._surfaces._engine_placement import engine_placement
+from agentkv._surfaces._smoke import SmokeStep, run_smoke, smoke_question
 from agentkv.engines import StepRequest
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentkv import EmbeddedPair, LaunchedPair, ModelPreparationError, PairConfig, UserError, prepare_model
-from agentkv._engines._pair_config import engine_launch, pair_engine_launch
+from agentkv._engines._engine_launch import engine_launch, pair_engine_launch
 from agentkv._engines._server_process import ServerSpec, server_command
 from agentkv._engines._system import (
     alive,

@@ -28,14 +28,8 @@ it, and records any violation (`HonestPairEngine.assert_honest` raises them). It
 on request (errors, deaths, malformed or expiring handles, declined reads, stalls).
 """
 
-from ._doubles._honest_pair import (
-    MALFORMATIONS,
-    Fault,
-    HonestPairEngine,
-    Malformation,
-    PushBackViolationError,
-    StepRecord,
-)
+from ._doubles._honest_faults import MALFORMATIONS, Fault, Malformation
+from ._doubles._honest_pair import HonestPairEngine, PushBackViolationError, StepRecord
 from ._doubles._scripted import ScriptedEngine, UnconsumedScriptError, block_real_engines
 from ._engines._netns import NamespacesUnavailableError, TwoHosts, two_hosts
 

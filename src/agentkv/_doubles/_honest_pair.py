@@ -1,6 +1,6 @@
 """`HonestPairEngine`: a test double of a pair whose decode engine D holds KV honestly, checks every pin given
-back to it against the push-back rule, and plays injected faults (`Fault`, `Malformation`). Public as
-`agentkv.testing.HonestPairEngine` (src/agentkv/testing.py)."""
+back to it against the push-back rule, and plays injected faults (`Fault`, `Malformation`:
+src/agentkv/_doubles/_honest_faults.py). Public as `agentkv.testing.HonestPairEngine` (src/agentkv/testing.py)."""
 
 from __future__ import annotations
 
@@ -19,56 +19,18 @@ from .._engines import Placement, StepDone, StepEvent, StepRequest, StepTimings,
 from .._engines._base import Pin, ReleaseGuard, SavedPin
 from .._engines._handle import KVHandle, handle_of, parse_handle, pin_of
 from .._errors import EngineDeadError, EngineError, UserError
+from ._honest_faults import Fault, Malformation, malformed
 from ._scripted import BundledModelDouble, cut_at_stop, refuse_unhonoured
 
-__all__ = ["MALFORMATIONS", "Fault", "HonestPairEngine", "Malformation", "PushBackViolationError", "StepRecord"]
+__all__ = ["HonestPairEngine", "PushBackViolationError", "StepRecord"]
 
 
 class PushBackViolationError(AssertionError):
     """`HonestPairEngine.assert_honest` found handles pushed back against the rule (a test failure)."""
 
 
-Fault = Literal[
-    "error",
-    "error_mid_stream",
-    "die",
-    "die_mid_stream",
-    "malformed_handle",
-    "expired_handle",
-    "near_expiry_handle",
-    "expire_early",
-    "decline",
-    "stall",
-]
-"""A fault `HonestPairEngine.inject` plays on the next step:
-
-* ``error`` / ``error_mid_stream``: raise `EngineError` before any output / after the first token delta;
-* ``die`` / ``die_mid_stream``: the engine dies (`EngineDeadError`; it serves no more steps);
-* ``malformed_handle``: D returns a malformed handle dict (see `Malformation`), parsed as a real engine parses it;
-* ``expired_handle``: D returns a handle whose deadline has already passed;
-* ``near_expiry_handle``: D returns a handle that expires within half the engine's ``forward_margin_s``;
-* ``expire_early``: D frees this step's pin at once although the handle says later (its read is declined);
-* ``decline``: P declines to read the handle pushed back with this step (it recomputes);
-* ``stall``: the step hangs for ``stall_s`` after its first token delta (for cancellation tests).
-"""
-
-Malformation = Literal[
-    "missing_key",
-    "nan_expiry",
-    "inf_expiry",
-    "empty_blocks",
-    "negative_block",
-    "blank_host",
-    "unknown_key",
-    "not_a_dict",
-]
-"""How a ``malformed_handle`` fault breaks D's dict."""
-
 BLOCK_SIZE = 16
 """Tokens per KV block of the double's P cache (``prefill_cache``)."""
-
-MALFORMATIONS: tuple[Malformation, ...] = get_args(Malformation)
-"""Every `Malformation`, for tests that draw one."""
 
 
 @dataclasses.dataclass
@@ -401,7 +363,7 @@ class HonestPairEngine(BundledModelDouble):
         if "malformed_handle" not in faults:
             self._pins[handle.remote_request_id] = _Pin(held, issued, freed_at)
             return pin_of(handle), None
-        parsed, problem = parse_handle(_malform(issued, self._malformation))  # what a real engine does with it
+        parsed, problem = parse_handle(malformed(issued, self._malformation))  # what a real engine does with it
         pin = _Pin(held, issued, freed_at, malformation=self._malformation, delivered=parsed is not None)
         self._pins[handle.remote_request_id] = pin
         return pin_of(parsed), problem
@@ -431,24 +393,3 @@ class HonestPairEngine(BundledModelDouble):
 
 def _default_response(request: StepRequest) -> str:
     return f"answer {sum(request.prompt_token_ids) % 997}"
-
-
-def _malform(issued: dict[str, Any], how: Malformation) -> object:
-    raw = dict(issued)
-    if how == "missing_key":
-        del raw["remote_engine_id"]
-    elif how == "nan_expiry":
-        raw["remote_blocks_expiry_time"] = math.nan
-    elif how == "inf_expiry":
-        raw["remote_blocks_expiry_time"] = math.inf
-    elif how == "empty_blocks":
-        raw["remote_block_ids"] = [[]]
-    elif how == "negative_block":
-        raw["remote_block_ids"] = [[-1, *raw["remote_block_ids"][0][1:]]]
-    elif how == "blank_host":
-        raw["remote_host"] = "  "
-    elif how == "unknown_key":
-        raw["agentkv_unexpected"] = "x"
-    else:
-        return "not a dict"
-    return raw

@@ -15,7 +15,8 @@ from _agentkv_vllm._cores import CoreTable
 from .._errors import EngineDeadError, UserError
 from .._model import prepare_model_off_loop
 from ._base import Engine, EngineDetails, EngineInfo, StepEvent, StepRequest, StepTimings
-from ._pair_config import check_engine_args, engine_launch
+from ._engine_launch import engine_launch
+from ._pair_config import check_engine_args
 from ._pair_layer import run_warmup_steps
 from ._platforms import current_platform
 from ._system import single_engine_cores

@@ -5,10 +5,10 @@ runs). The protocol is the embedded pair's (docs/concepts.md, "Turns, steps, P a
 prompt as token ids with ``max_tokens=1`` and D's handle, D streams the output (token ids
 and text) and, at the end, its new handle.
 
-Four parts: the wire (`PairTransport`: clients, retries, request bodies), what the
+Five parts: the wire (`PairTransport`: clients, retries, request bodies), what the
 servers are (`ServerCapabilities`, probed once at open), what a step's replies tell
-(`DecodeAnswer`, `NixlBaseline`: ``_http_answer.py``) and this engine, which runs steps
-with them. A handle is single use, so a P request that may have reached P is never sent
+(`DecodeAnswer`, `NixlBaseline`: ``_http_answer.py``), the pair's state and its opening
+(`HTTPServers`: ``_http_servers.py``) and this engine, which runs steps with them. A handle is single use, so a P request that may have reached P is never sent
 again with the same handle: the retry goes without it (the step then reports
 ``miss_reason="declined"``). D is retried only when the request surely never arrived
 (connection refused): P's blocks are D's to read once.
@@ -18,222 +18,37 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
-import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from typing import Any
 
-from .._errors import EngineError, EngineUnavailableError, UserError
-from .._model import prepare_model_off_loop
-from ._base import (
-    EngineInfo,
-    Sampling,
-    StepDone,
-    StepEvent,
-    StepRequest,
-    StepTimings,
-    prompt_split,
-)
+from .._errors import EngineError, EngineUnavailableError
+from ._base import Sampling, StepDone, StepEvent, StepRequest, StepTimings, prompt_split
 from ._handle import KVHandle, PushSource, handle_of, parse_prefill_result, prefill_params, release_params
-from ._http_answer import NOTHING_MOVED, DecodeAnswer, NixlBaseline, decode_pin, moved_kv
-from ._http_capabilities import (
-    UNKNOWN_BLOCK_SIZE,
-    DecodeCapacity,
-    ServerCapabilities,
-    ServerKind,
-    decode_capacity,
-    probe_servers,
-)
-from ._http_transport import (
-    PairTransport,
-    ServerReply,
-    completion_body,
-    never_arrived,
-    retrying,
-    translated,
-)
-from ._pair_config import RELEASE_PRIORITY, Transfer
-from ._pair_layer import ON_DECODE_PARAMS, PairLayer
+from ._http_answer import NOTHING_MOVED, DecodeAnswer, decode_pin, moved_kv
+from ._http_servers import HTTPServers
+from ._http_transport import ServerReply, completion_body, never_arrived, retrying, translated
+from ._pair_config import RELEASE_PRIORITY
+from ._pair_layer import ON_DECODE_PARAMS
 from ._placement import PlacementChoice
 from ._platforms import Role
 from ._push import PushedStep
-from ._slo import DEFAULT_SLO, Slo
 from ._vllm_sampling import check_sampling
 
-__all__ = ["HTTPPair", "stock_decode_streaming_error"]
-
-logger = logging.getLogger("agentkv")
+__all__ = ["HTTPPair"]
 
 _RELEASE_MAX_TOKENS = 64
 """Far more than P runs before the client's disconnect aborts the request (a finished one keeps its block leased)."""
 
 
-def stock_decode_streaming_error(decode_url: str) -> UserError:
-    """Why a stock vLLM decode server cannot stream to a session, and what to run instead."""
-    return UserError(
-        f"the decode server at {decode_url} is a stock vLLM server: its streamed responses carry no "
-        "KV handle (vLLM 0.32 returns it only in non-streamed responses), so push-back cannot work, "
-        "and with bidirectional_kv_xfer it keeps every step's KV pinned for decoder_kv_blocks_ttl "
-        "(480 s) where nothing can free it. Run the decode server with `agentkv engine --role decode` "
-        "(streaming and push-back), or pass decode_streaming=False (push-back; each answer arrives whole)."
-    )
-
-
-class HTTPPair(PairLayer):
+class HTTPPair(HTTPServers):
     """A P/D pair of vLLM OpenAI API servers, driven with the ``openai`` client.
 
     Subclasses give the servers' URLs: their `_start` calls `_open_servers`. The rest is shared, and the
     pin budget, placement and pin release are every pair's (`PairLayer`): D's size comes from its
     ``/metrics``, and a step goes to D alone only when D's server says it can pin one (agentkv's server).
     """
-
-    _agentkv_servers = False
-    """The pair started agentkv's own servers: a decode server that streams no handle then lacks agentkv's
-    streamed handle on this vLLM (docs/vllm-patches.md), and the pair takes D's answers whole instead."""
-
-    def __init__(
-        self,
-        model: str | os.PathLike[str] | None,
-        *,
-        step_timeout_s: float,
-        attempts: int,
-        warmup: bool,
-        progress: Callable[[str], None] | None,
-        push_back: bool = True,
-        decode_streaming: bool = True,
-        exclusive: bool = False,
-        transfer: Transfer = "pull",
-        max_pinned_blocks: int | None = None,
-        slo: Slo | None = DEFAULT_SLO,
-    ) -> None:
-        super().__init__(max_pinned_blocks=max_pinned_blocks, slo=slo)
-        if attempts < 1:
-            raise UserError("attempts must be at least 1")
-        self._model = model
-        self._warmup = warmup
-        self._progress = progress or (lambda line: logger.info("%s", line))
-        self._transport = PairTransport(attempts=attempts, step_timeout_s=step_timeout_s)
-        self._wants_push_back = push_back
-        self._decode_streaming = decode_streaming
-        self._exclusive = exclusive
-        """The pair is the servers' only client: differences of their NIXL totals are this pair's."""
-        self._urls = ("", "")
-        self._capabilities: ServerCapabilities | None = None
-        self._info: EngineInfo | None = None
-        self._baseline = NixlBaseline()
-        self._in_flight = 0
-        self._started_steps = 0
-        self._transfer = transfer
-        self._prefill_coordinates: tuple[str, str, int] | None = None
-        """P's NIXL engine id, host and side-channel port, which D needs to register for a push."""
-        self._retired_engines: set[str] = set()
-        """Engine ids of servers that are gone: their handles are dropped, never sent to P."""
-        self._decode_capacity = DecodeCapacity(None, UNKNOWN_BLOCK_SIZE)
-        self._busy: dict[Role, int] = {"prefill": 0, "decode": 0}
-        """This pair's requests in flight on each server (what placement compares)."""
-        self._alone_from: dict[str, int | None] = {}
-        """Per step in flight: the step count when it started alone (see `step`), for NIXL differences."""
-
-    # ----------------------------------------------------------------- what it is
-
-    @property
-    def info(self) -> EngineInfo:
-        return self._info_once_started(self._info)
-
-    @property
-    def decode_streaming(self) -> bool:
-        """Whether D's tokens are streamed (else one non-streamed reply per step: see `RemotePair`)."""
-        return self._decode_streaming
-
-    @property
-    def urls(self) -> tuple[str, str]:
-        """The URLs of P's and D's servers."""
-        return self._urls
-
-    @property
-    def capabilities(self) -> ServerCapabilities | None:
-        """What the servers are, as probed when the pair opened (None before)."""
-        return self._capabilities
-
-    @property
-    def handle_in_stream(self) -> bool | None:
-        """Whether D's streamed responses carry the KV handle (agentkv's server: yes; stock vLLM 0.32: no)."""
-        return self._capabilities.handle_in_stream if self._capabilities else None
-
-    @property
-    def server_kind(self) -> ServerKind | None:
-        """``"agentkv"`` (agentkv's entry point: exact prefill split, NIXL totals) or ``"vllm"``; None before open."""
-        return self._capabilities.server_kind if self._capabilities else None
-
-    # ----------------------------------------------------------------- opening
-
-    async def _open_servers(
-        self, prefill_url: str, decode_url: str, *, kind: str, model_path: Path | None = None
-    ) -> None:
-        """Connect to the servers, probe what they are, and decide once what the pair does.
-
-        ``model_path``: the prepared model folder, when the caller already has it.
-        """
-        if model_path is None:
-            model_path = await prepare_model_off_loop(self._model, progress=self._progress)
-        self._urls = (prefill_url, decode_url)
-        models = await self._transport.connect(self._urls)
-        capabilities = await probe_servers(self._transport, models, attempts=self._transport.attempts)
-        if self._decode_streaming and not capabilities.handle_in_stream:
-            if not self._agentkv_servers:
-                raise stock_decode_streaming_error(decode_url)
-            logger.warning(
-                "agentkv: the decode server at %s streams no KV handle (agentkv's streamed handle is off on this "
-                "vLLM: see its log); each answer arrives whole, push-back still works",
-                decode_url,
-            )
-            self._decode_streaming = False
-        if not capabilities.exact_split:
-            logger.warning(
-                "agentkv: the prefill server at %s is a stock vLLM server: it does not report where cached "
-                "tokens came from, so they are all reported as local_hit_tokens (`agentkv engine --role prefill` "
-                "reports the split)",
-                prefill_url,
-            )
-        self._capabilities = capabilities
-        self._decode_capacity = await decode_capacity(decode_url)
-        self._placement_off = capabilities.placement_off if self._transfer == "pull" else "a push pair"
-        if not self._wants_push_back:
-            self._placement_off = "the pair runs without push-back"
-        self._info = EngineInfo(
-            model_path=model_path,
-            max_model_len=capabilities.max_model_len,
-            pins=self._wants_push_back,
-            disaggregated=True,
-            places_steps=self._placement_off is None,
-            details={
-                "transport": kind,
-                "prefill_url": prefill_url,
-                "decode_url": decode_url,
-                "server_kind": capabilities.server_kind,
-                "transfer": self._transfer,
-                "decode_kv_blocks": self._decode_capacity.blocks,
-            },
-        )
-
-    async def _reconnect(self, prefill_url: str, decode_url: str) -> None:
-        """Point the clients at new URLs of the same servers (a restart): nothing is probed again."""
-        self._urls = (prefill_url, decode_url)
-        await self._transport.connect(self._urls)
-        self._info = dataclasses.replace(
-            self.info, details={**self.info.details, "prefill_url": prefill_url, "decode_url": decode_url}
-        )
-
-    async def _warm_up(self) -> None:
-        if self._warmup:
-            self._progress("agentkv: warming up the servers (kernels, NIXL handshakes)")
-            await self._calibrate()
-
-    async def _stop(self) -> None:
-        await self._transport.close()
 
     # ----------------------------------------------------------------- pins
 

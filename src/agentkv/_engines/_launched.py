@@ -17,8 +17,9 @@ import anyio.to_thread
 from .._errors import UserError
 from .._model import home_dir, prepare_model_off_loop
 from ._base import EngineDetails
+from ._engine_launch import pair_engine_launch
 from ._http import HTTPPair
-from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
+from ._pair_config import PairConfig, PairSettings, Role
 from ._platforms import PairDevices, Platform, current_platform, pair_devices
 from ._server_process import ServerProcess, ServerSpec
 from ._system import free_port, split_cores

@@ -23,7 +23,8 @@ from _agentkv_vllm._patches import AUTO_PLACEMENT, ELASTIC_CORES
 from .._errors import UserError
 from .._model import prepare_model_off_loop
 from ._base import EngineDetails, EngineInfo
-from ._pair_config import PairConfig, PairSettings, Role, pair_engine_launch
+from ._engine_launch import pair_engine_launch
+from ._pair_config import PairConfig, PairSettings, Role
 from ._pair_step import PairSteps
 from ._platforms import Platform, current_platform, pair_devices
 from ._system import free_port, split_cores

@@ -4,7 +4,7 @@
 value (``src/agentkv/_engines/_platforms.py``), so tests pass a CUDA platform on a CPU host.
 What only the CPU platform has lives here, behind it: the dtype the CPU computes natively
 (`resolve_dtype`), the KV cache in whole GiB (`kv_cache_space`), the engine's threads bound
-to its cores, the idle plugin's polling. `engine_launch` (``src/agentkv/_engines/_pair_config.py``)
+to its cores, the idle plugin's polling. `engine_launch` (``src/agentkv/_engines/_engine_launch.py``)
 adds the portable rest: the KV connector, the NIXL side channel, the user's engine arguments.
 """
 

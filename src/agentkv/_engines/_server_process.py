@@ -26,7 +26,8 @@ import anyio.to_thread
 import httpx
 
 from .._errors import EngineStartError, UserError
-from ._pair_config import EngineLaunch, Role
+from ._engine_launch import EngineLaunch
+from ._pair_config import Role
 from ._start_log import record_engine_start
 from ._system import descendants, kill_and_reap, repin_threads
 from ._vllm_features import warn_engine_features

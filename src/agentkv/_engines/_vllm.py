@@ -29,7 +29,7 @@ from _agentkv_vllm._patches import keep_prefill_stats, stop_output_handler
 
 from .._errors import EngineDeadError, EngineError, EngineStartError, UserError
 from ._base import Pin, StepDone, StepTimings, TokenDelta, TokenLogprob
-from ._pair_config import EngineLaunch
+from ._engine_launch import EngineLaunch
 from ._spawn import SpawnTurn, quiet_env, spawn_turn, stop_signals_blocked
 from ._start_log import record_engine_start
 from ._system import descendants, kill_and_reap, repin_threads

@@ -1,8 +1,9 @@
 """`Session`: a conversation pinned to its KV on an engine, with its two APIs.
 
-`SessionCore` (``_session_core``) owns the conversation, the pin, the engine and the edits; the turn API
-(``_turn_api``: ``run``/``stream``, the SDK's tool loop) and the step API (``_step_api``: ``step``/``extends``,
-caller-made messages) run model calls over it. This module only takes the constructor's arguments.
+`SessionCore` (``_session_core``) owns the conversation, the pin and the engine, and `SessionEdits`
+(``_session_edits``) edits the conversation between turns; the turn API (``_turn_api``: ``run``/``stream``, the
+SDK's tool loop) and the step API (``_step_api``: ``step``/``extends``, caller-made messages) run model calls over
+it. This module only takes the constructor's arguments.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from .._errors import UserError
 from ._modes import Mode
 from ._session_config import SessionConfig
 from ._session_core import load_tokenizer, make_engine
+from ._session_edits import SessionEdits
 from ._step_api import StepAPI
 from ._turn_api import TurnAPI
 
 __all__ = ["Mode", "Session", "load_tokenizer", "make_engine"]
 
 
-class Session(TurnAPI, StepAPI):
+class Session(TurnAPI, StepAPI, SessionEdits):
     """A multi-turn conversation on an engine, with its KV pinned between steps.
 
     Use it as a context manager: ``async with Session() as s`` on your event loop, or

@@ -1,8 +1,9 @@
 """`SessionCore`: one conversation pinned to its KV on an engine, and everything done to it between steps.
 
 It owns the conversation, the pin, the engine and the stats: opening and closing (the engine the
-session made closes with it), replacing a dead engine, giving pins up, editing (rewind,
-replace_message), snapshot/restore and fork. The two APIs over it add the model calls: the SDK's
+session made closes with it), replacing a dead engine, giving pins up. The edits between turns (rewind,
+replace_message, snapshot/restore, fork) are `SessionEdits`'s (src/agentkv/_session/_session_edits.py).
+The two APIs over it add the model calls: the SDK's
 tool loop (`agentkv._session._turn_api`: ``run``/``stream``) and the caller-run step
 (`agentkv._session._step_api`: ``step``/``extends``). Both run a `Turn` on a copy of the
 conversation: `_claim` starts it, `_prepare` makes its conversation, `_take` keeps it and `_end_turn`
@@ -30,13 +31,11 @@ from .._engines._base import Pin, SavedPin
 from .._engines._pinning import HeldPin
 from .._errors import SessionClosedError, UserError
 from .._home import EventLoopHome
-from .._lifecycle import LifecycleState
 from .._stats._stats import SessionStats, TurnStats
 from ._engine_user import EngineUser
 from ._modes import Mode, modes_of, natural_mode, off_reason, pushes_back
 from ._pin_upkeep import PinUpkeep
-from ._session_config import SessionConfig, check_count, check_message
-from ._snapshot import SessionSnapshot, load_transcript, save_transcript
+from ._session_config import SessionConfig
 from ._turn import StepContext, Turn
 
 __all__ = ["SessionCore", "load_tokenizer", "make_engine"]
@@ -310,99 +309,6 @@ class SessionCore(EngineUser):
         if self._pin is not None:
             pin, self._pin = self._pin, None
             self._discard_pin(pin)
-
-    # ----------------------------------------------------------------- editing
-
-    def rewind(self, turns: int = 1) -> None:
-        """Drop the last ``turns`` turns from the conversation (and their stats)."""
-        check_count(turns, "turns")
-        with self._lock:
-            conversation = self._require_idle()
-            conversation.rewind(turns)
-            del self._turns[len(conversation.turn_starts()) :]
-            self._transcript = None
-            self._drop_pin()
-
-    def replace_message(self, index: int, content: str) -> None:
-        """Replace the content of message ``index`` of `messages`; later messages are kept.
-
-        The tokens after the edit are re-rendered, so the next step's prompt no longer
-        extends D's pin: the pin is released. Replacing the system message keeps the
-        instructions that schema-format tools append to it.
-        """
-        check_count(index, "index")
-        check_message(content)
-        with self._lock:
-            conversation = self._require_idle()
-            if index == 0 and conversation.system is not None:
-                content = self._config.system_text(content) or content
-            conversation.replace(index, content)
-            self._transcript = None
-            self._drop_pin()
-
-    def snapshot(self) -> SessionSnapshot:
-        """The conversation so far (finished turns), to `restore` later: after a restart, on another engine.
-
-        The snapshot keeps the token ids (outputs exactly as generated), the messages, what `step`
-        last answered and the stats; not the KV, which a restored session computes once.
-        """
-        with self._lock:
-            conversation = self._readable_conversation()
-            transcript = self._transcript
-            return SessionSnapshot(
-                model=self.engine.info.model_path.name,
-                system=conversation.system,
-                tokens=list(conversation.tokens),
-                segments=conversation.saved(),
-                transcript=save_transcript(transcript) if transcript is not None else None,
-                turns=list(self._turns),
-            )
-
-    def restore(self, snapshot: SessionSnapshot) -> None:
-        """Replace the conversation with a saved one (`snapshot`); the next step extends its tokens exactly.
-
-        No KV comes with it: the next step computes the prompt once (its ``miss_reason`` is
-        ``"resumed"``), later steps push back as usual. A snapshot of another model raises `UserError`.
-        """
-        model = self.engine.info.model_path.name
-        if snapshot.model != model:
-            raise UserError(f"this snapshot was made on model {snapshot.model!r}; the session runs {model!r}")
-        transcript = load_transcript(snapshot.transcript) if snapshot.transcript is not None else None
-        with self._lock:
-            current = self._require_idle()
-            renderer = (
-                self._renderer_for(transcript.key)
-                if transcript is not None
-                else current.renderer.with_system(snapshot.system)
-            )
-            self._conversation = Conversation.loaded(
-                renderer, system=snapshot.system, tokens=snapshot.tokens, segments=snapshot.segments
-            )
-            self._transcript = transcript
-            self._turns = list(snapshot.turns)
-            self._resumed = True
-            self._drop_pin()
-
-    def fork(self) -> Self:
-        """A new open session on the same engine with a copy of this conversation (and its stats).
-
-        The fork has the same configuration and no pin (handles are single-use); its first
-        step reuses the engine's prefix cache. Closing the fork leaves the engine running;
-        closing this session closes the fork too when this session's engine closes with it.
-        """
-        with self._lock:
-            conversation = self._require_idle()
-            twin = self._of_config(self._config, self._engine)
-            twin.mode = self.mode
-            twin._home = self._home
-            twin._conversation = conversation.copy()
-            twin._turns = list(self._turns)
-            twin._tokenizer, twin._transcript, twin._parsers = self._tokenizer, self._transcript, self._parsers
-            twin._state = LifecycleState.OPEN
-            twin._engine_owner = self if self._owns_engine else self._engine_owner
-            if twin._engine_owner is not None:
-                twin._engine_owner._forks.add(twin)
-        return twin
 
     # ----------------------------------------------------------------- guards
 

@@ -109,7 +109,8 @@ def _engine_server(args: argparse.Namespace) -> int:
     import socket
     import uuid
 
-    from .._engines._pair_config import PairConfig, pair_engine_launch
+    from .._engines._engine_launch import pair_engine_launch
+    from .._engines._pair_config import PairConfig
     from .._engines._platforms import PairDevices
     from .._engines._server_process import ServerSpec, server_command, server_env
 
