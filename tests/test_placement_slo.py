@@ -40,14 +40,18 @@ def _choose(
     on_decode: int = 60,
     p: EngineLoad | None = None,
     d: EngineLoad | None = None,
+    at_stake: int | None = None,
 ) -> PlacementChoice:
+    """The policy on these loads; the turns at stake, unless given, are D's decodes (all inside the objective)."""
+    d = d or EngineLoad()
     return choose_within_slo(
         costs or _costs(),
         slo,
         on_prefill=on_prefill,
         on_decode=on_decode,
         prefill_load=p or EngineLoad(),
-        decode_load=d or EngineLoad(),
+        decode_load=d,
+        at_stake=d.decodes if at_stake is None else at_stake,
     )
 
 
@@ -100,9 +104,9 @@ def test_the_reason_gives_both_estimates_the_queue_the_stall_and_the_verdict() -
     assert choice.engine == "decode"
     assert choice.reason == (
         "SLO TTFT 1 s, ITL 0.1 s: D 0.080 s (60 tokens, 0.000 s queued), P 0.150 s (50 tokens, 0.000 s queued), "
-        "stall 0.060 s on 3 decodes on D (gap 0.000 s): D fits and is no slower"
+        "stall 0.060 s on 3 turns at stake (gap 0.000 s): D fits and is no slower"
     )
-    assert "no decode on D" in _choose().reason
+    assert "no turn at stake" in _choose().reason
 
 
 def test_a_deep_queue_on_p_sends_the_step_to_d() -> None:
@@ -124,7 +128,7 @@ def test_a_queue_the_slo_still_absorbs_keeps_the_faster_placement() -> None:
 def test_d_decoding_many_still_takes_a_short_step_whose_prefill_fits_the_gaps() -> None:
     many = EngineLoad(decodes=12)
     choice = _choose(on_decode=60, d=many)  # stalls each decode 0.06 s < 0.1 s
-    assert choice.engine == "decode" and "stall 0.060 s on 12 decodes on D (gap" in choice.reason
+    assert choice.engine == "decode" and "stall 0.060 s on 12 turns at stake (gap" in choice.reason
 
 
 def test_a_long_prompt_whose_d_prefill_would_break_the_gaps_goes_to_p() -> None:
@@ -133,7 +137,7 @@ def test_a_long_prompt_whose_d_prefill_would_break_the_gaps_goes_to_p() -> None:
     choice = _choose(cheap_d, on_prefill=300, on_decode=300, d=EngineLoad(decodes=1))
     assert choice.engine == "prefill"
     assert choice.reason.endswith(
-        "stall 0.300 s on 1 decodes on D (gap 0.000 s): P fits, D would break the gaps of its decodes"
+        "stall 0.300 s on 1 turns at stake (gap 0.000 s): P fits, D would break the gaps of the turns at stake"
     )
 
 
@@ -142,7 +146,7 @@ def test_a_decode_gap_is_d_s_usual_gap_plus_the_prefill() -> None:
     slow_pass.gap_s = 0.05  # D's passes over its decodes: 0.05 s each
     choice = _choose(slow_pass, on_prefill=200, on_decode=60, d=EngineLoad(decodes=3))  # 0.05 + 0.06 s > 0.1 s
     assert choice.engine == "prefill"
-    assert "stall 0.060 s on 3 decodes on D (gap 0.050 s): P fits, D would break the gaps" in choice.reason
+    assert "stall 0.060 s on 3 turns at stake (gap 0.050 s): P fits, D would break the gaps" in choice.reason
     assert _choose(slow_pass, on_prefill=200, on_decode=40, d=EngineLoad(decodes=3)).engine == "decode"  # 0.09 s
 
 
@@ -162,7 +166,7 @@ def test_the_stall_counts_the_prefills_queued_on_d_before_the_step() -> None:
     choice = _choose(on_prefill=200, on_decode=60, d=queued_d)
     assert (
         choice.engine == "prefill"
-        and "stall 0.110 s on 4 decodes on D (gap 0.000 s): P fits, D would break" in choice.reason
+        and "stall 0.110 s on 4 turns at stake (gap 0.000 s): P fits, D would break" in choice.reason
     )
 
 
@@ -172,13 +176,23 @@ def test_a_d_prefill_that_misses_the_ttft_goes_to_p() -> None:
     assert choice.engine == "prefill" and choice.reason.endswith("P fits, D misses the TTFT")
 
 
+def test_a_long_d_prefill_is_free_when_no_turn_in_flight_can_still_meet_the_objective() -> None:
+    cheap_d = _costs(fixed_s={"prefill": 0.5, "decode": 0.0})
+    lost = _choose(cheap_d, on_prefill=300, on_decode=300, d=EngineLoad(decodes=4), at_stake=0)
+    assert lost.engine == "decode" and lost.reason.endswith("no turn at stake: D fits and is no slower")
+    prefilling = _choose(cheap_d, on_prefill=300, on_decode=300, at_stake=1)  # one still prefilling, within
+    assert prefilling.engine == "prefill" and "on 1 turns at stake" in prefilling.reason
+
+
 def test_when_neither_fits_the_faster_wins_unless_d_breaks_the_gaps() -> None:
     tight = Slo(ttft_s=0.01, itl_s=0.1)
     assert _choose(slo=tight, on_prefill=50, on_decode=60).reason.endswith("neither fits; D is faster")
     assert _choose(slo=tight, on_prefill=20, on_decode=127).reason.endswith("neither fits; P is faster")
     cheap_d = _costs(fixed_s={"prefill": 0.5, "decode": 0.0})
     choice = _choose(cheap_d, tight, on_prefill=300, on_decode=300, d=EngineLoad(decodes=2))
-    assert choice.engine == "prefill" and choice.reason.endswith("neither fits; D would break the gaps of its decodes")
+    assert choice.engine == "prefill" and choice.reason.endswith(
+        "neither fits; D would break the gaps of the turns at stake"
+    )
 
 
 def test_the_queue_counts_what_the_engine_computed_since_its_oldest_prefill() -> None:
@@ -196,14 +210,37 @@ def test_the_ledger_follows_each_step_from_its_prefill_to_its_decode() -> None:
     ledger.started("prefill", 300, now=12.0)
     assert ledger.load("prefill", now=12.5) == EngineLoad(prefills=2, prefill_tokens=400, busy_s=2.5, decodes=0)
     assert ledger.load("decode", now=12.5) == EngineLoad(prefills=1, prefill_tokens=40, busy_s=1.5, decodes=0)
-    ledger.first_token(on_p)  # P's prefill over: its answer decodes on D
-    ledger.first_token(on_d)
+    ledger.token(on_p, now=12.6)  # P's prefill over: its answer decodes on D
+    ledger.token(on_d, now=12.6)
     assert ledger.load("prefill", now=13.0) == EngineLoad(prefills=1, prefill_tokens=300, busy_s=1.0)
     assert ledger.load("decode", now=13.0) == EngineLoad(decodes=2)
     ledger.ended(on_p)
     ledger.ended(on_p)  # twice: nothing more
-    ledger.first_token(on_p)
+    ledger.token(on_p)
     assert ledger.load("decode", now=13.0).decodes == 1 and len(ledger) == 2
+
+
+def test_the_ledger_counts_the_steps_in_flight_that_can_still_meet_the_objective() -> None:
+    slo = Slo(ttft_s=2.0, itl_s=0.5)
+    ledger = StepLedger()
+    waiting = ledger.started("prefill", 100, now=0.0)  # no token yet: at stake while its wait is within 2 s
+    late = ledger.started("decode", 100, now=0.0)
+    ledger.token(late, now=2.5)  # first token after 2.5 s: lost
+    steady = ledger.started("prefill", 100, now=1.0)
+    ledger.token(steady, now=1.5)
+    ledger.token(steady, now=1.9)
+    assert ledger.at_stake(slo, now=1.95) == 2  # waiting and steady
+    assert ledger.at_stake(slo, now=2.1) == 1  # waiting has waited past 2 s
+    stalled = ledger.started("decode", 10, now=2.0)
+    ledger.token(stalled, now=2.2)
+    ledger.token(stalled, now=2.3)
+    assert ledger.at_stake(slo, now=2.35) == 2  # steady's open gap: 0.45 s
+    assert ledger.at_stake(slo, now=2.45) == 1  # steady's open gap is past 0.5 s now
+    ledger.token(stalled, now=3.0)  # a gap of 0.7 s: lost even once its tokens flow again
+    ledger.token(stalled, now=3.1)
+    assert ledger.at_stake(slo, now=3.15) == 0
+    ledger.ended(waiting)
+    assert len(ledger) == 3
 
 
 # ----------------------------------------------------------------- the pair layer
@@ -215,12 +252,17 @@ def test_the_pair_places_by_its_slo_with_what_it_has_in_flight(unstarted_pair: A
     request = _request("auto", pin=_pin(2 * BLOCK + 10), prompt=2 * BLOCK + 100)  # P 90 tokens, D 100
     choice = unstarted_pair._place(request)
     assert choice.engine == "decode" and "D 0.120 s (100 tokens" in choice.reason and "P 0.190 s (90" in choice.reason
-    unstarted_pair._ledger.first_token(unstarted_pair._ledger.started("prefill", 10))  # one answer decoding on D
+    unstarted_pair._ledger = StepLedger(clock=lambda: 100.0)  # time stands still: every step stays within
+    decoding = unstarted_pair._ledger.started("prefill", 10)
+    unstarted_pair._ledger.token(decoding)  # one answer decoding on D
     assert (
-        "stall 0.100 s on 1 decodes on D (gap 0.000 s): D fits" in unstarted_pair._place(request).reason
+        "stall 0.100 s on 1 turns at stake (gap 0.000 s): D fits" in unstarted_pair._place(request).reason
     )  # 0.1 s: within
-    unstarted_pair.in_flight.d = 3  # D's own count sees two more requests than the ledger: decodes too
-    assert "on 3 decodes on D" in unstarted_pair._place(request).reason
+    unstarted_pair._ledger.started("decode", 10)  # a step prefilling on D decodes on D next
+    unstarted_pair._ledger.started("prefill", 10)  # and so does one on P, once its KV is over
+    assert "on 3 turns at stake" in unstarted_pair._place(request).reason
+    unstarted_pair.in_flight.d = 9  # D's own count of requests (releases, repins among them) decides nothing
+    assert "on 3 turns at stake" in unstarted_pair._place(request).reason
     unstarted_pair.slo = Slo(ttft_s=1.0, itl_s=0.05)  # changed while the pair runs: the next step reads it
     choice = unstarted_pair._place(request)
     assert choice.engine == "prefill" and "D would break the gaps" in choice.reason

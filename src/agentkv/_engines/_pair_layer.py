@@ -38,7 +38,7 @@ from ._handle import KVHandle, handle_of
 from ._pin_budget import PinBudget
 from ._pinning import HeldPin, choose_pin
 from ._placement import Placement, PlacementChoice, PlacementCosts, PrefillEngine
-from ._slo import DEFAULT_SLO, EngineLoad, Slo, choose_within_slo
+from ._slo import DEFAULT_SLO, Slo, choose_within_slo
 from ._step_ledger import StepLedger
 
 __all__ = ["ON_DECODE_PARAMS", "RELEASE_MARGIN_S", "PairLayer", "run_warmup_steps"]
@@ -152,7 +152,7 @@ class PairLayer(Engine):
                 placed = self._step_on_decode if on_decode else self._step_via_prefill
                 async with contextlib.aclosing(placed(request, started, choice)) as events:
                     async for event in events:
-                        self._ledger.first_token(key)  # the first event ends the prefill: D decodes it now
+                        self._ledger.token(key)  # the first event ends the prefill: D decodes it now
                         if isinstance(event, StepDone):
                             self._learn(event, pins, queued_s, evicted=evicted)
                             if on_decode and request.pin is not None and handle is not None:  # no P read frees it
@@ -194,8 +194,8 @@ class PairLayer(Engine):
             return PlacementChoice("decode", "asked")
         if request.pin is None or request.placement == "prefill":
             return PlacementChoice("prefill", "no pin to extend on D" if request.placement != "prefill" else "asked")
-        on_prefill, on_decode = self._requests_in_flight()
         if self.slo is None:
+            on_prefill, on_decode = self._requests_in_flight()
             return self.costs.choose(
                 prompt_tokens=len(request.prompt_token_ids),
                 held_tokens=request.pin.tokens,
@@ -203,17 +203,14 @@ class PairLayer(Engine):
                 decode_in_flight=on_decode + self._steps_on_decode,
                 prefill_in_flight=on_prefill,
             )
-        decode_load = self._ledger.load("decode")
-        # D's own count of requests can run ahead of the ledger (a step via P whose D request pulls before its
-        # first token): those beyond the ledger's prefills on D count as decodes
-        decodes = max(decode_load.decodes, on_decode - decode_load.prefills)
         return choose_within_slo(
             self.costs,
             self.slo,
             on_prefill=self._tokens_on("prefill", request),
             on_decode=self._tokens_on("decode", request),
             prefill_load=self._ledger.load("prefill"),
-            decode_load=EngineLoad(decode_load.prefills, decode_load.prefill_tokens, decode_load.busy_s, decodes),
+            decode_load=self._ledger.load("decode"),
+            at_stake=self._ledger.at_stake(self.slo),
         )
 
     def _tokens_on(self, engine: PrefillEngine, request: StepRequest) -> int:

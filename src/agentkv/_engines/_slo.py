@@ -3,20 +3,22 @@
 Alone on an idle pair, a step goes where its estimated time to first token is shorter
 (src/agentkv/_engines/_placement.py). Under load the estimates must count what else is in
 flight: a step on P waits behind P's queued prefills and pays the hop; a step on D alone waits
-behind D's queued prefills, and its own prefill stalls every decode running on D for as long
-as it and the prefills queued before it compute (a prefill and the decodes share D's forward
-passes). `choose_within_slo`
-compares both with what the pair knows in flight on each engine (`EngineLoad`, kept by
-src/agentkv/_engines/_step_ledger.py) and the costs the pair learned (`PlacementCosts`), and
-places the step where more turns stay inside the objective:
+behind D's queued prefills, and its own prefill stalls every other step in flight for as long
+as it and the prefills queued before it compute: those decoding on D share its forward passes,
+and those still prefilling (on D, or on P and handing over to D) decode on D next. Of those,
+only the steps that can still meet the objective are at stake: one whose first token or one of
+whose gaps already missed it is lost to goodput whatever comes next. `choose_within_slo`
+compares both with what the pair knows in flight on each engine (`EngineLoad` and the turns at
+stake, kept by src/agentkv/_engines/_step_ledger.py) and the costs the pair learned
+(`PlacementCosts`), and places the step where more turns stay inside the objective:
 
-* D when its TTFT fits the SLO, its prefill keeps the token gaps of D's decodes within the
-  ITL objective (or D decodes nothing), and it is no slower than P; a decode's gap while D
-  prefills is D's usual gap (`PlacementCosts.gap_s`, learned from the pair's answers) plus the
+* D when its TTFT fits the SLO, its prefill keeps the token gaps of the turns at stake within
+  the ITL objective (or none is at stake), and it is no slower than P; a gap while D prefills
+  is D's usual gap (`PlacementCosts.gap_s`, learned from the pair's answers) plus the
   prefill's compute;
 * else P when its TTFT fits;
 * else, neither fitting, the faster of the two, unless D's prefill would break the gaps of
-  decodes in flight on D (then P: one turn lost rather than several).
+  turns at stake (then P: one turn lost rather than several).
 
 With nothing in flight this is the plain comparison of the two estimates, whatever the SLO.
 """
@@ -63,10 +65,10 @@ DEFAULT_SLO = Slo(ttft_s=2.0, itl_s=0.2)
 On a GPU host these are an interactive agent's usual bounds (a turn starts answering within a couple of seconds,
 tokens stream at 5 or more a second) and leave room for a D prefill of a few thousand tokens beside D's decodes.
 On a CPU host (the 2-core test bed) a prefill costs milliseconds per token, so a prefill on D of more than about a
-hundred tokens would exceed 0.2 s: with decodes in flight on D the step goes to P, as it always did before the
-objective, while an idle pair still takes the faster placement (the SLO decides nothing without load). Under
-heavy load on such a host no placement meets 2 s: each step then takes the faster estimate unless that breaks
-D's decodes. Set the pair's own (``slo=``) for another machine or workload.
+hundred tokens would exceed 0.2 s: with other turns in flight that can still meet the objective the step goes to
+P, as it always did before the objective, while an idle pair still takes the faster placement (the SLO decides
+nothing without load). Under heavy load on such a host no placement meets 2 s: each step then takes the faster
+estimate unless that breaks the gaps of turns still inside the objective. Set the pair's own (``slo=``) for another machine or workload.
 """
 
 
@@ -97,12 +99,14 @@ def choose_within_slo(
     on_decode: int,
     prefill_load: EngineLoad,
     decode_load: EngineLoad,
+    at_stake: int,
 ) -> PlacementChoice:
     """P or D for a step that computes ``on_prefill`` tokens on P or ``on_decode`` tokens on D alone, given what
-    is in flight on each: the placement that keeps the most turns inside ``slo`` (see the module's docstring).
+    is in flight on each and ``at_stake``, how many other steps in flight a prefill on D would stall that can
+    still meet ``slo``: the placement that keeps the most turns inside it (see the module's docstring).
 
-    The reason gives both estimates (queue included), the stall a prefill on D imposes on D's decodes, and the
-    test that decided.
+    The reason gives both estimates (queue included), the stall a prefill on D imposes on the turns at stake, and
+    the test that decided.
     """
     queued: dict[PrefillEngine, float] = {
         "prefill": prefill_load.queued_s(costs.per_token_s["prefill"]),
@@ -110,11 +114,10 @@ def choose_within_slo(
     }
     via_prefill = queued["prefill"] + costs.estimate("prefill", on_prefill)
     via_decode = queued["decode"] + costs.estimate("decode", on_decode)
-    # D's decodes wait out the prefills queued on D as well as this one (vLLM may batch them into one pass), on top
-    # of the pass that computes their own next tokens
+    # the steps at stake wait out the prefills queued on D as well as this one (vLLM may batch them into one pass),
+    # on top of the pass that computes their own next tokens
     stall_s = queued["decode"] + on_decode * costs.per_token_s["decode"]
-    decodes = decode_load.decodes
-    breaks_gaps = decodes > 0 and costs.gap_s + stall_s > slo.itl_s
+    breaks_gaps = at_stake > 0 and costs.gap_s + stall_s > slo.itl_s
     decode_fits = via_decode <= slo.ttft_s and not breaks_gaps
     prefill_fits = via_prefill <= slo.ttft_s
     if decode_fits and via_decode <= via_prefill:
@@ -125,11 +128,15 @@ def choose_within_slo(
         verdict = "P fits" + (", D is slower" if decode_fits else _why_not_decode(via_decode, slo, breaks_gaps))
     elif breaks_gaps:
         engine = "prefill"
-        verdict = "neither fits; D would break the gaps of its decodes"
+        verdict = "neither fits; D would break the gaps of the turns at stake"
     else:
         engine = "decode" if via_decode <= via_prefill else "prefill"
         verdict = f"neither fits; {'D' if engine == 'decode' else 'P'} is faster"
-    gaps = f"stall {stall_s:.3f} s on {decodes} decodes on D (gap {costs.gap_s:.3f} s)" if decodes else "no decode on D"
+    gaps = (
+        f"stall {stall_s:.3f} s on {at_stake} turns at stake (gap {costs.gap_s:.3f} s)"
+        if at_stake
+        else "no turn at stake"
+    )
     reason = (
         f"SLO {slo}: D {via_decode:.3f} s ({on_decode} tokens, {queued['decode']:.3f} s queued), "
         f"P {via_prefill:.3f} s ({on_prefill} tokens, {queued['prefill']:.3f} s queued), {gaps}: {verdict}"
@@ -139,5 +146,5 @@ def choose_within_slo(
 
 def _why_not_decode(via_decode: float, slo: Slo, breaks_gaps: bool) -> str:
     if breaks_gaps:
-        return ", D would break the gaps of its decodes"
+        return ", D would break the gaps of the turns at stake"
     return ", D misses the TTFT" if via_decode > slo.ttft_s else ""
