@@ -149,11 +149,12 @@ def test_goodput_counts_turns_within_both_objectives() -> None:
     rows = {(row.mode, row.load): row for row in load_rows(_solo() + loaded, walls, slo, _FLOOR)}
     auto = rows[("auto", 4)]
     assert (auto.steps, auto.good_steps, auto.goodput) == (6, 3, pytest.approx(0.5))
+    assert auto.gap_lost_steps == 1  # session 3's turn: its TTFT met, one gap over
     assert auto.output_tokens_per_s == pytest.approx(7 * 2 / 4.0)  # every turn's tokens over the busy time
     assert auto.itl_p99_s is not None and auto.itl_p99_s >= 0.45 and auto.ttft_p50_s == pytest.approx(0.85)
     assert rows[("colocated", 1)].goodput == 1.0
     without = load_rows(loaded, walls, None, None)
-    assert [(row.good_steps, row.goodput) for row in without] == [(None, None)]
+    assert [(row.good_steps, row.goodput, row.gap_lost_steps) for row in without] == [(None, None, None)]
     # the objective needs the colocated engine's floor and a solo colocated session
     assert measure_slo(_solo(), None, ttft_factor=3, itl_factor=5)[1] == (
         "the SLO is measured on the colocated engine (its floor): add colocated to the modes"
@@ -193,19 +194,20 @@ def test_the_load_tables_the_slo_and_the_population_print(tmp_path: Path) -> Non
     assert [table.splitlines()[0] for table in tables] == ["colocated:", "auto:"]
     head, rule, *rows = tables[1].splitlines()[1:]
     assert head.split() == ["load", "steps", "ttft", "p50", "ttft", "p90", "itl", "p50", "itl", "p90"] + [
-        *("itl", "p99", "tok/s", "goodput")
+        *("itl", "p99", "tok/s", "goodput", "gap-lost")
     ]
-    assert [row.split()[:3] + row.split()[-1:] for row in rows] == [
-        ["1", "1", "0.500", "100%"],
-        ["4", "2", "0.600", "100%"],
+    assert [row.split()[:3] + row.split()[-2:] for row in rows] == [
+        ["1", "1", "0.500", "100%", "0"],
+        ["4", "2", "0.600", "100%", "0"],
     ]
-    assert tables[0].splitlines()[-1].split()[-1] == "0%"  # colocated at 4: 1.2 s against a 0.9 s target
+    assert tables[0].splitlines()[-1].split()[-2:] == ["0%", "0"]  # colocated at 4: 1.2 s against a 0.9 s target
     *slo, population = goodput_lines(report)
     assert slo == [
         "goodput: the share of a mode's turns 2+ within both objectives, measured in this run:",
         "  TTFT <= 3x the turn's floor (the floor's fit without the transfer, for the turn's new tokens over its "
         "history: 0.900-0.900 s over these turns)",
         "  worst token gap <= 5x the median gap of a solo colocated session (0.100 s over 4 gaps: 0.500 s)",
+        "gap-lost: of those turns, the ones whose TTFT met its objective and a token gap did not",
     ]
     assert population.startswith("population: staggered arrivals, exponential gaps of mean 0.50 s; drawn: mean ")
     assert "think time before each turn after the first: lognormal (sigma 1) of mean 2.00 s; drawn: mean" in population

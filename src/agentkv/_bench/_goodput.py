@@ -131,7 +131,10 @@ def load_rows(
                 continue
             ttfts = [r.ttft_s for r in later]
             gaps = [gap for r in later for gap in r.itl_s]
-            good = sum(meets(slo, floor, r) for r in later) if slo is not None and floor is not None else None
+            good = gap_lost = None
+            if slo is not None and floor is not None:
+                good = sum(meets(slo, floor, r) for r in later)
+                gap_lost = sum(r.ttft_s <= ttft_target_s(slo, floor, r) and not meets(slo, floor, r) for r in later)
             rows.append(
                 LoadRow(
                     mode=mode,
@@ -145,6 +148,7 @@ def load_rows(
                     output_tokens_per_s=sum(r.output_tokens for r in every) / walls[load][mode],
                     good_steps=good,
                     goodput=None if good is None else good / len(later),
+                    gap_lost_steps=gap_lost,
                 )
             )
     return rows

@@ -277,6 +277,9 @@ class LoadRow(BaseModel):
     """Of `steps`, how many met the SLO (`Slo`); None without one."""
     goodput: float | None
     """``good_steps / steps``."""
+    gap_lost_steps: int | None = None
+    """Of `steps`, how many met the TTFT objective and lost the turn on a token gap alone (what stalls cost, as
+    against what queues cost); None without an objective."""
 
 
 class BenchReport(BaseModel):

@@ -211,11 +211,23 @@ def plot(report: BenchReport, path: str | Path) -> Path:
     return Path(path)
 
 
-_LOAD_COLUMNS = ("load", "steps", "ttft p50", "ttft p90", "itl p50", "itl p90", "itl p99", "tok/s", "goodput")
+_LOAD_COLUMNS = (
+    "load",
+    "steps",
+    "ttft p50",
+    "ttft p90",
+    "itl p50",
+    "itl p90",
+    "itl p99",
+    "tok/s",
+    "goodput",
+    "gap-lost",
+)
 
 
 def load_tables(rows: Sequence[LoadRow]) -> str:
-    """One table per mode, a row per load, over turns 2+: TTFT and ITL percentiles, tokens/s, goodput."""
+    """One table per mode, a row per load, over turns 2+: TTFT and ITL percentiles, tokens/s, goodput, and the turns
+    lost on a token gap alone (their TTFT met)."""
     tables = []
     for mode in dict.fromkeys(row.mode for row in rows):
         cells = (
@@ -229,6 +241,7 @@ def load_tables(rows: Sequence[LoadRow]) -> str:
                 _seconds(row.itl_p99_s),
                 f"{row.output_tokens_per_s:.1f}",
                 "-" if row.goodput is None else f"{row.goodput:.0%}",
+                "-" if row.gap_lost_steps is None else str(row.gap_lost_steps),
             )
             for row in rows
             if row.mode == mode
@@ -268,12 +281,15 @@ def _population_line(population: Population) -> str:
 
 
 def goodput_lines(report: BenchReport) -> list[str]:
-    """The lines under the tables on goodput: the SLO (with one load, each mode's goodput under it; none where the
-    run did not measure one), or with several loads why there is none; and the population, when staggered."""
+    """The lines under the tables on goodput: the SLO (with one load, each mode's goodput under it; with several,
+    what the tables' ``gap-lost`` counts; none where the run did not measure one), or with several loads why there
+    is none; and the population, when staggered."""
     lines = []
     if report.slo is not None:
         lines.extend(_slo_lines(report.slo))
-        if len(report.loads) <= 1:
+        if len(report.loads) > 1:
+            lines.append("gap-lost: of those turns, the ones whose TTFT met its objective and a token gap did not")
+        else:
             lines.append(
                 "  "
                 + ", ".join(

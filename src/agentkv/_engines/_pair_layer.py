@@ -152,7 +152,7 @@ class PairLayer(Engine):
                 placed = self._step_on_decode if on_decode else self._step_via_prefill
                 async with contextlib.aclosing(placed(request, started, choice)) as events:
                     async for event in events:
-                        self._ledger.token(key)  # the first event ends the prefill: D decodes it now
+                        self._ledger.token(key)  # the first ends the prefill (D decodes it now); each times a gap
                         if isinstance(event, StepDone):
                             self._learn(event, pins, queued_s, evicted=evicted)
                             if on_decode and request.pin is not None and handle is not None:  # no P read frees it
