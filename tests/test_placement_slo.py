@@ -51,7 +51,7 @@ def _choose(
         on_decode=on_decode,
         prefill_load=p or EngineLoad(),
         decode_load=d,
-        at_stake=d.decodes if at_stake is None else at_stake,
+        at_stake=lambda _: d.decodes if at_stake is None else at_stake,
     )
 
 
@@ -220,27 +220,43 @@ def test_the_ledger_follows_each_step_from_its_prefill_to_its_decode() -> None:
     assert ledger.load("decode", now=13.0).decodes == 1 and len(ledger) == 2
 
 
-def test_the_ledger_counts_the_steps_in_flight_that_can_still_meet_the_objective() -> None:
+def test_the_ledger_counts_the_decodes_in_flight_that_can_still_meet_the_objective() -> None:
     slo = Slo(ttft_s=2.0, itl_s=0.5)
     ledger = StepLedger()
-    waiting = ledger.started("prefill", 100, now=0.0)  # no token yet: at stake while its wait is within 2 s
+
+    def stake(now: float) -> int:
+        return ledger.at_stake(slo, _costs(), within_s=10.0, now=now)
+
     late = ledger.started("decode", 100, now=0.0)
     ledger.token(late, now=2.5)  # first token after 2.5 s: lost
     steady = ledger.started("prefill", 100, now=1.0)
     ledger.token(steady, now=1.5)
     ledger.token(steady, now=1.9)
-    assert ledger.at_stake(slo, now=1.95) == 2  # waiting and steady
-    assert ledger.at_stake(slo, now=2.1) == 1  # waiting has waited past 2 s
+    assert stake(1.95) == 1  # steady
     stalled = ledger.started("decode", 10, now=2.0)
     ledger.token(stalled, now=2.2)
     ledger.token(stalled, now=2.3)
-    assert ledger.at_stake(slo, now=2.35) == 2  # steady's open gap: 0.45 s
-    assert ledger.at_stake(slo, now=2.45) == 1  # steady's open gap is past 0.5 s now
+    assert stake(2.35) == 2  # steady's open gap: 0.45 s
+    assert stake(2.45) == 1  # steady's open gap is past 0.5 s now
     ledger.token(stalled, now=3.0)  # a gap of 0.7 s: lost even once its tokens flow again
     ledger.token(stalled, now=3.1)
-    assert ledger.at_stake(slo, now=3.15) == 0
-    ledger.ended(waiting)
-    assert len(ledger) == 3
+    assert stake(3.15) == 0 and len(ledger) == 3
+
+
+def test_a_prefill_in_flight_is_at_stake_when_its_first_token_is_due_in_the_window_and_in_time() -> None:
+    slo = Slo(ttft_s=2.0, itl_s=0.5)
+    ledger = StepLedger()
+    ledger.started("prefill", 300, now=0.0)  # due at 0.4 s (300 tokens at 1 ms, P's 0.1 s): within 2 s
+    ledger.started("prefill", 1500, now=0.0)  # behind it: due at 1.9 s
+    ledger.started("prefill", 500, now=0.0)  # due at 2.4 s: misses its 2 s whatever D does
+    ledger.started("decode", 200, now=0.0)  # due at 0.22 s on D (D's 0.02 s)
+
+    def stake(within_s: float) -> int:
+        return ledger.at_stake(slo, _costs(), within_s=within_s, now=0.0)
+
+    assert [stake(s) for s in (0.1, 0.3, 1.0, 2.0, 9.0)] == [0, 1, 2, 3, 3]
+    assert ledger.at_stake(slo, _costs(), within_s=9.0, now=1.0) == 3  # a second later: 1 s computed of the queue
+    assert ledger.at_stake(slo, _costs(), within_s=9.0, now=2.1) == 0  # every one has waited past 2 s
 
 
 # ----------------------------------------------------------------- the pair layer

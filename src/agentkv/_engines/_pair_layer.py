@@ -203,14 +203,15 @@ class PairLayer(Engine):
                 decode_in_flight=on_decode + self._steps_on_decode,
                 prefill_in_flight=on_prefill,
             )
+        slo, costs = self.slo, self.costs
         return choose_within_slo(
-            self.costs,
-            self.slo,
+            costs,
+            slo,
             on_prefill=self._tokens_on("prefill", request),
             on_decode=self._tokens_on("decode", request),
             prefill_load=self._ledger.load("prefill"),
             decode_load=self._ledger.load("decode"),
-            at_stake=self._ledger.at_stake(self.slo),
+            at_stake=lambda within_s: self._ledger.at_stake(slo, costs, within_s=within_s),
         )
 
     def _tokens_on(self, engine: PrefillEngine, request: StepRequest) -> int:

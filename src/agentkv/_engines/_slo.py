@@ -5,9 +5,11 @@ Alone on an idle pair, a step goes where its estimated time to first token is sh
 flight: a step on P waits behind P's queued prefills and pays the hop; a step on D alone waits
 behind D's queued prefills, and its own prefill stalls every other step in flight for as long
 as it and the prefills queued before it compute: those decoding on D share its forward passes,
-and those still prefilling (on D, or on P and handing over to D) decode on D next. Of those,
-only the steps that can still meet the objective are at stake: one whose first token or one of
-whose gaps already missed it is lost to goodput whatever comes next. `choose_within_slo`
+and those whose first token comes meanwhile (prefilling on D ahead of it, or on P and handing
+over to D) decode on D next. Of those, only the steps that can still meet the objective are at
+stake: one whose first token or one of whose gaps already missed it, or whose first token is
+due past its TTFT objective (the queue ahead of it on its engine), is lost to goodput whatever
+D does. `choose_within_slo`
 compares both with what the pair knows in flight on each engine (`EngineLoad` and the turns at
 stake, kept by src/agentkv/_engines/_step_ledger.py) and the costs the pair learned
 (`PlacementCosts`), and places the step where more turns stay inside the objective:
@@ -26,6 +28,7 @@ With nothing in flight this is the plain comparison of the two estimates, whatev
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._errors import UserError
@@ -99,11 +102,12 @@ def choose_within_slo(
     on_decode: int,
     prefill_load: EngineLoad,
     decode_load: EngineLoad,
-    at_stake: int,
+    at_stake: Callable[[float], int],
 ) -> PlacementChoice:
     """P or D for a step that computes ``on_prefill`` tokens on P or ``on_decode`` tokens on D alone, given what
-    is in flight on each and ``at_stake``, how many other steps in flight a prefill on D would stall that can
-    still meet ``slo``: the placement that keeps the most turns inside it (see the module's docstring).
+    is in flight on each and ``at_stake(s)``, how many other steps in flight a prefill on D computing for the next
+    ``s`` seconds would stall that can still meet ``slo``: the placement that keeps the most turns inside it (see
+    the module's docstring).
 
     The reason gives both estimates (queue included), the stall a prefill on D imposes on the turns at stake, and
     the test that decided.
@@ -117,7 +121,8 @@ def choose_within_slo(
     # the steps at stake wait out the prefills queued on D as well as this one (vLLM may batch them into one pass),
     # on top of the pass that computes their own next tokens
     stall_s = queued["decode"] + on_decode * costs.per_token_s["decode"]
-    breaks_gaps = at_stake > 0 and costs.gap_s + stall_s > slo.itl_s
+    stake = at_stake(via_decode)
+    breaks_gaps = stake > 0 and costs.gap_s + stall_s > slo.itl_s
     decode_fits = via_decode <= slo.ttft_s and not breaks_gaps
     prefill_fits = via_prefill <= slo.ttft_s
     if decode_fits and via_decode <= via_prefill:
@@ -133,8 +138,8 @@ def choose_within_slo(
         engine = "decode" if via_decode <= via_prefill else "prefill"
         verdict = f"neither fits; {'D' if engine == 'decode' else 'P'} is faster"
     gaps = (
-        f"stall {stall_s:.3f} s on {at_stake} turns at stake (gap {costs.gap_s:.3f} s)"
-        if at_stake
+        f"stall {stall_s:.3f} s on {stake} turns at stake (gap {costs.gap_s:.3f} s)"
+        if stake
         else "no turn at stake"
     )
     reason = (

@@ -7,9 +7,10 @@ which tells the ledger where it placed the step and how many prompt tokens it co
 decodes on D) and when it ended (`ended`). A step placed on P counts as P's prefill until its
 first token, transfers included; every step decodes on D after it.
 
-The token times tell which steps can still meet an objective (`at_stake`): a prefill on D
-stalls every other step in flight, but a step whose first token or one of whose gaps already
-missed the objective is lost to goodput whatever comes next.
+The token times tell which steps a prefill on D would cost a turn (`at_stake`): such a prefill
+stalls the steps decoding on D and those whose first token comes while it computes (those
+prefilling on D ahead of it, those on P that hand over to D meanwhile), but a step whose first
+token or one of whose gaps misses the objective anyway is lost to goodput whatever D does.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._placement import PrefillEngine
+from ._placement import PlacementCosts, PrefillEngine
 from ._slo import EngineLoad, Slo
 
 __all__ = ["StepLedger"]
@@ -89,11 +90,28 @@ class StepLedger:
             decodes=decodes,
         )
 
-    def at_stake(self, slo: Slo, *, now: float | None = None) -> int:
-        """The steps in flight that can still meet ``slo``, on either engine: those a prefill on D would stall
-        (those decoding on D, and those still prefilling, which decode on D next) and whose turns it would lose."""
+    def at_stake(self, slo: Slo, costs: PlacementCosts, *, within_s: float, now: float | None = None) -> int:
+        """How many steps in flight a prefill on D that computes for the next ``within_s`` seconds would stall and
+        that can still meet ``slo``: those decoding on D whose tokens met it so far, and those still prefilling whose
+        first token is due within ``within_s`` and within their TTFT objective. A prefill's first token is due once
+        the prompt tokens of its engine's older prefills and its own are computed (at ``costs``, less what the
+        engine computed since the oldest started, as `EngineLoad.queued_s`), plus its engine's fixed cost."""
         now = self._clock() if now is None else now
-        return sum(step.within(slo, now) for step in self._steps.values())
+        stake = sum(step.within(slo, now) for step in self._steps.values() if step.decoding)
+        engine: PrefillEngine
+        for engine in ("prefill", "decode"):
+            queue = sorted(
+                (step for step in self._steps.values() if step.engine == engine and not step.decoding),
+                key=lambda step: step.started,
+            )
+            if not queue:
+                continue
+            busy_s, tokens = now - queue[0].started, 0
+            for step in queue:
+                tokens += step.tokens
+                due = now + max(0.0, tokens * costs.per_token_s[engine] - busy_s) + costs.fixed_s[engine]
+                stake += due <= now + within_s and due - step.started <= slo.ttft_s
+        return stake
 
     def __len__(self) -> int:
         return len(self._steps)
