@@ -137,11 +137,7 @@ def choose_within_slo(
     else:
         engine = "decode" if via_decode <= via_prefill else "prefill"
         verdict = f"neither fits; {'D' if engine == 'decode' else 'P'} is faster"
-    gaps = (
-        f"stall {stall_s:.3f} s on {stake} turns at stake (gap {costs.gap_s:.3f} s)"
-        if stake
-        else "no turn at stake"
-    )
+    gaps = f"stall {stall_s:.3f} s on {stake} turns at stake (gap {costs.gap_s:.3f} s)" if stake else "no turn at stake"
     reason = (
         f"SLO {slo}: D {via_decode:.3f} s ({on_decode} tokens, {queued['decode']:.3f} s queued), "
         f"P {via_prefill:.3f} s ({on_prefill} tokens, {queued['prefill']:.3f} s queued), {gaps}: {verdict}"
