@@ -9,10 +9,10 @@ and those whose first token comes meanwhile (prefilling on D ahead of it, or on 
 over to D) decode on D next. Of those, only the steps that can still meet the objective are at
 stake: one whose first token or one of whose gaps already missed it, or whose first token is
 due past its TTFT objective (the queue ahead of it on its engine), is lost to goodput whatever
-D does. `choose_within_slo`
-compares both with what the pair knows in flight on each engine (`EngineLoad` and the turns at
-stake, kept by src/agentkv/_engines/_step_ledger.py) and the costs the pair learned
-(`PlacementCosts`), and places the step where more turns stay inside the objective:
+D does. `choose_within_slo` compares both with what the pair knows in flight on each engine
+(`EngineLoad` and the turns at stake, kept by src/agentkv/_engines/_step_ledger.py) and the
+costs the pair learned (`PlacementCosts`), and places the step where more turns stay inside the
+objective:
 
 * D when its TTFT fits the SLO, its prefill keeps the token gaps of the turns at stake within
   the ITL objective (or none is at stake), and it is no slower than P; a gap while D prefills
@@ -71,7 +71,8 @@ On a CPU host (the 2-core test bed) a prefill costs milliseconds per token, so a
 hundred tokens would exceed 0.2 s: with other turns in flight that can still meet the objective the step goes to
 P, as it always did before the objective, while an idle pair still takes the faster placement (the SLO decides
 nothing without load). Under heavy load on such a host no placement meets 2 s: each step then takes the faster
-estimate unless that breaks the gaps of turns still inside the objective. Set the pair's own (``slo=``) for another machine or workload.
+estimate unless that breaks the gaps of turns still inside the objective. Set the pair's own (``slo=``) for
+another machine or workload.
 """
 
 

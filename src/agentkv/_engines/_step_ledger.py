@@ -39,12 +39,11 @@ class _Step:
     def decoding(self) -> bool:
         return self.last_token is not None
 
-    def within(self, slo: Slo, now: float) -> bool:
-        """Whether the step can still meet ``slo``: its first token (or the wait for it) and every gap so far
-        (the one open now included) within the objective."""
-        if self.last_token is None:
-            return now - self.started <= slo.ttft_s
-        assert self.ttft_s is not None
+    def met_so_far(self, slo: Slo, now: float) -> bool:
+        """Whether a decoding step still meets ``slo``: its first token and every gap so far (the one open now
+        included) within the objective."""
+        if self.last_token is None or self.ttft_s is None:
+            return False
         return self.ttft_s <= slo.ttft_s and max(self.worst_gap_s, now - self.last_token) <= slo.itl_s
 
 
@@ -97,7 +96,7 @@ class StepLedger:
         the prompt tokens of its engine's older prefills and its own are computed (at ``costs``, less what the
         engine computed since the oldest started, as `EngineLoad.queued_s`), plus its engine's fixed cost."""
         now = self._clock() if now is None else now
-        stake = sum(step.within(slo, now) for step in self._steps.values() if step.decoding)
+        stake = sum(step.met_so_far(slo, now) for step in self._steps.values() if step.decoding)
         engine: PrefillEngine
         for engine in ("prefill", "decode"):
             queue = sorted(
