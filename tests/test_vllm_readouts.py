@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from prometheus_client import REGISTRY
 
-from agentkv._engines._vllm_readouts import TransferStats, no_prometheus_logger, transfer_stat_logger
+from agentkv._engines._vllm_readouts import Readouts, TransferStats, no_prometheus_logger, transfer_stat_logger
 
 
 def test_an_in_process_engine_registers_no_vllm_metric_and_still_hands_over_nixl_stats() -> None:
@@ -29,3 +29,35 @@ def test_an_in_process_engine_registers_no_vllm_metric_and_still_hands_over_nixl
     manager.log_engine_initialized()
     assert dict(REGISTRY._names_to_collectors) == before
     assert [moved.bytes for moved in seen] == [4096]
+
+
+def test_the_scheduler_report_says_what_a_stalled_engine_was_doing() -> None:
+    """Each step's ``SchedulerStats`` reach ``on_scheduler`` (vLLM's own class, through its logger manager), and
+    `Readouts.describe` words the last one as a stall's error gives it."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    readouts = Readouts()
+    assert readouts.describe() == "no scheduler report yet"
+    manager = StatLoggerManager(
+        vllm_config=SimpleNamespace(),
+        custom_stat_loggers=[transfer_stat_logger(readouts.attribute, readouts.observe), no_prometheus_logger()],
+        enable_default_loggers=False,
+    )
+    stats = SchedulerStats(
+        num_running_reqs=2,
+        num_waiting_reqs=3,
+        num_skipped_waiting_reqs=1,
+        num_kv_fetch_reqs_by_stage={"waiting_for_remote_kvs": 1, "done": 0},
+        kv_cache_usage=0.984,
+    )
+    manager.record(stats, None)
+    assert readouts.scheduler is not None
+    assert readouts.scheduler.fetching == {"waiting_for_remote_kvs": 1}
+    said = readouts.scheduler.describe(now=readouts.scheduler.at + 2.0)
+    assert said == (
+        "2 running, 3 waiting (1 deferred), fetching KV: 1 waiting_for_remote_kvs, KV cache 98% used, "
+        "reported 2.0 s ago"
+    )
+    manager.record(None, None)  # a step without a report changes nothing
+    assert readouts.scheduler.running == 2

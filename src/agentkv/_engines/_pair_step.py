@@ -252,7 +252,13 @@ class PairSteps(PairLayer):
         waits_for_push: bool = False,
     ) -> DecodeStream:
         asked = EngineRequest(prompt, params, f"{request.request_id}-{suffix}", request.cache_salt)
-        return DecodeStream(d, asked, idle_timeout_s=self.config.step_timeout_s, busy_from_first_output=waits_for_push)
+        return DecodeStream(
+            d,
+            asked,
+            idle_timeout_s=self.config.step_timeout_s,
+            busy_from_first_output=waits_for_push,
+            peers=[engine for engine in (self._p,) if engine is not None],
+        )
 
     async def _prefill(
         self, p: AsyncLLMRunner, request: StepRequest, handle: KVHandle | None, *, request_id: str | None = None

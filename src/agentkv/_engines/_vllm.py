@@ -346,7 +346,11 @@ class AsyncLLMRunner:
     # ----------------------------------------------------------------- read-outs
 
     def _stat_logger_factory(self) -> Callable[..., Any]:
-        return transfer_stat_logger(self._readouts.attribute)
+        return transfer_stat_logger(self._readouts.attribute, self._readouts.observe)
+
+    def describe_state(self) -> str:
+        """The scheduler's last report in words (running, waiting, KV loading, cache use), for errors."""
+        return f"{self.name}: {self._readouts.describe()}"
 
 
 class DecodeStream:
@@ -362,8 +366,11 @@ class DecodeStream:
         *,
         idle_timeout_s: float,
         busy_from_first_output: bool = False,
+        peers: Sequence[AsyncLLMRunner] = (),
     ) -> None:
         self._engine = engine
+        self._peers = peers
+        """Engines whose state a stall's error also reports (the pair's P)."""
         self._busy_from_first_output = busy_from_first_output
         self._request = request
         self._idle_timeout_s = idle_timeout_s
@@ -402,7 +409,10 @@ class DecodeStream:
                 if completion.token_ids or completion.text:
                     yield TokenDelta(token_ids=list(completion.token_ids), text=completion.text, logprobs=logprobs)
         except TimeoutError as exc:
-            raise EngineError(f"the {self._engine.name} engine made no progress for {self._idle_timeout_s} s") from exc
+            states = "; ".join(engine.describe_state() for engine in (self._engine, *self._peers))
+            raise EngineError(
+                f"the {self._engine.name} engine made no progress for {self._idle_timeout_s} s ({states})"
+            ) from exc
         finally:
             await outputs.aclose()  # a request left early is aborted, and its read-outs dropped
         stats, ledger = self._engine.finish(self._request.request_id)

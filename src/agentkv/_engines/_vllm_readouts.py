@@ -2,7 +2,8 @@
 
 NIXL's statistics come per engine step from a stat logger (`transfer_stat_logger`), summed
 over the step's transfers; `Readouts` gives them to the requests in flight (a request's
-`TransferLedger` holds them when it was alone). `PrefillStatsKeeper` holds each request's
+`TransferLedger` holds them when it was alone), and the same logger keeps the scheduler's last
+report (`SchedulerSnapshot`: what a stalled engine was doing). `PrefillStatsKeeper` holds each request's
 prefix-cache split until the request's reader takes it. `engine_seconds` reads a finished request's
 times. The in-process engines (`AsyncLLMRunner` in ``src/agentkv/_engines/_vllm.py``) and
 agentkv's server (``src/agentkv/_engines/_server.py``) read them alike.
@@ -11,6 +12,7 @@ agentkv's server (``src/agentkv/_engines/_server.py``) read them alike.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PrefillStatsKeeper",
     "Readouts",
+    "SchedulerSnapshot",
     "TransferLedger",
     "TransferStats",
     "engine_seconds",
@@ -66,6 +69,17 @@ class Readouts:
 
     prefill_stats: PrefillStatsKeeper = field(default_factory=PrefillStatsKeeper)
     in_flight: dict[str, TransferLedger] = field(default_factory=dict[str, TransferLedger])
+    scheduler: SchedulerSnapshot | None = None
+    """The scheduler's last report (None before the first step)."""
+
+    def observe(self, snapshot: SchedulerSnapshot) -> None:
+        self.scheduler = snapshot
+
+    def describe(self) -> str:
+        """The scheduler's last report in words, for an error about a stalled engine."""
+        if self.scheduler is None:
+            return "no scheduler report yet"
+        return self.scheduler.describe(now=time.perf_counter())
 
     def attribute(self, moved: TransferStats) -> None:
         """An engine step's transfers: to the request in flight when it is alone, else marked shared."""
@@ -97,8 +111,45 @@ class TransferStats:
         )
 
 
-def transfer_stat_logger(on_stats: Callable[[TransferStats], None]) -> Callable[..., Any]:
-    """A vLLM stat logger class that hands each step's NIXL statistics to ``on_stats``."""
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """What an engine's scheduler reported after one step (vLLM ``SchedulerStats``), and when."""
+
+    running: int
+    waiting: int
+    deferred: int
+    """Waiting requests the scheduler skipped (blocked, e.g. on KV still arriving)."""
+    fetching: dict[str, int]
+    """Requests loading KV from another engine, by stage."""
+    kv_cache_usage: float
+    at: float
+    """``time.perf_counter()`` when the report arrived."""
+
+    @classmethod
+    def parse(cls, stats: Any, *, at: float) -> SchedulerSnapshot:
+        return cls(
+            running=int(stats.num_running_reqs),
+            waiting=int(stats.num_waiting_reqs),
+            deferred=int(getattr(stats, "num_skipped_waiting_reqs", 0)),
+            fetching={k: int(v) for k, v in (getattr(stats, "num_kv_fetch_reqs_by_stage", None) or {}).items() if v},
+            kv_cache_usage=float(stats.kv_cache_usage),
+            at=at,
+        )
+
+    def describe(self, *, now: float) -> str:
+        fetching = ", ".join(f"{n} {stage}" for stage, n in sorted(self.fetching.items()))
+        return (
+            f"{self.running} running, {self.waiting} waiting ({self.deferred} deferred)"
+            + (f", fetching KV: {fetching}" if fetching else "")
+            + f", KV cache {self.kv_cache_usage:.0%} used, reported {max(0.0, now - self.at):.1f} s ago"
+        )
+
+
+def transfer_stat_logger(
+    on_stats: Callable[[TransferStats], None], on_scheduler: Callable[[SchedulerSnapshot], None] | None = None
+) -> Callable[..., Any]:
+    """A vLLM stat logger class that hands each step's NIXL statistics to ``on_stats``, and the scheduler's report
+    to ``on_scheduler``."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class TransferStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is not type-checked here
@@ -114,7 +165,11 @@ def transfer_stat_logger(on_stats: Callable[[TransferStats], None]) -> Callable[
             *args: Any,
             **kwargs: Any,
         ) -> None:
-            data = getattr(scheduler_stats, "kv_connector_stats", None) if scheduler_stats else None
+            if scheduler_stats is None:
+                return
+            if on_scheduler is not None:
+                on_scheduler(SchedulerSnapshot.parse(scheduler_stats, at=time.perf_counter()))
+            data = getattr(scheduler_stats, "kv_connector_stats", None)
             if data:
                 on_stats(TransferStats.parse(data))
 
