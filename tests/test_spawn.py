@@ -1,16 +1,18 @@
 """An engine's turn to start its process with its environment (src/agentkv/_engines/_spawn.py), on plain child
-processes: the turn ends when the child exists, the child keeps the engine's environment, the next turn starts
+processes: the turn ends when the child (a multiprocessing process, as vLLM's engine core is) exists, the child keeps the engine's environment, the next turn starts
 while the first engine still waits, vLLM's and NIXL's logs are kept to warnings unless the caller asked, and
 what the engine processes print goes to the engine log, not to the caller's terminal."""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -18,12 +20,41 @@ import pytest
 from agentkv._engines._spawn import OUTPUT_VARIABLE, QUIET, engine_output, quiet_env, spawn_turn
 
 VARIABLE = "AGENTKV_TEST_SPAWN_TURN"
-PRINTS_IT = f"import os, sys; sys.stdin.read(); print(os.environ.get({VARIABLE!r}))"
-"""A child that waits for its stdin to close, then prints what it inherited."""
+_SPAWN = multiprocessing.get_context("spawn")  # as vLLM starts its engine core on this machine
 
 
-def _child() -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", PRINTS_IT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def _report(go: Connection) -> None:
+    """A stand-in engine core: waits for the word, then sends what it inherited."""
+    go.recv()
+    go.send(os.environ.get(VARIABLE))
+
+
+def _speak(go: Connection) -> None:
+    """A stand-in engine core that waits for the word (its turn is over by then), then prints on both outputs."""
+    go.recv()
+    print("engine out", flush=True)
+    print("engine err", file=sys.stderr, flush=True)
+    go.send(None)
+
+
+class _Child:
+    """A multiprocessing child that runs ``target`` with one end of a pipe."""
+
+    def __init__(self, target: Callable[[Connection], None]) -> None:
+        self._here, there = _SPAWN.Pipe()
+        self.process = _SPAWN.Process(target=target, args=(there,))
+        self.process.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def finish(self) -> object:
+        """Say the word; what the child sent back."""
+        self._here.send(None)
+        answer = self._here.recv()
+        self.process.join(30)
+        return answer
 
 
 def _wait_for(condition: object, within_s: float = 10.0) -> None:
@@ -33,23 +64,10 @@ def _wait_for(condition: object, within_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def _inherited(child: subprocess.Popen[str]) -> str:
-    out, _ = child.communicate("", timeout=30)
-    return out.strip()
-
-
-SPEAKS = "import sys; sys.stdin.read(); print('engine out'); print('engine err', file=sys.stderr)"
-"""A child that waits for its stdin to close (its turn is over by then), then prints on both of its outputs."""
-
-
 @pytest.fixture(autouse=True)
 def _no_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(VARIABLE, raising=False)
     monkeypatch.setenv(OUTPUT_VARIABLE, str(tmp_path / "engines.log"))
-
-
-def _speaking_child() -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", SPEAKS], stdin=subprocess.PIPE, text=True)
 
 
 def test_what_an_engine_prints_goes_to_the_engine_log_not_to_the_callers_outputs(
@@ -57,10 +75,10 @@ def test_what_an_engine_prints_goes_to_the_engine_log_not_to_the_callers_outputs
 ) -> None:
     print("caller before", flush=True)
     with spawn_turn({}) as turn:
-        child = _speaking_child()
+        child = _Child(_speak)
         _wait_for(lambda: turn.cores)
         print("caller after", flush=True)  # the turn is over: this process's output is its own again
-        child.communicate("", timeout=30)
+        child.finish()
     assert turn.log_path == tmp_path / "engines.log"
     logged = turn.log_path.read_text()
     assert "engine out" in logged and "engine err" in logged
@@ -73,7 +91,7 @@ def test_a_dash_leaves_the_engines_output_inherited(
 ) -> None:
     monkeypatch.setenv(OUTPUT_VARIABLE, "-")
     with spawn_turn({}) as turn:
-        _speaking_child().communicate("", timeout=30)
+        _Child(_speak).finish()
     seen = capfd.readouterr()
     assert turn.log_path is None and (seen.out, seen.err) == ("engine out\n", "engine err\n")
 
@@ -87,16 +105,31 @@ def test_the_engine_log_is_under_agentkv_home_by_default(monkeypatch: pytest.Mon
 @pytest.mark.timeout(60)  # a turn held to the block's end would never let the second one start
 def test_the_turn_ends_when_the_child_exists_and_the_next_starts_while_the_first_waits() -> None:
     with spawn_turn({VARIABLE: "first"}) as first:
-        child = _child()
+        child = _Child(_report)
         _wait_for(lambda: first.cores)  # handed on while this block (an engine waiting for its core) goes on
         assert first.cores == first.processes() == {child.pid}
         assert VARIABLE not in os.environ  # the process's own environment is back
         with spawn_turn({VARIABLE: "second"}) as second:  # another engine's turn, not waiting for this block
-            other = _child()
+            other = _Child(_report)
             _wait_for(lambda: second.cores)
         assert second.cores == {other.pid}
-        assert (_inherited(child), _inherited(other)) == ("first", "second")
+        assert (child.finish(), other.finish()) == ("first", "second")
     assert VARIABLE not in os.environ
+
+
+@pytest.mark.timeout(60)
+def test_a_command_the_build_runs_before_its_core_does_not_end_the_turn() -> None:
+    """vLLM's build runs ``lscpu`` through a shell before it starts its engine core: the turn is the core's, so the
+    core still gets the engine's environment (a watcher that took any new child handed on at the command)."""
+    with spawn_turn({VARIABLE: "engine"}) as turn:
+        command = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])  # seen by the watcher
+        time.sleep(0.3)
+        assert not turn.cores and os.environ[VARIABLE] == "engine"
+        command.wait(30)
+        core = _Child(_report)
+        _wait_for(lambda: turn.cores)
+    assert turn.cores == {core.pid} and command.pid not in turn.processes()
+    assert core.finish() == "engine"
 
 
 def test_a_build_that_makes_no_process_ends_its_turn_at_its_end(monkeypatch: pytest.MonkeyPatch) -> None:

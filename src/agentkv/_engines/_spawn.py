@@ -9,6 +9,14 @@ process importing vLLM, then its worker doing the same, loading the model and si
 after its core exists. `spawn_turn` holds the turn, with the environment set, only until the core exists
 (a watcher thread sees the new child process), so a pair's P and D start side by side.
 
+The core is told from other children by being a `multiprocessing` process (vLLM starts it with
+``multiprocessing``, forked or spawned): vLLM's build also runs short commands in this process (``lscpu``
+through a shell, ``numactl`` probes), and on a machine with cold caches the watcher saw one, handed the turn on
+with the environment restored, and the engine core was started without its own: both engines of a pair bound
+vLLM's default NIXL port, and the second failed its handshake listener (seen on a fresh machine, first run).
+A multiprocessing child is registered only once it exists with its environment fixed (forked, or spawned and
+exec'd), so the hand-on waits for it.
+
 The same window keeps the engines' own output (vLLM's and NIXL's warnings, Triton and torch notices, NUMA
 binding lines) out of the caller's terminal: while the turn is held, this process's fds 1 and 2 point at the
 engine log (`engine_output`, ``$AGENTKV_HOME/logs/engines-<pid>.log``), so the engine core, and the workers it
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -30,7 +39,7 @@ from pathlib import Path
 from typing import IO
 
 from .._model import home_dir
-from ._system import descendants, is_helper, parent_of
+from ._system import descendants, parent_of
 
 __all__ = ["OUTPUT_VARIABLE", "QUIET", "SpawnTurn", "engine_output", "quiet_env", "spawn_turn", "stop_signals_blocked"]
 
@@ -85,8 +94,11 @@ class SpawnTurn:
 
 
 def _new_children(before: set[int]) -> set[int]:
+    """The multiprocessing children of this process made since ``before`` (not a build's passing commands, nor
+    multiprocessing's helpers, which are not `multiprocessing.Process` objects)."""
     me = os.getpid()
-    return {pid for pid in descendants(me) - before if parent_of(pid) == me and not is_helper(pid)}
+    started = {child.pid for child in multiprocessing.active_children() if child.pid is not None}
+    return {pid for pid in started - before if parent_of(pid) == me}
 
 
 @contextlib.contextmanager
@@ -94,9 +106,6 @@ def spawn_turn(env: dict[str, str]) -> Iterator[SpawnTurn]:
     """Wait for this process's turn, set ``env``, and hand the turn on as soon as a new child process
     (the engine core the caller's build makes) exists, or when the block ends, whichever comes first."""
     turn = SpawnTurn()
-    # Python's resource tracker is the first process multiprocessing makes: made during the turn, it could be taken
-    # for the engine core in the instant between its fork and its exec (when it still has this process's command).
-    resource_tracker.ensure_running()
     _TURN.acquire()
     try:
         turn.log_path = engine_output()
