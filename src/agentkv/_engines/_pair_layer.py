@@ -21,6 +21,7 @@ primitives: `_capacity` (D's blocks), `_requests_in_flight`, `_step_via_prefill`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -73,6 +74,8 @@ class PairLayer(Engine):
         self._steps_on_decode = 0
         """Steps placed on D alone and not finished: counted from the choice, so that ``auto`` never places a
         second one beside the first (a prefill on D stalls every decode in its batch)."""
+        self._releases: collections.Counter[str] = collections.Counter()
+        """What became of the pins this pair let go (`_release`), by outcome: a stall's error reports it."""
         self._release_guard: ReleaseGuard | None = None
         """Asked before a pin is released (`guard_releases`): None, release every pin."""
         self._placement_off: str | None = "the pair is not open"
@@ -247,13 +250,23 @@ class PairLayer(Engine):
         if not self.is_open or self.is_dead or not self.info.pins:
             return
         if time.perf_counter() + RELEASE_MARGIN_S >= deadline:
+            self._releases["left to expire"] += 1
             return
         try:
             if self._release_guard is not None and not await self._release_guard(handle.remote_request_id):
+                self._releases["kept for another process"] += 1
                 return
             await self._send_release(handle)
+            self._releases["released"] += 1
         except Exception as exc:  # best effort: a pin that is not released expires on D
+            self._releases["failed"] += 1
             logger.debug("agentkv: releasing a pin failed: %s", exc)
+
+    def describe_pins(self) -> str:
+        """D's pins as this pair counts them, and what became of those it let go (for a stall's error)."""
+        ledger = self._pins.describe() if self._pins is not None else "no pins yet"
+        outcomes = ", ".join(f"{n} {outcome}" for outcome, n in sorted(self._releases.items())) or "none"
+        return f"pins: {ledger}; pins let go: {outcomes}"
 
     def _spawn_release(self, handle: KVHandle, deadline: float) -> None:
         """`release` off the step's path, on the pair's event loop."""

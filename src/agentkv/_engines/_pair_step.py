@@ -257,8 +257,13 @@ class PairSteps(PairLayer):
             asked,
             idle_timeout_s=self.config.step_timeout_s,
             busy_from_first_output=waits_for_push,
-            peers=[engine for engine in (self._p,) if engine is not None],
+            describe_also=self._describe_stall,
         )
+
+    def _describe_stall(self) -> str:
+        """P's scheduler and D's pins as the pair counts them, for the error of a step D did not advance."""
+        p = self._p.describe_state() if self._p is not None else "prefill: stopped"
+        return f"{p}; {self.describe_pins()}"
 
     async def _prefill(
         self, p: AsyncLLMRunner, request: StepRequest, handle: KVHandle | None, *, request_id: str | None = None

@@ -67,6 +67,14 @@ class PinBudget:
     def reserved_blocks(self) -> int:
         return sum(self._reserved.values())
 
+    def describe(self) -> str:
+        """The ledger in words, for an error about a stalled D."""
+        of = f" of D's {self.capacity_blocks}" if self.capacity_blocks is not None else ""
+        return (
+            f"{len(self._pins)} pins holding {self.pinned_blocks} blocks, {self.reserved_blocks} reserved by "
+            f"{len(self._reserved)} steps in flight{of}"
+        )
+
     def was_evicted(self, handle: KVHandle) -> bool:
         """Whether the budget released ``handle``'s pin (its blocks may hold another conversation now)."""
         return handle.remote_request_id in self._evicted

@@ -366,11 +366,11 @@ class DecodeStream:
         *,
         idle_timeout_s: float,
         busy_from_first_output: bool = False,
-        peers: Sequence[AsyncLLMRunner] = (),
+        describe_also: Callable[[], str] | None = None,
     ) -> None:
         self._engine = engine
-        self._peers = peers
-        """Engines whose state a stall's error also reports (the pair's P)."""
+        self._describe_also = describe_also
+        """What a stall's error also reports, beside this engine's scheduler (the pair's P and D's pins)."""
         self._busy_from_first_output = busy_from_first_output
         self._request = request
         self._idle_timeout_s = idle_timeout_s
@@ -409,7 +409,9 @@ class DecodeStream:
                 if completion.token_ids or completion.text:
                     yield TokenDelta(token_ids=list(completion.token_ids), text=completion.text, logprobs=logprobs)
         except TimeoutError as exc:
-            states = "; ".join(engine.describe_state() for engine in (self._engine, *self._peers))
+            states = self._engine.describe_state()
+            if self._describe_also is not None:
+                states += f"; {self._describe_also()}"
             raise EngineError(
                 f"the {self._engine.name} engine made no progress for {self._idle_timeout_s} s ({states})"
             ) from exc
