@@ -218,6 +218,9 @@ async def test_a_release_the_guard_refuses_sends_nothing() -> None:
         assert len(pair.p_llm.requests) == 1  # only the step's prefill
         await pair.release(pin)
         assert len(pair.p_llm.requests) == 2 and asked == [handle_of(pin).remote_request_id] * 2
+        said = pair.describe_pins()  # what a stall's error reports of D's pins
+        assert said.endswith("pins let go: 1 kept for another process, 1 released")
+        assert said.startswith("pins: 0 pins holding 0 blocks, 0 reserved by 0 steps in flight of D's ")
 
 
 async def test_release_after_close_does_nothing() -> None:

@@ -37,6 +37,29 @@ def test_pins_that_fit_beside_a_step_are_kept() -> None:
     assert budget.pinned_blocks == 6 and budget.reserved_blocks == 4
 
 
+def test_the_ledger_in_words_says_pins_blocks_and_reservations() -> None:
+    budget = PinBudget(10, 128)
+    budget.pinned(handle("a", [1, 2, 3]))
+    budget.reserve("s", tokens=2 * 128, reused=None)
+    assert budget.describe() == "1 pins holding 3 blocks, 2 reserved by 1 steps in flight of D's 10"
+    assert PinBudget(None, 128).describe() == "0 pins holding 0 blocks, 0 reserved by 0 steps in flight"
+
+
+def test_a_new_pin_that_crowds_out_the_steps_in_flight_makes_room_for_them() -> None:
+    """Seen at 16 sessions: steps that ended pinned more than they had reserved (their answers), the steps still
+    waiting on D lost their room (181 of 182 blocks pinned, 27 reserved) and waited for blocks until pins expired."""
+    budget = PinBudget(10, 128)
+    budget.pinned(handle("a", [1, 2]))
+    assert budget.reserve("s", tokens=3 * 128, reused=None) == []
+    assert budget.reserve("t", tokens=3 * 128, reused=None) == []  # 2 pinned + 6 reserved
+    budget.finished("s")
+    budget.pinned(handle("s", [3, 4, 5, 6]))  # its answer grew it past its reservation: 6 pinned + 3 reserved
+    assert names(budget.make_room()) == []  # 9 of 10: fits
+    budget.pinned(handle("b", [7, 8]))  # 8 pinned + 3 reserved > 10
+    assert names(budget.make_room()) == ["a"]
+    assert budget.pinned_blocks + budget.reserved_blocks <= 10
+
+
 def test_the_least_recently_pinned_conversation_is_released_first() -> None:
     budget = PinBudget(10, 128)
     for name, blocks in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("c", [7, 8])):

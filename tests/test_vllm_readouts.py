@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
+import pytest
 from prometheus_client import REGISTRY
 
 from agentkv._engines._vllm_readouts import Readouts, TransferStats, no_prometheus_logger, transfer_stat_logger
@@ -61,3 +63,32 @@ def test_the_scheduler_report_says_what_a_stalled_engine_was_doing() -> None:
     )
     manager.record(None, None)  # a step without a report changes nothing
     assert readouts.scheduler.running == 2
+
+
+@pytest.mark.anyio
+async def test_a_stream_that_makes_no_progress_says_what_the_engines_were_doing() -> None:
+    """`DecodeStream`'s stall error carries its engine's last scheduler report and what the caller adds (the pair:
+    P's report and D's pins), so that a stall can be told from a slow step (a stand-in engine that never answers)."""
+    import anyio
+
+    from agentkv import EngineError
+    from agentkv._engines._vllm import DecodeStream, EngineRequest
+
+    class SilentEngine:
+        name = "decode"
+
+        async def generate(self, request: object, **_: object) -> Any:
+            await anyio.sleep_forever()
+            yield None
+
+        def describe_state(self) -> str:
+            return "decode: 0 running, 1 waiting (0 deferred)"
+
+    request = EngineRequest([1, 2], SimpleNamespace(logprobs=None), "r")  # type: ignore[arg-type]
+    stream = DecodeStream(SilentEngine(), request, idle_timeout_s=0.05, describe_also=lambda: "pins: 3 pins")  # type: ignore[arg-type]
+    with pytest.raises(EngineError) as stalled:
+        async for _ in stream:
+            pass
+    assert str(stalled.value) == (
+        "the decode engine made no progress for 0.05 s (decode: 0 running, 1 waiting (0 deferred); pins: 3 pins)"
+    )

@@ -166,6 +166,9 @@ class PairLayer(Engine):
                 self._ledger.ended(key)
         finally:
             pins.finished(request.request_id)
+            for released, deadline in pins.make_room():  # this step's pin may crowd out steps waiting on D
+                logger.debug("agentkv: a new pin overfills D; releasing the least recently pinned conversation")
+                self._spawn_release(released, deadline)
 
     def _learn(self, done: StepDone, pins: PinBudget, queued_s: float, *, evicted: bool) -> None:
         """What the step teaches: D's new pin, and its costs (less ``queued_s``, the compute ahead of it)."""

@@ -107,8 +107,18 @@ class PinBudget:
             held_by_reused = len(self._pins[reused.remote_request_id].blocks)
             self._extended[step_id] = reused.remote_request_id
         self._reserved[step_id] = max(1, next_pin - held_by_reused)
+        return self._evict_while_over(next_pin=next_pin - held_by_reused)
+
+    def make_room(self) -> list[tuple[KVHandle, float]]:
+        """After a step ended with a new pin: the pins to release so that the steps still in flight keep their
+        reservations (each step's pin is larger than what it reserved, its answer; unchecked, the new pins of
+        ending steps crowded out those waiting on D, which then waited for blocks until pins expired)."""
+        return self._evict_while_over(next_pin=0)
+
+    def _evict_while_over(self, *, next_pin: int) -> list[tuple[KVHandle, float]]:
+        """Evict the least recently pinned conversations (never one a step extends) until the budget holds."""
         evict: list[tuple[KVHandle, float]] = []
-        while self._over_budget(next_pin=next_pin - held_by_reused):
+        while self._over_budget(next_pin=next_pin):
             oldest = next((key for key in self._pins if key not in self._extended.values()), None)
             if oldest is None:
                 break

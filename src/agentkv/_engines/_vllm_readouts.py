@@ -128,11 +128,11 @@ class SchedulerSnapshot:
     @classmethod
     def parse(cls, stats: Any, *, at: float) -> SchedulerSnapshot:
         return cls(
-            running=int(stats.num_running_reqs),
-            waiting=int(stats.num_waiting_reqs),
+            running=int(getattr(stats, "num_running_reqs", 0)),
+            waiting=int(getattr(stats, "num_waiting_reqs", 0)),
             deferred=int(getattr(stats, "num_skipped_waiting_reqs", 0)),
             fetching={k: int(v) for k, v in (getattr(stats, "num_kv_fetch_reqs_by_stage", None) or {}).items() if v},
-            kv_cache_usage=float(stats.kv_cache_usage),
+            kv_cache_usage=float(getattr(stats, "kv_cache_usage", 0.0)),
             at=at,
         )
 
