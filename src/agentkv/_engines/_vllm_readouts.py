@@ -15,7 +15,7 @@ import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from vllm import RequestOutput
@@ -111,12 +111,13 @@ class TransferStats:
         )
 
 
-@dataclass(frozen=True)
-class SchedulerSnapshot:
+class SchedulerSnapshot(NamedTuple):
     """What an engine's scheduler reported after one step (vLLM ``SchedulerStats``), and when."""
 
     running: int
+    """Requests the scheduler runs (prefilling or decoding)."""
     waiting: int
+    """Requests not yet scheduled (waiting for blocks, or for KV from another engine)."""
     deferred: int
     """Waiting requests the scheduler skipped (blocked, e.g. on KV still arriving)."""
     fetching: dict[str, int]
