@@ -58,6 +58,9 @@ def test_a_new_pin_that_crowds_out_the_steps_in_flight_makes_room_for_them() -> 
     budget.pinned(handle("b", [7, 8]))  # 8 pinned + 3 reserved > 10
     assert names(budget.make_room()) == ["a"]
     assert budget.pinned_blocks + budget.reserved_blocks <= 10
+    capped = PinBudget(10, 128, max_pinned_blocks=1)  # the cap is checked as a step starts, with its pin to come
+    capped.pinned(handle("c", [1, 2, 3]))
+    assert names(capped.make_room()) == []
 
 
 def test_the_least_recently_pinned_conversation_is_released_first() -> None:

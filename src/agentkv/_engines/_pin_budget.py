@@ -113,10 +113,11 @@ class PinBudget:
         """After a step ended with a new pin: the pins to release so that the steps still in flight keep their
         reservations (each step's pin is larger than what it reserved, its answer; unchecked, the new pins of
         ending steps crowded out those waiting on D, which then waited for blocks until pins expired)."""
-        return self._evict_while_over(next_pin=0)
+        return self._evict_while_over(next_pin=None)
 
-    def _evict_while_over(self, *, next_pin: int) -> list[tuple[KVHandle, float]]:
-        """Evict the least recently pinned conversations (never one a step extends) until the budget holds."""
+    def _evict_while_over(self, *, next_pin: int | None) -> list[tuple[KVHandle, float]]:
+        """Evict the least recently pinned conversations (never one a step extends) until the budget holds
+        (``next_pin`` None: D's size alone; ``max_pinned_blocks`` caps the pins as a step starts)."""
         evict: list[tuple[KVHandle, float]] = []
         while self._over_budget(next_pin=next_pin):
             oldest = next((key for key in self._pins if key not in self._extended.values()), None)
@@ -136,11 +137,11 @@ class PinBudget:
 
     # ----------------------------------------------------------------- internals
 
-    def _over_budget(self, *, next_pin: int) -> bool:
+    def _over_budget(self, *, next_pin: int | None) -> bool:
         """Whether the pins and the reservations overflow D, or the pins with the step's ``next_pin`` new blocks
-        pass the cap."""
+        pass the cap (not checked with ``next_pin`` None)."""
         pinned = self.pinned_blocks
-        if self.max_pinned_blocks is not None and pinned + next_pin > self.max_pinned_blocks:
+        if self.max_pinned_blocks is not None and next_pin is not None and pinned + next_pin > self.max_pinned_blocks:
             return True
         return self.capacity_blocks is not None and pinned + self.reserved_blocks > self.capacity_blocks
 
