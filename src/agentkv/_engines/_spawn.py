@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import IO
 
 from .._model import home_dir
-from ._system import descendants, parent_of
+from ._system import descendants
 
 __all__ = ["OUTPUT_VARIABLE", "QUIET", "SpawnTurn", "engine_output", "quiet_env", "spawn_turn", "stop_signals_blocked"]
 
@@ -96,9 +96,7 @@ class SpawnTurn:
 def _new_children(before: set[int]) -> set[int]:
     """The multiprocessing children of this process made since ``before`` (not a build's passing commands, nor
     multiprocessing's helpers, which are not `multiprocessing.Process` objects)."""
-    me = os.getpid()
-    started = {child.pid for child in multiprocessing.active_children() if child.pid is not None}
-    return {pid for pid in started - before if parent_of(pid) == me}
+    return {child.pid for child in multiprocessing.active_children() if child.pid is not None} - before
 
 
 @contextlib.contextmanager

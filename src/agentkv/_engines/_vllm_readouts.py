@@ -69,17 +69,24 @@ class Readouts:
 
     prefill_stats: PrefillStatsKeeper = field(default_factory=PrefillStatsKeeper)
     in_flight: dict[str, TransferLedger] = field(default_factory=dict[str, TransferLedger])
-    scheduler: SchedulerSnapshot | None = None
-    """The scheduler's last report (None before the first step)."""
+    last_report: tuple[Any, float] | None = None
+    """The scheduler's last ``SchedulerStats`` and when it came (``time.perf_counter()``); None before the first
+    step. Kept as vLLM made it: it is read only when an error needs it (`scheduler`), not at every step."""
 
-    def observe(self, snapshot: SchedulerSnapshot) -> None:
-        self.scheduler = snapshot
+    def observe(self, stats: Any) -> None:
+        self.last_report = (stats, time.perf_counter())
+
+    @property
+    def scheduler(self) -> SchedulerSnapshot | None:
+        """The scheduler's last report (None before the first step)."""
+        return SchedulerSnapshot.parse(*self.last_report) if self.last_report is not None else None
 
     def describe(self) -> str:
         """The scheduler's last report in words, for an error about a stalled engine."""
-        if self.scheduler is None:
+        snapshot = self.scheduler
+        if snapshot is None:
             return "no scheduler report yet"
-        return self.scheduler.describe(now=time.perf_counter())
+        return snapshot.describe(now=time.perf_counter())
 
     def attribute(self, moved: TransferStats) -> None:
         """An engine step's transfers: to the request in flight when it is alone, else marked shared."""
@@ -127,7 +134,7 @@ class SchedulerSnapshot(NamedTuple):
     """``time.perf_counter()`` when the report arrived."""
 
     @classmethod
-    def parse(cls, stats: Any, *, at: float) -> SchedulerSnapshot:
+    def parse(cls, stats: Any, at: float) -> SchedulerSnapshot:
         return cls(
             running=int(getattr(stats, "num_running_reqs", 0)),
             waiting=int(getattr(stats, "num_waiting_reqs", 0)),
@@ -147,10 +154,10 @@ class SchedulerSnapshot(NamedTuple):
 
 
 def transfer_stat_logger(
-    on_stats: Callable[[TransferStats], None], on_scheduler: Callable[[SchedulerSnapshot], None] | None = None
+    on_stats: Callable[[TransferStats], None], on_scheduler: Callable[[Any], None] | None = None
 ) -> Callable[..., Any]:
     """A vLLM stat logger class that hands each step's NIXL statistics to ``on_stats``, and the scheduler's report
-    to ``on_scheduler``."""
+    (vLLM's ``SchedulerStats``, as it is) to ``on_scheduler``."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class TransferStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is not type-checked here
@@ -169,7 +176,7 @@ def transfer_stat_logger(
             if scheduler_stats is None:
                 return
             if on_scheduler is not None:
-                on_scheduler(SchedulerSnapshot.parse(scheduler_stats, at=time.perf_counter()))
+                on_scheduler(scheduler_stats)
             data = getattr(scheduler_stats, "kv_connector_stats", None)
             if data:
                 on_stats(TransferStats.parse(data))
