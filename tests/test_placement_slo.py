@@ -195,6 +195,22 @@ def test_when_neither_fits_the_faster_wins_unless_d_breaks_the_gaps() -> None:
     )
 
 
+def test_when_p_misses_the_ttft_d_takes_a_step_that_breaks_the_gaps_of_one_turn_only() -> None:
+    cheap_d = _costs(fixed_s={"prefill": 0.5, "decode": 0.0})
+    queued_p = EngineLoad(prefills=3, prefill_tokens=900)  # 0.9 s ahead on P: 1.7 s to P's first token
+    one = _choose(cheap_d, on_prefill=300, on_decode=300, p=queued_p, at_stake=1)
+    assert one.engine == "decode" and one.reason.endswith(
+        "stall 0.300 s on 1 turns at stake (gap 0.000 s): P misses the TTFT, D the gaps of 1 turn at stake: D, off P's queue"
+    )
+    two = _choose(cheap_d, on_prefill=300, on_decode=300, p=queued_p, at_stake=2)  # two lost to keep one
+    assert two.engine == "prefill" and two.reason.endswith("neither fits; D would break the gaps of the turns at stake")
+    queued_d = EngineLoad(prefills=1, prefill_tokens=800)  # D misses the TTFT too: it would keep no turn
+    late = _choose(cheap_d, on_prefill=300, on_decode=300, p=queued_p, d=queued_d, at_stake=1)
+    assert late.engine == "prefill" and late.reason.endswith(
+        "neither fits; D would break the gaps of the turns at stake"
+    )
+
+
 def test_the_queue_counts_what_the_engine_computed_since_its_oldest_prefill() -> None:
     assert EngineLoad(prefill_tokens=1000, busy_s=0.4).queued_s(1e-3) == pytest.approx(0.6)
     assert EngineLoad(prefill_tokens=1000, busy_s=3.0).queued_s(1e-3) == 0.0

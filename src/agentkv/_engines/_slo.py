@@ -19,8 +19,11 @@ objective:
   is D's usual gap (`PlacementCosts.gap_s`, learned from the pair's answers) plus the
   prefill's compute;
 * else P when its TTFT fits;
-* else, neither fitting, the faster of the two, unless D's prefill would break the gaps of
-  turns at stake (then P: one turn lost rather than several).
+* else, P missing the TTFT, D when its TTFT fits and its prefill breaks the gaps of one turn
+  at stake only: one turn is lost either way, and the prefill taken off P shortens the queue
+  of every step waiting there (under load P is the pair's bottleneck);
+* else the faster of the two, unless D's prefill would break the gaps of turns at stake (then
+  P: one turn lost rather than several).
 
 With nothing in flight this is the plain comparison of the two estimates, whatever the SLO.
 """
@@ -132,6 +135,9 @@ def choose_within_slo(
     elif prefill_fits:
         engine = "prefill"
         verdict = "P fits" + (", D is slower" if decode_fits else _why_not_decode(via_decode, slo, breaks_gaps))
+    elif breaks_gaps and via_decode <= slo.ttft_s and stake == 1:
+        engine = "decode"
+        verdict = "P misses the TTFT, D the gaps of 1 turn at stake: D, off P's queue"
     elif breaks_gaps:
         engine = "prefill"
         verdict = "neither fits; D would break the gaps of the turns at stake"
