@@ -23,7 +23,6 @@ __all__ = [
     "free_port",
     "is_helper",
     "kill_and_reap",
-    "parent_of",
     "repin_threads",
     "single_engine_cores",
     "split_cores",
@@ -113,14 +112,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def parent_of(pid: int) -> int | None:
-    """The parent of ``pid`` (None once it is gone)."""
-    try:
-        return int(psutil.Process(pid).ppid())
-    except psutil.Error:
-        return None
 
 
 def descendants(pid: int) -> set[int]:
