@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 from agentkv import EmbeddedPair, UserError
+from agentkv._engines._compute import ComputeCost, ComputeModel
 from agentkv._engines._placement import PlacementChoice, PlacementCosts
 from agentkv._engines._slo import DEFAULT_SLO, EngineLoad, choose_within_slo
 from agentkv._engines._step_ledger import StepLedger
@@ -25,11 +26,9 @@ SLO = Slo(ttft_s=1.0, itl_s=0.1)
 
 
 def _costs(**changes: dict[str, float]) -> PlacementCosts:
-    fields: dict[str, Any] = {
-        "fixed_s": {"prefill": 0.1, "decode": 0.02},
-        "per_token_s": {"prefill": 1e-3, "decode": 1e-3},
-    }
-    return PlacementCosts(**(fields | changes))
+    """Overheads 0.1 s on P and 0.02 s on D (unless ``overhead_s`` is given), compute 1 ms a token on either."""
+    compute = ComputeModel(ComputeCost(pass_s=0.0, per_token_s=1e-3, per_attended_s=0.0))
+    return PlacementCosts(overhead_s=changes.get("overhead_s", {"prefill": 0.1, "decode": 0.02}), compute=compute)
 
 
 def _choose(
@@ -49,6 +48,8 @@ def _choose(
         slo,
         on_prefill=on_prefill,
         on_decode=on_decode,
+        prefill_context=0,
+        decode_context=0,
         prefill_load=p or EngineLoad(),
         decode_load=d,
         at_stake=lambda _: d.decodes if at_stake is None else at_stake,
@@ -110,17 +111,17 @@ def test_the_reason_gives_both_estimates_the_queue_the_stall_and_the_verdict() -
 
 
 def test_a_deep_queue_on_p_sends_the_step_to_d() -> None:
-    cheap_p = _costs(fixed_s={"prefill": 0.0, "decode": 0.3})  # alone, P wins: 0.05 s against 0.36 s
+    cheap_p = _costs(overhead_s={"prefill": 0.0, "decode": 0.3})  # alone, P wins: 0.05 s against 0.36 s
     assert _choose(cheap_p).engine == "prefill"
-    deep = EngineLoad(prefills=4, prefill_tokens=2000, busy_s=0.5)  # 2 s of work, 0.5 s of it done
+    deep = EngineLoad(prefills=4, prefill_s=2, busy_s=0.5)  # 2 s of work, 0.5 s of it done
     choice = _choose(cheap_p, p=deep)
     assert choice.engine == "decode"
     assert "P 1.550 s (50 tokens, 1.500 s queued)" in choice.reason and "D fits" in choice.reason
 
 
 def test_a_queue_the_slo_still_absorbs_keeps_the_faster_placement() -> None:
-    cheap_p = _costs(fixed_s={"prefill": 0.0, "decode": 0.3})
-    choice = _choose(cheap_p, p=EngineLoad(prefills=1, prefill_tokens=200))  # P 0.25 s, D 0.36 s: both fit
+    cheap_p = _costs(overhead_s={"prefill": 0.0, "decode": 0.3})
+    choice = _choose(cheap_p, p=EngineLoad(prefills=1, prefill_s=0.2))  # P 0.25 s, D 0.36 s: both fit
     assert choice.engine == "prefill" and "P 0.250 s (50 tokens, 0.200 s queued)" in choice.reason
     assert choice.reason.endswith("P fits, D is slower")
 
@@ -132,7 +133,7 @@ def test_d_decoding_many_still_takes_a_short_step_whose_prefill_fits_the_gaps() 
 
 
 def test_a_long_prompt_whose_d_prefill_would_break_the_gaps_goes_to_p() -> None:
-    cheap_d = _costs(fixed_s={"prefill": 0.5, "decode": 0.0})  # D far faster even for 300 tokens
+    cheap_d = _costs(overhead_s={"prefill": 0.5, "decode": 0.0})  # D far faster even for 300 tokens
     assert _choose(cheap_d, on_prefill=300, on_decode=300).engine == "decode"  # nothing decodes on D
     choice = _choose(cheap_d, on_prefill=300, on_decode=300, d=EngineLoad(decodes=1))
     assert choice.engine == "prefill"
@@ -152,17 +153,17 @@ def test_a_decode_gap_is_d_s_usual_gap_plus_the_prefill() -> None:
 
 def test_the_pair_learns_d_s_gap_from_answers_long_enough_to_have_one() -> None:
     costs = PlacementCosts()
-    costs.observe("prefill", computed_tokens=10, ttft_s=0.2, prefill_s=0.1, decode_s=0.7, output_tokens=8)
+    costs.observe("prefill", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=0.7, output_tokens=8)
     assert costs.gap_s == pytest.approx(0.1)  # 7 gaps in 0.7 s
-    costs.observe("decode", computed_tokens=10, ttft_s=0.2, prefill_s=0.1, decode_s=0.9, output_tokens=4)  # too short
-    costs.observe("decode", computed_tokens=10, ttft_s=0.2, prefill_s=0.1, decode_s=None, output_tokens=40)
+    costs.observe("decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=0.9, output_tokens=4)  # too short
+    costs.observe("decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=None, output_tokens=40)
     assert costs.gap_s == pytest.approx(0.1)
-    costs.observe("decode", computed_tokens=10, ttft_s=0.2, prefill_s=0.1, decode_s=1.8, output_tokens=10)
+    costs.observe("decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=1.8, output_tokens=10)
     assert costs.gap_s == pytest.approx(0.7 * 0.1 + 0.3 * 0.2)  # a running mean
 
 
 def test_the_stall_counts_the_prefills_queued_on_d_before_the_step() -> None:
-    queued_d = EngineLoad(prefills=1, prefill_tokens=50, decodes=4)  # 0.05 s ahead of it, 0.06 s its own
+    queued_d = EngineLoad(prefills=1, prefill_s=0.05, decodes=4)  # 0.05 s ahead of it, 0.06 s its own
     choice = _choose(on_prefill=200, on_decode=60, d=queued_d)
     assert (
         choice.engine == "prefill"
@@ -171,13 +172,13 @@ def test_the_stall_counts_the_prefills_queued_on_d_before_the_step() -> None:
 
 
 def test_a_d_prefill_that_misses_the_ttft_goes_to_p() -> None:
-    queued_d = EngineLoad(prefills=1, prefill_tokens=1500)  # 1.5 s of D's prefills ahead
+    queued_d = EngineLoad(prefills=1, prefill_s=1.5)  # 1.5 s of D's prefills ahead
     choice = _choose(on_prefill=200, on_decode=60, d=queued_d)
     assert choice.engine == "prefill" and choice.reason.endswith("P fits, D misses the TTFT")
 
 
 def test_a_long_d_prefill_is_free_when_no_turn_in_flight_can_still_meet_the_objective() -> None:
-    cheap_d = _costs(fixed_s={"prefill": 0.5, "decode": 0.0})
+    cheap_d = _costs(overhead_s={"prefill": 0.5, "decode": 0.0})
     lost = _choose(cheap_d, on_prefill=300, on_decode=300, d=EngineLoad(decodes=4), at_stake=0)
     assert lost.engine == "decode" and lost.reason.endswith("no turn at stake: D fits and is no slower")
     prefilling = _choose(cheap_d, on_prefill=300, on_decode=300, at_stake=1)  # one still prefilling, within
@@ -188,7 +189,7 @@ def test_when_neither_fits_the_faster_wins_unless_d_breaks_the_gaps() -> None:
     tight = Slo(ttft_s=0.01, itl_s=0.1)
     assert _choose(slo=tight, on_prefill=50, on_decode=60).reason.endswith("neither fits; D is faster")
     assert _choose(slo=tight, on_prefill=20, on_decode=127).reason.endswith("neither fits; P is faster")
-    cheap_d = _costs(fixed_s={"prefill": 0.5, "decode": 0.0})
+    cheap_d = _costs(overhead_s={"prefill": 0.5, "decode": 0.0})
     choice = _choose(cheap_d, tight, on_prefill=300, on_decode=300, d=EngineLoad(decodes=2))
     assert choice.engine == "prefill" and choice.reason.endswith(
         "neither fits; D would break the gaps of the turns at stake"
@@ -196,15 +197,15 @@ def test_when_neither_fits_the_faster_wins_unless_d_breaks_the_gaps() -> None:
 
 
 def test_when_p_misses_the_ttft_d_takes_a_step_that_breaks_the_gaps_of_one_turn_only() -> None:
-    cheap_d = _costs(fixed_s={"prefill": 0.5, "decode": 0.0})
-    queued_p = EngineLoad(prefills=3, prefill_tokens=900)  # 0.9 s ahead on P: 1.7 s to P's first token
+    cheap_d = _costs(overhead_s={"prefill": 0.5, "decode": 0.0})
+    queued_p = EngineLoad(prefills=3, prefill_s=0.9)  # 0.9 s ahead on P: 1.7 s to P's first token
     one = _choose(cheap_d, on_prefill=300, on_decode=300, p=queued_p, at_stake=1)
     assert one.engine == "decode" and one.reason.endswith(
         "stall 0.300 s on 1 turns at stake (gap 0.000 s): P misses the TTFT, D the gaps of 1 turn at stake: D, off P's queue"
     )
     two = _choose(cheap_d, on_prefill=300, on_decode=300, p=queued_p, at_stake=2)  # two lost to keep one
     assert two.engine == "prefill" and two.reason.endswith("neither fits; D would break the gaps of the turns at stake")
-    queued_d = EngineLoad(prefills=1, prefill_tokens=800)  # D misses the TTFT too: it would keep no turn
+    queued_d = EngineLoad(prefills=1, prefill_s=0.8)  # D misses the TTFT too: it would keep no turn
     late = _choose(cheap_d, on_prefill=300, on_decode=300, p=queued_p, d=queued_d, at_stake=1)
     assert late.engine == "prefill" and late.reason.endswith(
         "neither fits; D would break the gaps of the turns at stake"
@@ -212,8 +213,8 @@ def test_when_p_misses_the_ttft_d_takes_a_step_that_breaks_the_gaps_of_one_turn_
 
 
 def test_the_queue_counts_what_the_engine_computed_since_its_oldest_prefill() -> None:
-    assert EngineLoad(prefill_tokens=1000, busy_s=0.4).queued_s(1e-3) == pytest.approx(0.6)
-    assert EngineLoad(prefill_tokens=1000, busy_s=3.0).queued_s(1e-3) == 0.0
+    assert EngineLoad(prefill_s=1.0, busy_s=0.4).queued_s() == pytest.approx(0.6)
+    assert EngineLoad(prefill_s=1.0, busy_s=3.0).queued_s() == 0.0
 
 
 # ----------------------------------------------------------------- the ledger
@@ -221,14 +222,14 @@ def test_the_queue_counts_what_the_engine_computed_since_its_oldest_prefill() ->
 
 def test_the_ledger_follows_each_step_from_its_prefill_to_its_decode() -> None:
     ledger = StepLedger()
-    on_p = ledger.started("prefill", 100, now=10.0)
-    on_d = ledger.started("decode", 40, now=11.0)
-    ledger.started("prefill", 300, now=12.0)
-    assert ledger.load("prefill", now=12.5) == EngineLoad(prefills=2, prefill_tokens=400, busy_s=2.5, decodes=0)
-    assert ledger.load("decode", now=12.5) == EngineLoad(prefills=1, prefill_tokens=40, busy_s=1.5, decodes=0)
+    on_p = ledger.started("prefill", 0.1, now=10.0)
+    on_d = ledger.started("decode", 0.04, now=11.0)
+    ledger.started("prefill", 0.3, now=12.0)
+    assert ledger.load("prefill", now=12.5) == EngineLoad(prefills=2, prefill_s=0.4, busy_s=2.5, decodes=0)
+    assert ledger.load("decode", now=12.5) == EngineLoad(prefills=1, prefill_s=0.04, busy_s=1.5, decodes=0)
     ledger.token(on_p, now=12.6)  # P's prefill over: its answer decodes on D
     ledger.token(on_d, now=12.6)
-    assert ledger.load("prefill", now=13.0) == EngineLoad(prefills=1, prefill_tokens=300, busy_s=1.0)
+    assert ledger.load("prefill", now=13.0) == EngineLoad(prefills=1, prefill_s=0.3, busy_s=1.0)
     assert ledger.load("decode", now=13.0) == EngineLoad(decodes=2)
     ledger.ended(on_p)
     ledger.ended(on_p)  # twice: nothing more
@@ -243,13 +244,13 @@ def test_the_ledger_counts_the_decodes_in_flight_that_can_still_meet_the_objecti
     def stake(now: float) -> int:
         return ledger.at_stake(slo, _costs(), within_s=10.0, now=now)
 
-    late = ledger.started("decode", 100, now=0.0)
+    late = ledger.started("decode", 0.1, now=0.0)
     ledger.token(late, now=2.5)  # first token after 2.5 s: lost
-    steady = ledger.started("prefill", 100, now=1.0)
+    steady = ledger.started("prefill", 0.1, now=1.0)
     ledger.token(steady, now=1.5)
     ledger.token(steady, now=1.9)
     assert stake(1.95) == 1  # steady
-    stalled = ledger.started("decode", 10, now=2.0)
+    stalled = ledger.started("decode", 0.01, now=2.0)
     ledger.token(stalled, now=2.2)
     ledger.token(stalled, now=2.3)
     assert stake(2.35) == 2  # steady's open gap: 0.45 s
@@ -262,10 +263,10 @@ def test_the_ledger_counts_the_decodes_in_flight_that_can_still_meet_the_objecti
 def test_a_prefill_in_flight_is_at_stake_when_its_first_token_is_due_in_the_window_and_in_time() -> None:
     slo = Slo(ttft_s=2.0, itl_s=0.5)
     ledger = StepLedger()
-    ledger.started("prefill", 300, now=0.0)  # due at 0.4 s (300 tokens at 1 ms, P's 0.1 s): within 2 s
-    ledger.started("prefill", 1500, now=0.0)  # behind it: due at 1.9 s
-    ledger.started("prefill", 500, now=0.0)  # due at 2.4 s: misses its 2 s whatever D does
-    ledger.started("decode", 200, now=0.0)  # due at 0.22 s on D (D's 0.02 s)
+    ledger.started("prefill", 0.3, now=0.0)  # due at 0.4 s (300 tokens at 1 ms, P's 0.1 s): within 2 s
+    ledger.started("prefill", 1.5, now=0.0)  # behind it: due at 1.9 s
+    ledger.started("prefill", 0.5, now=0.0)  # due at 2.4 s: misses its 2 s whatever D does
+    ledger.started("decode", 0.2, now=0.0)  # due at 0.22 s on D (D's 0.02 s)
 
     def stake(within_s: float) -> int:
         return ledger.at_stake(slo, _costs(), within_s=within_s, now=0.0)
@@ -285,13 +286,13 @@ def test_the_pair_places_by_its_slo_with_what_it_has_in_flight(unstarted_pair: A
     choice = unstarted_pair._place(request)
     assert choice.engine == "decode" and "D 0.120 s (100 tokens" in choice.reason and "P 0.190 s (90" in choice.reason
     unstarted_pair._ledger = StepLedger(clock=lambda: 100.0)  # time stands still: every step stays within
-    decoding = unstarted_pair._ledger.started("prefill", 10)
+    decoding = unstarted_pair._ledger.started("prefill", 0.01)
     unstarted_pair._ledger.token(decoding)  # one answer decoding on D
     assert (
         "stall 0.100 s on 1 turns at stake (gap 0.000 s): D fits" in unstarted_pair._place(request).reason
     )  # 0.1 s: within
-    unstarted_pair._ledger.started("decode", 10)  # a step prefilling on D decodes on D next
-    unstarted_pair._ledger.started("prefill", 10)  # and so does one on P, once its KV is over
+    unstarted_pair._ledger.started("decode", 0.01)  # a step prefilling on D decodes on D next
+    unstarted_pair._ledger.started("prefill", 0.01)  # and so does one on P, once its KV is over
     assert "on 3 turns at stake" in unstarted_pair._place(request).reason
     unstarted_pair.in_flight.d = 9  # D's own count of requests (releases, repins among them) decides nothing
     assert "on 3 turns at stake" in unstarted_pair._place(request).reason
@@ -329,7 +330,7 @@ class _SteppingPair(_PlacingPair):
 @pytest.mark.anyio
 async def test_the_pair_counts_its_steps_in_flight_and_learns_without_their_queue() -> None:
     pair = _SteppingPair()
-    pair.costs = _costs(fixed_s={"prefill": 0.0, "decode": 5.0})  # every step to P
+    pair.costs = _costs(overhead_s={"prefill": 0.0, "decode": 5.0})  # every step to P
     pair.gates = {name: (anyio.Event(), anyio.Event()) for name in ("a", "b")}
 
     async def run(request_id: str) -> None:
@@ -347,17 +348,23 @@ async def test_the_pair_counts_its_steps_in_flight_and_learns_without_their_queu
         await anyio.wait_all_tasks_blocked()
         group.start_soon(run, "b")
         await anyio.wait_all_tasks_blocked()
-        assert pair._ledger.load("prefill").prefill_tokens == 600  # no pin: the whole prompt on P, each
+        assert pair._ledger.load("prefill").prefill_s == pytest.approx(0.6)  # no pin: 300 tokens on P, each
         pair.gates["a"][0].set()
         await anyio.wait_all_tasks_blocked()
         assert (pair._ledger.load("prefill").prefills, pair._ledger.load("decode").decodes) == (1, 1)  # a decodes
         await let_go("a")
         await let_go("b")
     assert len(pair._ledger) == 0
-    # each step learns its TTFT (2 s) less its own compute (100 tokens at 5 ms) and the queue estimated ahead of it
-    # (b: a's 300 tokens at 1 ms)
-    assert pair.costs.per_token_s["prefill"] == pytest.approx(5e-3)
-    assert pair.costs.fixed_s["prefill"] == pytest.approx(0.7 * 1.5 + 0.3 * 1.2, abs=1e-3)
+    # a and b prefilled side by side on P: neither teaches the compute (1 ms a token still); each learns its TTFT
+    # (2 s) less its compute (100 tokens) and the queue estimated ahead of it (b: a's 300 tokens)
+    assert len(pair.costs.compute) == 0
+    assert pair.costs.overhead_s["prefill"] == pytest.approx(0.7 * 1.9 + 0.3 * 1.6, abs=1e-3)  # less a's head start
+    pair.gates["c"] = (anyio.Event(), anyio.Event())
+    for gate in pair.gates["c"]:
+        gate.set()
+    await run("c")  # alone on P: its 100 tokens in 0.5 s teach the compute
+    assert pair.costs.compute_s(100, 0) == pytest.approx(0.5)
+    assert pair.costs.overhead_s["prefill"] == pytest.approx(0.7 * (0.7 * 1.9 + 0.3 * 1.6) + 0.3 * 1.5, abs=1e-3)
 
 
 @pytest.fixture

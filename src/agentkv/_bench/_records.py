@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from .._engines import PrefillEngine
+from .._engines._compute import ComputePoint, attended, fit_compute
 from .._stats._stats import StepStats
 from ._target_records import AfterPause, ModeProbes
 
@@ -124,40 +125,17 @@ class FloorFit(BaseModel):
     @staticmethod
     def attended(new_tokens: int, context_tokens: int) -> float:
         """(new token, token it attends to) pairs: each new token sees the context and the new tokens before it."""
-        return new_tokens * (context_tokens + new_tokens / 2)
+        return attended(new_tokens, context_tokens)
 
     @classmethod
     def fit(cls, points: Sequence[FloorPoint], fixed_s: Sequence[float] = ()) -> FloorFit:
-        """Least squares over the points with no coefficient below 0: a term that noise fits below 0 is dropped
-        (taken as 0) and the others are fitted again without it.
-
-        With ``fixed_s`` (one-token steps' TTFTs), the fixed cost is measured: the floor of a one-token step is
-        pinned to their median ``m``, the per-token costs are fitted on what each point took beyond it, and ``a_s``
-        is ``m`` less that one token's share (``b + c / 2``), at least 0."""
-        import numpy as np  # vLLM's dependency; only the bench fits a floor
-
-        design = np.array([[1.0, p.computed, cls.attended(p.computed, p.context)] for p in points])
-        times = np.array([p.ttft_s for p in points])
-        kept = [0, 1, 2]
-        if fixed_s:
-            one = statistics.median(fixed_s)
-            design = design - np.array([1.0, 1.0, cls.attended(1, 0)])  # beyond a one-token step
-            times = times - one
-            kept = [1, 2]
-        coefficients = np.zeros(3)
-        while kept:
-            solution, *_ = np.linalg.lstsq(design[:, kept], times, rcond=None)
-            if (solution >= 0).all():
-                coefficients[kept] = solution
-                break
-            del kept[int(np.argmin(solution))]
-        a, b, c = (float(value) for value in coefficients)
-        if fixed_s:
-            a = max(0.0, one - b - c * cls.attended(1, 0))
+        """`fit_compute` over the points (least squares, no coefficient below 0), with the fixed cost measured from
+        ``fixed_s`` (one-token steps' TTFTs) when given."""
+        cost = fit_compute((ComputePoint(p.computed, p.context, p.ttft_s) for p in points), fixed_s)
         return cls(
-            a_s=a,
-            b_s_per_token=b,
-            c_s_per_attended=c,
+            a_s=cost.pass_s,
+            b_s_per_token=cost.per_token_s,
+            c_s_per_attended=cost.per_attended_s,
             points=list(points),
             a_measured=bool(fixed_s),
             fixed_s=list(fixed_s),

@@ -149,15 +149,15 @@ class PairLayer(Engine):
             on_decode = choice.engine == "decode"
             self._steps_on_decode += on_decode
             # the compute queued ahead of it on its engine: not its own cost, which the pair learns without it
-            queued_s = self._ledger.load(choice.engine).queued_s(self.costs.per_token_s[choice.engine])
-            key = self._ledger.started(choice.engine, self._tokens_on(choice.engine, request))
+            queued_s = self._ledger.load(choice.engine).queued_s()
+            key = self._ledger.started(choice.engine, self.costs.compute_s(*self._tokens_on(choice.engine, request)))
             try:
                 placed = self._step_on_decode if on_decode else self._step_via_prefill
                 async with contextlib.aclosing(placed(request, started, choice)) as events:
                     async for event in events:
                         self._ledger.token(key)  # the first ends the prefill (D decodes it now); each times a gap
                         if isinstance(event, StepDone):
-                            self._learn(event, pins, queued_s, evicted=evicted)
+                            self._learn(event, pins, queued_s, evicted=evicted, alone=self._ledger.prefilled_alone(key))
                             if on_decode and request.pin is not None and handle is not None:  # no P read frees it
                                 self._spawn_release(handle, request.pin.expires_at)
                         yield event
@@ -170,8 +170,9 @@ class PairLayer(Engine):
                 logger.debug("agentkv: a new pin overfills D; releasing the least recently pinned conversation")
                 self._spawn_release(released, deadline)
 
-    def _learn(self, done: StepDone, pins: PinBudget, queued_s: float, *, evicted: bool) -> None:
-        """What the step teaches: D's new pin, and its costs (less ``queued_s``, the compute ahead of it)."""
+    def _learn(self, done: StepDone, pins: PinBudget, queued_s: float, *, evicted: bool, alone: bool) -> None:
+        """What the step teaches: D's new pin, and its costs (less ``queued_s``, the compute ahead of it; its compute
+        only when its prefill ran ``alone`` on its engine)."""
         timings = done.timings
         timings.pin_evicted = evicted
         if done.pin is not None:
@@ -179,8 +180,10 @@ class PairLayer(Engine):
         self.costs.observe(
             timings.prefill_engine or "prefill",
             computed_tokens=timings.computed_tokens,
+            context_tokens=timings.local_hit_tokens + timings.pulled_tokens,
             ttft_s=max(0.0, timings.ttft_s - queued_s),
             prefill_s=timings.prefill_s,
+            alone=alone,
             decode_s=timings.decode_s,
             output_tokens=len(done.token_ids),
         )
@@ -210,24 +213,29 @@ class PairLayer(Engine):
                 prefill_in_flight=on_prefill,
             )
         slo, costs = self.slo, self.costs
+        on_prefill, prefill_context = self._tokens_on("prefill", request)
+        on_decode, decode_context = self._tokens_on("decode", request)
         return choose_within_slo(
             costs,
             slo,
-            on_prefill=self._tokens_on("prefill", request),
-            on_decode=self._tokens_on("decode", request),
+            on_prefill=on_prefill,
+            on_decode=on_decode,
+            prefill_context=prefill_context,
+            decode_context=decode_context,
             prefill_load=self._ledger.load("prefill"),
             decode_load=self._ledger.load("decode"),
             at_stake=lambda within_s: self._ledger.at_stake(slo, costs, within_s=within_s),
         )
 
-    def _tokens_on(self, engine: PrefillEngine, request: StepRequest) -> int:
-        """The prompt tokens ``request`` computes on ``engine``: on P, past the pin (P pulls the pinned ones); on D
-        alone, past the pin's whole blocks (D's cache keeps whole blocks only)."""
+    def _tokens_on(self, engine: PrefillEngine, request: StepRequest) -> tuple[int, int]:
+        """The prompt tokens ``request`` computes on ``engine`` and the cached ones before them: on P, past the pin
+        (P pulls the pinned ones); on D alone, past the pin's whole blocks (D's cache keeps whole blocks only)."""
         held = request.pin.tokens if request.pin is not None else 0
         if engine == "decode":
             block_size = self._pin_budget().block_size
             held = held // block_size * block_size
-        return max(0, len(request.prompt_token_ids) - held)
+        held = min(held, len(request.prompt_token_ids))
+        return len(request.prompt_token_ids) - held, held
 
     async def release(self, pin: Pin) -> None:
         """Have D free the blocks ``pin`` holds, now rather than at their expiry (a pin no pair made is ignored).

@@ -5,7 +5,9 @@ only: a step prefilled on D recomputes the pin's last partial block (up to 127 t
 CPU) and the new tokens, with no P hop and no transfers. A step on P computes only the new
 tokens but pays the hop: P's scheduling, P's pull from D, D's pull from P. Which is faster
 depends on the step and the machine, so `PlacementCosts` learns both from the pair's own
-steps (calibrated by the warm-up, updated by every step) and compares the estimates.
+steps (calibrated by the warm-up, updated by every step) and compares the estimates: the
+compute of each (src/agentkv/_engines/_compute.py: the recomputed block sits at the end of the
+history, where a token costs the most) and each placement's overhead.
 
 Without an objective (a pair's ``slo=None``), D takes a step only while it has nothing else in
 flight: prefilling on D stalls the decodes of other conversations, which is what disaggregation
@@ -18,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ._compute import ComputeModel, ComputePoint
+
 __all__ = ["Placement", "PlacementChoice", "PlacementCosts", "PrefillEngine"]
 
 Placement = Literal["prefill", "decode", "auto"]
@@ -29,8 +33,6 @@ PrefillEngine = Literal["prefill", "decode"]
 
 _SMOOTHING = 0.3
 """Weight of the newest observation in each running estimate."""
-_MIN_TOKENS_FOR_RATE = 32
-"""A step teaches the per-token cost only when it computed at least this many tokens."""
 _MIN_TOKENS_FOR_GAP = 8
 """A step teaches D's token gap only when its answer has at least this many tokens."""
 
@@ -45,43 +47,51 @@ class PlacementChoice:
 
 @dataclass
 class PlacementCosts:
-    """Running estimates of time to first token on each placement: a fixed cost plus a cost per computed token.
+    """Running estimates of time to first token on each placement: the step's compute (`ComputeModel`, shared by
+    both engines) plus the placement's own overhead (P: scheduling and the pulls; D: little).
 
-    The priors (0.1 s hop on P, 2 ms per token) only matter until the warm-up's steps replace them.
+    The priors (0.1 s of overhead on P, 2 ms per token) only matter until the warm-up's steps replace them.
     """
 
-    fixed_s: dict[PrefillEngine, float] = field(default_factory=lambda: {"prefill": 0.1, "decode": 0.02})
-    per_token_s: dict[PrefillEngine, float] = field(default_factory=lambda: {"prefill": 2e-3, "decode": 2e-3})
+    overhead_s: dict[PrefillEngine, float] = field(default_factory=lambda: {"prefill": 0.1, "decode": 0.02})
+    """What a step's time to first token takes beyond its compute, by engine: the running mean of what steps took
+    beyond the compute model's estimate (their queue left out)."""
+    compute: ComputeModel = field(default_factory=ComputeModel)
     gap_s: float = 0.0
     """D's gap between two tokens of an answer (its forward pass over the decodes in flight): the running mean
     of steps' mean gaps. A prefill on D lengthens the pass its decodes wait for by its own compute, so a decode's
     gap then is this plus the prefill's (`agentkv._engines._slo.choose_within_slo`)."""
     _seen: set[tuple[str, PrefillEngine]] = field(default_factory=set[tuple[str, PrefillEngine]])
 
-    def estimate(self, engine: PrefillEngine, computed_tokens: int) -> float:
-        """Estimated time to first token for a step that computes ``computed_tokens`` on ``engine``."""
-        return self.fixed_s[engine] + computed_tokens * self.per_token_s[engine]
+    def compute_s(self, computed_tokens: int, context_tokens: int) -> float:
+        """Estimated compute of a prefill of ``computed_tokens`` after ``context_tokens`` cached ones (either engine)."""
+        return self.compute.seconds(computed_tokens, context_tokens)
+
+    def estimate(self, engine: PrefillEngine, computed_tokens: int, context_tokens: int) -> float:
+        """Estimated time to first token for a step that computes ``computed_tokens`` after ``context_tokens`` on
+        ``engine``."""
+        return self.overhead_s[engine] + self.compute_s(computed_tokens, context_tokens)
 
     def observe(
         self,
         engine: PrefillEngine,
         *,
         computed_tokens: int,
+        context_tokens: int,
         ttft_s: float,
         prefill_s: float | None,
+        alone: bool = True,
         decode_s: float | None = None,
         output_tokens: int = 0,
     ) -> None:
-        """Learn from a finished step: its compute time per token, the rest of its time to first token, and (from an
-        answer of `_MIN_TOKENS_FOR_GAP` tokens or more) D's gap between tokens."""
+        """Learn from a finished step: its compute (when its prefill ran ``alone`` on its engine), the rest of its
+        time to first token, and (from an answer of `_MIN_TOKENS_FOR_GAP` tokens or more) D's gap between tokens."""
         if decode_s is not None and output_tokens >= _MIN_TOKENS_FOR_GAP:
             self.gap_s = self._blend("gap", "decode", self.gap_s, decode_s / (output_tokens - 1))
-        if prefill_s is not None and computed_tokens >= _MIN_TOKENS_FOR_RATE:
-            self.per_token_s[engine] = self._blend(
-                "rate", engine, self.per_token_s[engine], prefill_s / computed_tokens
-            )
-        fixed = max(0.0, ttft_s - computed_tokens * self.per_token_s[engine])
-        self.fixed_s[engine] = self._blend("fixed", engine, self.fixed_s[engine], fixed)
+        if prefill_s is not None and alone:
+            self.compute.observe(ComputePoint(computed_tokens, context_tokens, prefill_s))
+        overhead = max(0.0, ttft_s - self.compute_s(computed_tokens, context_tokens))
+        self.overhead_s[engine] = self._blend("overhead", engine, self.overhead_s[engine], overhead)
 
     def _blend(self, what: str, engine: PrefillEngine, current: float, new: float) -> float:
         """The first observation replaces the prior; later ones move the estimate by `_SMOOTHING`."""
@@ -96,12 +106,13 @@ class PlacementCosts:
         """P or D for a step whose prompt extends the ``held_tokens`` that D pins."""
         if decode_in_flight:
             return PlacementChoice("prefill", f"D busy ({decode_in_flight} in flight)")
+        on_decode_context = held_tokens // block_size * block_size
         on_prefill = prompt_tokens - held_tokens
-        on_decode = prompt_tokens - held_tokens // block_size * block_size
+        on_decode = prompt_tokens - on_decode_context
         if prefill_in_flight:
             return PlacementChoice("decode", f"P busy ({prefill_in_flight} in flight), D idle: {on_decode} tokens on D")
-        via_prefill = self.estimate("prefill", on_prefill)
-        via_decode = self.estimate("decode", on_decode)
+        via_prefill = self.estimate("prefill", on_prefill, held_tokens)
+        via_decode = self.estimate("decode", on_decode, on_decode_context)
         engine: PrefillEngine = "decode" if via_decode <= via_prefill else "prefill"
         return PlacementChoice(
             engine, f"estimated D {via_decode:.3f} s ({on_decode} tokens), P {via_prefill:.3f} s ({on_prefill} tokens)"

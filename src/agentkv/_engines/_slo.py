@@ -85,17 +85,18 @@ class EngineLoad:
 
     prefills: int = 0
     """Steps whose prefill runs (or waits) on the engine."""
-    prefill_tokens: int = 0
-    """Prompt tokens still to compute of the steps whose prefill runs (or waits) on the engine."""
+    prefill_s: float = 0.0
+    """The estimated compute of the steps whose prefill runs (or waits) on the engine (`PlacementCosts.compute_s`
+    when each was placed)."""
     busy_s: float = 0.0
     """How long the oldest of those prefills has been in flight (the engine has computed since then)."""
     decodes: int = 0
     """Answers being decoded on the engine (D's decodes stall while a prefill on D computes)."""
 
-    def queued_s(self, per_token_s: float) -> float:
-        """The compute still ahead of a new step, at ``per_token_s``: what the prefills in flight need, less
-        what the engine has computed since the oldest of them started."""
-        return max(0.0, self.prefill_tokens * per_token_s - self.busy_s)
+    def queued_s(self) -> float:
+        """The compute still ahead of a new step: what the prefills in flight need, less what the engine has
+        computed since the oldest of them started."""
+        return max(0.0, self.prefill_s - self.busy_s)
 
 
 def choose_within_slo(
@@ -104,11 +105,14 @@ def choose_within_slo(
     *,
     on_prefill: int,
     on_decode: int,
+    prefill_context: int,
+    decode_context: int,
     prefill_load: EngineLoad,
     decode_load: EngineLoad,
     at_stake: Callable[[float], int],
 ) -> PlacementChoice:
-    """P or D for a step that computes ``on_prefill`` tokens on P or ``on_decode`` tokens on D alone, given what
+    """P or D for a step that computes ``on_prefill`` tokens after ``prefill_context`` (the pin) on P or ``on_decode``
+    tokens after ``decode_context`` (the pin's whole blocks) on D alone, given what
     is in flight on each and ``at_stake(s)``, how many other steps in flight a prefill on D computing for the next
     ``s`` seconds would stall that can still meet ``slo``: the placement that keeps the most turns inside it (see
     the module's docstring).
@@ -116,15 +120,12 @@ def choose_within_slo(
     The reason gives both estimates (queue included), the stall a prefill on D imposes on the turns at stake, and
     the test that decided.
     """
-    queued: dict[PrefillEngine, float] = {
-        "prefill": prefill_load.queued_s(costs.per_token_s["prefill"]),
-        "decode": decode_load.queued_s(costs.per_token_s["decode"]),
-    }
-    via_prefill = queued["prefill"] + costs.estimate("prefill", on_prefill)
-    via_decode = queued["decode"] + costs.estimate("decode", on_decode)
+    queued: dict[PrefillEngine, float] = {"prefill": prefill_load.queued_s(), "decode": decode_load.queued_s()}
+    via_prefill = queued["prefill"] + costs.estimate("prefill", on_prefill, prefill_context)
+    via_decode = queued["decode"] + costs.estimate("decode", on_decode, decode_context)
     # the steps at stake wait out the prefills queued on D as well as this one (vLLM may batch them into one pass),
     # on top of the pass that computes their own next tokens
-    stall_s = queued["decode"] + on_decode * costs.per_token_s["decode"]
+    stall_s = queued["decode"] + costs.compute_s(on_decode, decode_context)
     stake = at_stake(via_decode)
     breaks_gaps = stake > 0 and costs.gap_s + stall_s > slo.itl_s
     decode_fits = via_decode <= slo.ttft_s and not breaks_gaps

@@ -2,8 +2,8 @@
 src/agentkv/_engines/_slo.py).
 
 Every step of a pair goes through `PairLayer._pinned_step` (src/agentkv/_engines/_pair_layer.py),
-which tells the ledger where it placed the step and how many prompt tokens it computes there
-(`started`), when each of its tokens came (`token`: after the first its prefill is over, it
+which tells the ledger where it placed the step and how long its prefill there is estimated to
+compute (`started`), when each of its tokens came (`token`: after the first its prefill is over, it
 decodes on D) and when it ended (`ended`). A step placed on P counts as P's prefill until its
 first token, transfers included; every step decodes on D after it.
 
@@ -28,12 +28,15 @@ __all__ = ["StepLedger"]
 @dataclass
 class _Step:
     engine: PrefillEngine
-    tokens: int
+    compute_s: float
+    """Its prefill's estimated compute."""
     started: float
     last_token: float | None = None
     """When its latest token came (None: none yet, it still prefills)."""
     ttft_s: float | None = None
     worst_gap_s: float = 0.0
+    crowded: bool = False
+    """Another prefill ran (or waited) on its engine while it prefilled: its prefill's time is not its own."""
 
     @property
     def decoding(self) -> bool:
@@ -48,7 +51,7 @@ class _Step:
 
 
 class StepLedger:
-    """The steps in flight on a pair: which engine prefills each, with how many tokens, and which decode on D."""
+    """The steps in flight on a pair: which engine prefills each, for how long, and which decode on D."""
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter) -> None:
         self._clock = clock
@@ -56,11 +59,21 @@ class StepLedger:
         self._steps: dict[int, _Step] = {}
         self._next = 0
 
-    def started(self, engine: PrefillEngine, tokens: int, *, now: float | None = None) -> int:
-        """A step placed on ``engine``, which computes ``tokens`` of its prompt there; its key in the ledger."""
+    def started(self, engine: PrefillEngine, compute_s: float, *, now: float | None = None) -> int:
+        """A step placed on ``engine``, whose prefill there is estimated to compute for ``compute_s``; its key in the
+        ledger."""
+        step = _Step(engine, compute_s, self._clock() if now is None else now)
+        for other in self._steps.values():
+            if other.engine == engine and not other.decoding:
+                other.crowded = step.crowded = True
         self._next += 1
-        self._steps[self._next] = _Step(engine, tokens, self._clock() if now is None else now)
+        self._steps[self._next] = step
         return self._next
+
+    def prefilled_alone(self, key: int) -> bool:
+        """Whether the step's prefill had its engine to itself (no other prefill there meanwhile)."""
+        step = self._steps.get(key)
+        return step is not None and not step.crowded
 
     def token(self, key: int, *, now: float | None = None) -> None:
         """The step yielded tokens: after the first its prefill is over and it decodes on D."""
@@ -78,13 +91,13 @@ class StepLedger:
         self._steps.pop(key, None)
 
     def load(self, engine: PrefillEngine, *, now: float | None = None) -> EngineLoad:
-        """What is in flight on ``engine``: its prefills' tokens and age, and (D) the answers decoding on it."""
+        """What is in flight on ``engine``: its prefills' compute and age, and (D) the answers decoding on it."""
         now = self._clock() if now is None else now
         prefilling = [step for step in self._steps.values() if step.engine == engine and not step.decoding]
         decodes = sum(step.decoding for step in self._steps.values()) if engine == "decode" else 0
         return EngineLoad(
             prefills=len(prefilling),
-            prefill_tokens=sum(step.tokens for step in prefilling),
+            prefill_s=sum(step.compute_s for step in prefilling),
             busy_s=max((now - step.started for step in prefilling), default=0.0),
             decodes=decodes,
         )
@@ -93,8 +106,8 @@ class StepLedger:
         """How many steps in flight a prefill on D that computes for the next ``within_s`` seconds would stall and
         that can still meet ``slo``: those decoding on D whose tokens met it so far, and those still prefilling whose
         first token is due within ``within_s`` and within their TTFT objective. A prefill's first token is due once
-        the prompt tokens of its engine's older prefills and its own are computed (at ``costs``, less what the
-        engine computed since the oldest started, as `EngineLoad.queued_s`), plus its engine's fixed cost."""
+        its engine's older prefills and its own are computed (less what the engine computed since the oldest
+        started, as `EngineLoad.queued_s`), plus its placement's overhead (``costs``)."""
         now = self._clock() if now is None else now
         stake = sum(step.met_so_far(slo, now) for step in self._steps.values() if step.decoding)
         engine: PrefillEngine
@@ -105,10 +118,10 @@ class StepLedger:
             )
             if not queue:
                 continue
-            busy_s, tokens = now - queue[0].started, 0
+            busy_s, compute_s = now - queue[0].started, 0.0
             for step in queue:
-                tokens += step.tokens
-                due = now + max(0.0, tokens * costs.per_token_s[engine] - busy_s) + costs.fixed_s[engine]
+                compute_s += step.compute_s
+                due = now + max(0.0, compute_s - busy_s) + costs.overhead_s[engine]
                 stake += due <= now + within_s and due - step.started <= slo.ttft_s
         return stake
 
