@@ -56,3 +56,8 @@ def test_the_model_refits_over_its_latest_prefills_only() -> None:
     for n in range(100, 124):  # a whole window of the engines' new state
         model.observe(_point(n, 0, fast))
     assert len(model) == 24 and model.seconds(200, 0) == pytest.approx(0.2)
+
+
+def test_a_prefill_adds_its_tokens_to_a_pass_that_runs_anyway() -> None:
+    assert TRUE.added_s(100, 500) == pytest.approx(TRUE.seconds(100, 500) - TRUE.pass_s)
+    assert TRUE.added_s(0, 500) == 0.0

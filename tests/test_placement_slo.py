@@ -170,6 +170,13 @@ def test_the_pair_learns_d_s_gap_from_answers_long_enough_to_have_one() -> None:
     assert costs.gap_s == pytest.approx(0.7 * 0.1 + 0.3 * 0.2)  # a running mean
 
 
+def test_the_stall_is_what_the_prefill_adds_to_d_s_pass_not_a_pass_of_its_own() -> None:
+    with_pass = _costs()
+    with_pass.compute = ComputeModel(ComputeCost(pass_s=0.05, per_token_s=1e-3, per_attended_s=0.0))
+    choice = _choose(with_pass, on_prefill=50, on_decode=60, d=EngineLoad(decodes=3))
+    assert "D 0.130 s (60 tokens" in choice.reason and "stall 0.060 s on 3 turns" in choice.reason
+
+
 def test_the_stall_counts_the_prefills_queued_on_d_before_the_step() -> None:
     queued_d = EngineLoad(prefills=1, prefill_s=0.05, decodes=4)  # 0.05 s ahead of it, 0.06 s its own
     choice = _choose(on_prefill=200, on_decode=60, d=queued_d)

@@ -50,7 +50,11 @@ class ComputeCost:
         """Time to compute ``computed`` new tokens after ``context`` cached ones."""
         if computed <= 0:
             return 0.0
-        return self.pass_s + self.per_token_s * computed + self.per_attended_s * attended(computed, context)
+        return self.pass_s + self.added_s(computed, context)
+
+    def added_s(self, computed: int, context: int) -> float:
+        """What the same tokens add to a forward pass that runs anyway (one over other requests' tokens)."""
+        return self.per_token_s * max(0, computed) + self.per_attended_s * attended(max(0, computed), context)
 
 
 def fit_compute(points: Iterable[ComputePoint], one_token_s: Sequence[float] = ()) -> ComputeCost:
@@ -117,7 +121,10 @@ class ComputeModel:
     would take. Where P and D run on different kinds of device the fit is their blend; what differs by a
     constant (P's hop, D's cache lookups) is each placement's own overhead (`PlacementCosts.overhead_s`).
     Only prefills that ran alone on their engine teach it: one that shared its passes with other prefills
-    reports their compute as its own.
+    reports their compute as its own. Answers decoding on D share a prefill's passes there too, but add one
+    token each to a pass of hundreds: those still teach. The warm-up leaves two short prefills, whose sizes tell
+    the pass from the tokens only as well as their noise allows; a conversation's first step (on P: no pin yet)
+    adds a long one before any step of it can be placed.
     """
 
     def __init__(self, prior: ComputeCost | None = None) -> None:

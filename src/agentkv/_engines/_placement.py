@@ -67,6 +67,10 @@ class PlacementCosts:
         """Estimated compute of a prefill of ``computed_tokens`` after ``context_tokens`` cached ones (either engine)."""
         return self.compute.seconds(computed_tokens, context_tokens)
 
+    def added_s(self, computed_tokens: int, context_tokens: int) -> float:
+        """What such a prefill adds to a forward pass that runs anyway: on D, the pass over its decodes."""
+        return self.compute.cost.added_s(computed_tokens, context_tokens)
+
     def estimate(self, engine: PrefillEngine, computed_tokens: int, context_tokens: int) -> float:
         """Estimated time to first token for a step that computes ``computed_tokens`` after ``context_tokens`` on
         ``engine``."""

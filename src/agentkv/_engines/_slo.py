@@ -124,8 +124,8 @@ def choose_within_slo(
     via_prefill = queued["prefill"] + costs.estimate("prefill", on_prefill, prefill_context)
     via_decode = queued["decode"] + costs.estimate("decode", on_decode, decode_context)
     # the steps at stake wait out the prefills queued on D as well as this one (vLLM may batch them into one pass),
-    # on top of the pass that computes their own next tokens
-    stall_s = queued["decode"] + costs.compute_s(on_decode, decode_context)
+    # on top of the pass that computes their own next tokens (D's usual gap: this prefill adds its tokens to it)
+    stall_s = queued["decode"] + costs.added_s(on_decode, decode_context)
     stake = at_stake(via_decode)
     breaks_gaps = stake > 0 and costs.gap_s + stall_s > slo.itl_s
     decode_fits = via_decode <= slo.ttft_s and not breaks_gaps
