@@ -153,20 +153,12 @@ def test_a_decode_gap_is_d_s_usual_gap_plus_the_prefill() -> None:
 
 def test_the_pair_learns_d_s_gap_from_answers_long_enough_to_have_one() -> None:
     costs = PlacementCosts()
-    costs.observe(
-        "prefill", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=0.7, output_tokens=8
-    )
+    costs.observe("prefill", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=0.7, output_tokens=8)
     assert costs.gap_s == pytest.approx(0.1)  # 7 gaps in 0.7 s
-    costs.observe(
-        "decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=0.9, output_tokens=4
-    )  # too short
-    costs.observe(
-        "decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=None, output_tokens=40
-    )
+    costs.observe("decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=0.9, output_tokens=4)  # too short
+    costs.observe("decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=None, output_tokens=40)
     assert costs.gap_s == pytest.approx(0.1)
-    costs.observe(
-        "decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=1.8, output_tokens=10
-    )
+    costs.observe("decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=1.8, output_tokens=10)
     assert costs.gap_s == pytest.approx(0.7 * 0.1 + 0.3 * 0.2)  # a running mean
 
 
@@ -237,9 +229,9 @@ def test_the_queue_counts_what_the_engine_computed_since_its_oldest_prefill() ->
 
 def test_the_ledger_follows_each_step_from_its_prefill_to_its_decode() -> None:
     ledger = StepLedger()
-    on_p = ledger.started("prefill", 0.1, expected_s=0.1, now=10.0)
-    on_d = ledger.started("decode", 0.04, expected_s=0.04, now=11.0)
-    ledger.started("prefill", 0.3, expected_s=0.3, now=12.0)
+    on_p = ledger.started("prefill", 0.1, now=10.0)
+    on_d = ledger.started("decode", 0.04, now=11.0)
+    ledger.started("prefill", 0.3, now=12.0)
     assert ledger.load("prefill", now=12.5) == EngineLoad(prefills=2, prefill_s=0.4, busy_s=2.5, decodes=0)
     assert ledger.load("decode", now=12.5) == EngineLoad(prefills=1, prefill_s=0.04, busy_s=1.5, decodes=0)
     ledger.token(on_p, now=12.6)  # P's prefill over: its answer decodes on D
@@ -257,15 +249,15 @@ def test_the_ledger_counts_the_decodes_in_flight_that_can_still_meet_the_objecti
     ledger = StepLedger()
 
     def stake(now: float) -> int:
-        return ledger.at_stake(slo, within_s=10.0, now=now)
+        return ledger.at_stake(slo, _costs(), within_s=10.0, now=now)
 
-    late = ledger.started("decode", 0.1, expected_s=0.1, now=0.0)
+    late = ledger.started("decode", 0.1, now=0.0)
     ledger.token(late, now=2.5)  # first token after 2.5 s: lost
-    steady = ledger.started("prefill", 0.1, expected_s=0.1, now=1.0)
+    steady = ledger.started("prefill", 0.1, now=1.0)
     ledger.token(steady, now=1.5)
     ledger.token(steady, now=1.9)
     assert stake(1.95) == 1  # steady
-    stalled = ledger.started("decode", 0.01, expected_s=0.01, now=2.0)
+    stalled = ledger.started("decode", 0.01, now=2.0)
     ledger.token(stalled, now=2.2)
     ledger.token(stalled, now=2.3)
     assert stake(2.35) == 2  # steady's open gap: 0.45 s
@@ -278,32 +270,17 @@ def test_the_ledger_counts_the_decodes_in_flight_that_can_still_meet_the_objecti
 def test_a_prefill_in_flight_is_at_stake_when_its_first_token_is_due_in_the_window_and_in_time() -> None:
     slo = Slo(ttft_s=2.0, itl_s=0.5)
     ledger = StepLedger()
-    # each with the TTFT the pair expected when it placed it: the queue ahead, its overhead (P 0.1 s, D 0.02 s) and
-    # its compute at 1 ms a token
-    ledger.started("prefill", 0.3, expected_s=0.4, now=0.0)  # due at 0.4 s: within 2 s
-    ledger.started("prefill", 1.5, expected_s=1.9, now=0.0)  # behind it: due at 1.9 s
-    ledger.started("prefill", 0.5, expected_s=2.4, now=0.0)  # due at 2.4 s: misses its 2 s whatever D does
-    ledger.started("decode", 0.2, expected_s=0.22, now=0.0)  # due at 0.22 s on D
+    ledger.started("prefill", 0.3, now=0.0)  # due at 0.4 s (300 tokens at 1 ms, P's 0.1 s): within 2 s
+    ledger.started("prefill", 1.5, now=0.0)  # behind it: due at 1.9 s
+    ledger.started("prefill", 0.5, now=0.0)  # due at 2.4 s: misses its 2 s whatever D does
+    ledger.started("decode", 0.2, now=0.0)  # due at 0.22 s on D (D's 0.02 s)
 
     def stake(within_s: float) -> int:
-        return ledger.at_stake(slo, within_s=within_s, now=0.0)
+        return ledger.at_stake(slo, _costs(), within_s=within_s, now=0.0)
 
     assert [stake(s) for s in (0.1, 0.3, 1.0, 2.0, 9.0)] == [0, 1, 2, 3, 3]
-    assert ledger.at_stake(slo, within_s=9.0, now=1.0) == 3  # a second later: 1 s computed of the queue
-    assert ledger.at_stake(slo, within_s=9.0, now=2.1) == 0  # every one has waited past 2 s
-
-
-def test_a_step_that_waited_past_its_expected_overhead_is_due_once_computed() -> None:
-    """Under load a placement's overhead, learned as what first tokens took beyond the compute and the queue that
-    the pair saw, grows with what it did not see (vLLM batches prefills that arrive meanwhile). It runs from the
-    step's start: counted again from now, a step that has waited it out would look lost, and D's prefill would
-    break the gaps of a turn that could still meet the objective (docs/benchmarks.md, "Results under load")."""
-    slo = Slo(ttft_s=5.0, itl_s=0.5)
-    ledger = StepLedger()
-    ledger.started("prefill", 1.0, expected_s=4.0, now=0.0)  # 1 s of compute, 3 s of overhead expected
-    assert ledger.at_stake(slo, within_s=2.0, now=3.0) == 1  # due at 4 s, within 5 s: at stake
-    assert ledger.at_stake(slo, within_s=2.0, now=4.5) == 1  # later than expected: due now, still within
-    assert ledger.at_stake(slo, within_s=2.0, now=5.1) == 0  # past its objective: lost whatever D does
+    assert ledger.at_stake(slo, _costs(), within_s=9.0, now=1.0) == 3  # a second later: 1 s computed of the queue
+    assert ledger.at_stake(slo, _costs(), within_s=9.0, now=2.1) == 0  # every one has waited past 2 s
 
 
 # ----------------------------------------------------------------- the pair layer
@@ -316,13 +293,13 @@ def test_the_pair_places_by_its_slo_with_what_it_has_in_flight(unstarted_pair: A
     choice = unstarted_pair._place(request)
     assert choice.engine == "decode" and "D 0.120 s (100 tokens" in choice.reason and "P 0.190 s (90" in choice.reason
     unstarted_pair._ledger = StepLedger(clock=lambda: 100.0)  # time stands still: every step stays within
-    decoding = unstarted_pair._ledger.started("prefill", 0.01, expected_s=0.01)
+    decoding = unstarted_pair._ledger.started("prefill", 0.01)
     unstarted_pair._ledger.token(decoding)  # one answer decoding on D
     assert (
         "stall 0.100 s on 1 turns at stake (gap 0.000 s): D fits" in unstarted_pair._place(request).reason
     )  # 0.1 s: within
-    unstarted_pair._ledger.started("decode", 0.01, expected_s=0.01)  # a step prefilling on D decodes on D next
-    unstarted_pair._ledger.started("prefill", 0.01, expected_s=0.01)  # and so does one on P, once its KV is over
+    unstarted_pair._ledger.started("decode", 0.01)  # a step prefilling on D decodes on D next
+    unstarted_pair._ledger.started("prefill", 0.01)  # and so does one on P, once its KV is over
     assert "on 3 turns at stake" in unstarted_pair._place(request).reason
     unstarted_pair.in_flight.d = 9  # D's own count of requests (releases, repins among them) decides nothing
     assert "on 3 turns at stake" in unstarted_pair._place(request).reason

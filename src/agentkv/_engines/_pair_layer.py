@@ -150,12 +150,7 @@ class PairLayer(Engine):
             self._steps_on_decode += on_decode
             # the compute queued ahead of it on its engine: not its own cost, which the pair learns without it
             queued_s = self._ledger.load(choice.engine).queued_s()
-            computed, context = self._tokens_on(choice.engine, request)
-            key = self._ledger.started(
-                choice.engine,
-                self.costs.compute_s(computed, context),
-                expected_s=queued_s + self.costs.estimate(choice.engine, computed, context),
-            )
+            key = self._ledger.started(choice.engine, self.costs.compute_s(*self._tokens_on(choice.engine, request)))
             try:
                 placed = self._step_on_decode if on_decode else self._step_via_prefill
                 async with contextlib.aclosing(placed(request, started, choice)) as events:
@@ -217,11 +212,11 @@ class PairLayer(Engine):
                 decode_in_flight=on_decode + self._steps_on_decode,
                 prefill_in_flight=on_prefill,
             )
-        slo = self.slo
+        slo, costs = self.slo, self.costs
         on_prefill, prefill_context = self._tokens_on("prefill", request)
         on_decode, decode_context = self._tokens_on("decode", request)
         return choose_within_slo(
-            self.costs,
+            costs,
             slo,
             on_prefill=on_prefill,
             on_decode=on_decode,
@@ -229,7 +224,7 @@ class PairLayer(Engine):
             decode_context=decode_context,
             prefill_load=self._ledger.load("prefill"),
             decode_load=self._ledger.load("decode"),
-            at_stake=lambda within_s: self._ledger.at_stake(slo, within_s=within_s),
+            at_stake=lambda within_s: self._ledger.at_stake(slo, costs, within_s=within_s),
         )
 
     def _tokens_on(self, engine: PrefillEngine, request: StepRequest) -> tuple[int, int]:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._placement import PrefillEngine
+from ._placement import PlacementCosts, PrefillEngine
 from ._slo import EngineLoad, Slo
 
 __all__ = ["StepLedger"]
@@ -31,8 +31,6 @@ class _Step:
     compute_s: float
     """Its prefill's estimated compute."""
     started: float
-    expected_s: float
-    """Its estimated time to first token when it was placed (the queue then ahead of it included)."""
     last_token: float | None = None
     """When its latest token came (None: none yet, it still prefills)."""
     ttft_s: float | None = None
@@ -61,10 +59,10 @@ class StepLedger:
         self._steps: dict[int, _Step] = {}
         self._next = 0
 
-    def started(self, engine: PrefillEngine, compute_s: float, *, expected_s: float, now: float | None = None) -> int:
-        """A step placed on ``engine``, whose prefill there is estimated to compute for ``compute_s`` and to bring its
-        first token in ``expected_s``; its key in the ledger."""
-        step = _Step(engine, compute_s, self._clock() if now is None else now, expected_s)
+    def started(self, engine: PrefillEngine, compute_s: float, *, now: float | None = None) -> int:
+        """A step placed on ``engine``, whose prefill there is estimated to compute for ``compute_s``; its key in the
+        ledger."""
+        step = _Step(engine, compute_s, self._clock() if now is None else now)
         for other in self._steps.values():
             if other.engine == engine and not other.decoding:
                 other.crowded = step.crowded = True
@@ -104,14 +102,12 @@ class StepLedger:
             decodes=decodes,
         )
 
-    def at_stake(self, slo: Slo, *, within_s: float, now: float | None = None) -> int:
+    def at_stake(self, slo: Slo, costs: PlacementCosts, *, within_s: float, now: float | None = None) -> int:
         """How many steps in flight a prefill on D that computes for the next ``within_s`` seconds would stall and
         that can still meet ``slo``: those decoding on D whose tokens met it so far, and those still prefilling whose
         first token is due within ``within_s`` and within their TTFT objective. A prefill's first token is due once
         its engine's older prefills and its own are computed (less what the engine computed since the oldest
-        started, as `EngineLoad.queued_s`), and not before the pair expected it when it was placed (`started`: its
-        placement's overhead runs from the step's start, so a step that has waited longer than expected is due as
-        soon as its compute is done, not an overhead later)."""
+        started, as `EngineLoad.queued_s`), plus its placement's overhead (``costs``)."""
         now = self._clock() if now is None else now
         stake = sum(step.met_so_far(slo, now) for step in self._steps.values() if step.decoding)
         engine: PrefillEngine
@@ -125,7 +121,7 @@ class StepLedger:
             busy_s, compute_s = now - queue[0].started, 0.0
             for step in queue:
                 compute_s += step.compute_s
-                due = max(now + max(0.0, compute_s - busy_s), step.started + step.expected_s)
+                due = now + max(0.0, compute_s - busy_s) + costs.overhead_s[engine]
                 stake += due <= now + within_s and due - step.started <= slo.ttft_s
         return stake
 
