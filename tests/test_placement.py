@@ -64,7 +64,9 @@ def test_the_rate_is_learned_net_of_the_pass_s_fixed_cost() -> None:
     costs = PlacementCosts()
     pass_s, rate = 0.06, 1.4e-3
     for tokens in (45, 89):
-        costs.observe("prefill", computed_tokens=tokens, context_tokens=256, ttft_s=1.0, prefill_s=pass_s + rate * tokens)
+        costs.observe(
+            "prefill", computed_tokens=tokens, context_tokens=256, ttft_s=1.0, prefill_s=pass_s + rate * tokens
+        )
     assert costs.compute.cost.per_token_s == pytest.approx(rate)
     assert costs.compute_s(521, 768) == pytest.approx(pass_s + rate * 521)
 

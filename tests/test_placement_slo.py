@@ -153,12 +153,20 @@ def test_a_decode_gap_is_d_s_usual_gap_plus_the_prefill() -> None:
 
 def test_the_pair_learns_d_s_gap_from_answers_long_enough_to_have_one() -> None:
     costs = PlacementCosts()
-    costs.observe("prefill", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=0.7, output_tokens=8)
+    costs.observe(
+        "prefill", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=0.7, output_tokens=8
+    )
     assert costs.gap_s == pytest.approx(0.1)  # 7 gaps in 0.7 s
-    costs.observe("decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=0.9, output_tokens=4)  # too short
-    costs.observe("decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=None, output_tokens=40)
+    costs.observe(
+        "decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=0.9, output_tokens=4
+    )  # too short
+    costs.observe(
+        "decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=None, output_tokens=40
+    )
     assert costs.gap_s == pytest.approx(0.1)
-    costs.observe("decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=1.8, output_tokens=10)
+    costs.observe(
+        "decode", computed_tokens=10, context_tokens=0, ttft_s=0.2, prefill_s=0.1, decode_s=1.8, output_tokens=10
+    )
     assert costs.gap_s == pytest.approx(0.7 * 0.1 + 0.3 * 0.2)  # a running mean
 
 
