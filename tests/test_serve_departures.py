@@ -131,7 +131,8 @@ def test_a_client_that_leaves_mid_step_cancels_it_and_its_conversation_goes_on(
 
 def _stream_lines(url: str, api: str, text: str, lines: list[str]) -> None:
     with httpx.stream("POST", url + path(api), json=body(api, text, stream=True), timeout=30) as answer:
-        lines.extend(answer.iter_lines())
+        for line in answer.iter_lines():
+            lines.append(line)  # one by one: the test sees the stream begin
 
 
 def test_a_stopping_door_ends_its_requests_in_flight_with_errors_their_clients_read(served: Served) -> None:
@@ -150,11 +151,15 @@ def test_a_stopping_door_ends_its_requests_in_flight_with_errors_their_clients_r
         threading.Thread(target=_stream_lines, args=(door.url, "chat", "B?", chat_lines)),
         threading.Thread(target=_stream_lines, args=(door.url, "responses", "C?", event_lines)),
     ]
-    for client in clients:
+    # a stream's answer begins once the door has its first token (before that a stop gets it a 503, as a plain
+    # request): each stream is stalled mid-answer, after its first lines reached the client
+    begun = [lambda: True, lambda: bool(chat_lines), lambda: bool(event_lines)]
+    for client, has_begun in zip(clients, begun, strict=True):
         engine.inject("stall")
         before = len(engine.steps)
         client.start()
         wait_for(stalled_step(engine, before), what="the step reached the engine")
+        wait_for(has_begun, what="the stream began")
     stalled = engine.steps[-3:]
     started = time.monotonic()
     door.stop()
