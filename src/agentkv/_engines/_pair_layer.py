@@ -148,7 +148,6 @@ class PairLayer(Engine):
             choice = self._place(request)
             on_decode = choice.engine == "decode"
             self._steps_on_decode += on_decode
-            queued_s = self._ledger.load(choice.engine).queued_s()
             key = self._ledger.started(choice.engine, self.costs.compute_s(*self._tokens_on(choice.engine, request)))
             try:
                 placed = self._step_on_decode if on_decode else self._step_via_prefill
@@ -156,7 +155,7 @@ class PairLayer(Engine):
                     async for event in events:
                         self._ledger.token(key)  # the first ends the prefill (D decodes it now); each times a gap
                         if isinstance(event, StepDone):
-                            self._learn(event, pins, queued_s, evicted=evicted, alone=self._ledger.prefilled_alone(key))
+                            self._learn(event, pins, evicted=evicted, alone=self._ledger.prefilled_alone(key))
                             if on_decode and request.pin is not None and handle is not None:  # no P read frees it
                                 self._spawn_release(handle, request.pin.expires_at)
                         yield event
@@ -169,7 +168,7 @@ class PairLayer(Engine):
                 logger.debug("agentkv: a new pin overfills D; releasing the least recently pinned conversation")
                 self._spawn_release(released, deadline)
 
-    def _learn(self, done: StepDone, pins: PinBudget, queued_s: float, *, evicted: bool, alone: bool) -> None:
+    def _learn(self, done: StepDone, pins: PinBudget, *, evicted: bool, alone: bool) -> None:
         """What the step teaches: D's new pin, and its costs (its compute and overhead only when its prefill ran
         ``alone`` on its engine: a queue's wait is the ledger's to estimate)."""
         timings = done.timings
@@ -180,7 +179,7 @@ class PairLayer(Engine):
             timings.prefill_engine or "prefill",
             computed_tokens=timings.computed_tokens,
             context_tokens=timings.local_hit_tokens + timings.pulled_tokens,
-            ttft_s=max(0.0, timings.ttft_s - queued_s),
+            ttft_s=timings.ttft_s,
             prefill_s=timings.prefill_s,
             alone=alone,
             decode_s=timings.decode_s,

@@ -93,7 +93,9 @@ class PlacementCosts:
         time to first token; and (from an answer of `_MIN_TOKENS_FOR_GAP` tokens or more) D's gap between tokens."""
         if decode_s is not None and output_tokens >= _MIN_TOKENS_FOR_GAP:
             self.gap_s = self._blend("gap", "decode", self.gap_s, decode_s / (output_tokens - 1))
-        if prefill_s is not None and alone:
+        if not alone:
+            return
+        if prefill_s is not None:
             self.compute.observe(ComputePoint(computed_tokens, context_tokens, prefill_s))
         overhead = max(0.0, ttft_s - self.compute_s(computed_tokens, context_tokens))
         self.overhead_s[engine] = self._blend("overhead", engine, self.overhead_s[engine], overhead)

@@ -63,7 +63,7 @@ class _Step:
 
 _SLOWDOWN_SMOOTHING = 0.3
 """Weight of the newest pass in an engine's slowdown (from 1: a pass or two do not set it)."""
-_SLOWDOWN_RANGE = (1.0, 1.0)
+_SLOWDOWN_RANGE = (0.5, 4.0)
 """The slowdowns a pass may teach (a pass timed by a stray first token teaches nothing wild)."""
 
 
