@@ -148,6 +148,8 @@ class PairLayer(Engine):
             choice = self._place(request)
             on_decode = choice.engine == "decode"
             self._steps_on_decode += on_decode
+            # the compute queued ahead of it on its engine: not its own cost, which the pair learns without it
+            queued_s = self._ledger.load(choice.engine).queued_s()
             key = self._ledger.started(choice.engine, self.costs.compute_s(*self._tokens_on(choice.engine, request)))
             try:
                 placed = self._step_on_decode if on_decode else self._step_via_prefill
@@ -155,7 +157,7 @@ class PairLayer(Engine):
                     async for event in events:
                         self._ledger.token(key)  # the first ends the prefill (D decodes it now); each times a gap
                         if isinstance(event, StepDone):
-                            self._learn(event, pins, evicted=evicted, alone=self._ledger.prefilled_alone(key))
+                            self._learn(event, pins, queued_s, evicted=evicted, alone=self._ledger.prefilled_alone(key))
                             if on_decode and request.pin is not None and handle is not None:  # no P read frees it
                                 self._spawn_release(handle, request.pin.expires_at)
                         yield event
@@ -168,9 +170,9 @@ class PairLayer(Engine):
                 logger.debug("agentkv: a new pin overfills D; releasing the least recently pinned conversation")
                 self._spawn_release(released, deadline)
 
-    def _learn(self, done: StepDone, pins: PinBudget, *, evicted: bool, alone: bool) -> None:
-        """What the step teaches: D's new pin, and its costs (its compute and overhead only when its prefill ran
-        ``alone`` on its engine: a queue's wait is the ledger's to estimate)."""
+    def _learn(self, done: StepDone, pins: PinBudget, queued_s: float, *, evicted: bool, alone: bool) -> None:
+        """What the step teaches: D's new pin, and its costs (less ``queued_s``, the compute ahead of it; its compute
+        only when its prefill ran ``alone`` on its engine)."""
         timings = done.timings
         timings.pin_evicted = evicted
         if done.pin is not None:
@@ -179,7 +181,7 @@ class PairLayer(Engine):
             timings.prefill_engine or "prefill",
             computed_tokens=timings.computed_tokens,
             context_tokens=timings.local_hit_tokens + timings.pulled_tokens,
-            ttft_s=timings.ttft_s,
+            ttft_s=max(0.0, timings.ttft_s - queued_s),
             prefill_s=timings.prefill_s,
             alone=alone,
             decode_s=timings.decode_s,
@@ -223,7 +225,6 @@ class PairLayer(Engine):
             prefill_load=self._ledger.load("prefill"),
             decode_load=self._ledger.load("decode"),
             at_stake=lambda within_s: self._ledger.at_stake(slo, costs, within_s=within_s),
-            delayed_on_prefill=lambda by_s: self._ledger.delayed(slo, costs, by_s=by_s),
         )
 
     def _tokens_on(self, engine: PrefillEngine, request: StepRequest) -> tuple[int, int]:

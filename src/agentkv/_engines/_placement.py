@@ -54,9 +54,8 @@ class PlacementCosts:
     """
 
     overhead_s: dict[PrefillEngine, float] = field(default_factory=lambda: {"prefill": 0.1, "decode": 0.02})
-    """What a step's time to first token takes beyond its compute, by engine: the running mean of what steps that
-    prefilled alone on their engine took beyond the compute model's estimate (under load the wait is the queue's,
-    which src/agentkv/_engines/_step_ledger.py estimates)."""
+    """What a step's time to first token takes beyond its compute, by engine: the running mean of what steps took
+    beyond the compute model's estimate (their queue left out)."""
     compute: ComputeModel = field(default_factory=ComputeModel)
     gap_s: float = 0.0
     """D's gap between two tokens of an answer (its forward pass over the decodes in flight): the running mean
@@ -89,13 +88,11 @@ class PlacementCosts:
         decode_s: float | None = None,
         output_tokens: int = 0,
     ) -> None:
-        """Learn from a finished step: when its prefill ran ``alone`` on its engine, its compute and the rest of its
-        time to first token; and (from an answer of `_MIN_TOKENS_FOR_GAP` tokens or more) D's gap between tokens."""
+        """Learn from a finished step: its compute (when its prefill ran ``alone`` on its engine), the rest of its
+        time to first token, and (from an answer of `_MIN_TOKENS_FOR_GAP` tokens or more) D's gap between tokens."""
         if decode_s is not None and output_tokens >= _MIN_TOKENS_FOR_GAP:
             self.gap_s = self._blend("gap", "decode", self.gap_s, decode_s / (output_tokens - 1))
-        if not alone:
-            return
-        if prefill_s is not None:
+        if prefill_s is not None and alone:
             self.compute.observe(ComputePoint(computed_tokens, context_tokens, prefill_s))
         overhead = max(0.0, ttft_s - self.compute_s(computed_tokens, context_tokens))
         self.overhead_s[engine] = self._blend("overhead", engine, self.overhead_s[engine], overhead)

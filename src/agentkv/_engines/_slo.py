@@ -2,27 +2,30 @@
 
 Alone on an idle pair, a step goes where its estimated time to first token is shorter
 (src/agentkv/_engines/_placement.py). Under load the estimates must count what else is in
-flight. vLLM computes an engine's waiting prefills in one pass: a step on P waits for the pass in
-progress, then computes in the next with every prefill waiting there, and pays the hop; a step on
-D alone does the same on D, and its own prefill stalls every other step in flight for as long as
-it and the prefills queued before it compute: those decoding on D share its forward passes, and
-those whose first token comes meanwhile (prefilling on D ahead of it, or on P and handing over to
-D) decode on D next. A step on P, in turn, lengthens the pass that the steps waiting on P will
-share with it. Of those, only the steps that can still meet the objective are at stake: one whose
-first token or one of whose gaps already missed it, or whose first token is due past its TTFT
-objective anyway, is lost to goodput whatever the new step does. `choose_within_slo` counts, with
-what the pair knows in flight on each engine (`EngineLoad` and the turns at stake, kept by
-src/agentkv/_engines/_step_ledger.py) and the costs the pair learned (`PlacementCosts`), the turns
-each placement would lose:
+flight: a step on P waits behind P's queued prefills and pays the hop; a step on D alone waits
+behind D's queued prefills, and its own prefill stalls every other step in flight for as long
+as it and the prefills queued before it compute: those decoding on D share its forward passes,
+and those whose first token comes meanwhile (prefilling on D ahead of it, or on P and handing
+over to D) decode on D next. Of those, only the steps that can still meet the objective are at
+stake: one whose first token or one of whose gaps already missed it, or whose first token is
+due past its TTFT objective (the queue ahead of it on its engine), is lost to goodput whatever
+D does. `choose_within_slo` compares both with what the pair knows in flight on each engine
+(`EngineLoad` and the turns at stake, kept by src/agentkv/_engines/_step_ledger.py) and the
+costs the pair learned (`PlacementCosts`), and places the step where more turns stay inside the
+objective:
 
-* on D: the step itself when its estimate misses the TTFT, and the turns at stake when its
-  prefill breaks their gaps (a gap while D prefills is D's usual gap, `PlacementCosts.gap_s`,
-  learned from the pair's answers, plus what is queued on D and the prefill's own compute);
-* on P: the step itself when its estimate misses the TTFT, and the steps waiting on P whose
-  first token it would push past their TTFT objective;
+* D when its TTFT fits the SLO, its prefill keeps the token gaps of the turns at stake within
+  the ITL objective (or none is at stake), and it is no slower than P; a gap while D prefills
+  is D's usual gap (`PlacementCosts.gap_s`, learned from the pair's answers) plus the
+  prefill's compute;
+* else P when its TTFT fits;
+* else, P missing the TTFT, D when its TTFT fits and its prefill breaks the gaps of one turn
+  at stake only: one turn is lost either way, and the prefill taken off P shortens the queue
+  of every step waiting there (under load P is the pair's bottleneck);
+* else the faster of the two, unless D's prefill would break the gaps of turns at stake (then
+  P: one turn lost rather than several).
 
-and places the step where fewer are lost, the faster estimate when as many. With nothing in
-flight this is the plain comparison of the two estimates, whatever the SLO.
+With nothing in flight this is the plain comparison of the two estimates, whatever the SLO.
 """
 
 from __future__ import annotations
@@ -78,31 +81,22 @@ another machine or workload.
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """What the pair has in flight on one engine when a step is placed.
-
-    vLLM computes an engine's waiting prefills together: a prefill that arrives while a pass computes waits for the
-    next, with every prefill that arrives meanwhile, and their first tokens all come when that pass ends. So the
-    queue is the pass in progress (what it has left) and the pass that waits (all of it)."""
+    """What the pair has in flight on one engine when a step is placed."""
 
     prefills: int = 0
     """Steps whose prefill runs (or waits) on the engine."""
-    running_s: float = 0.0
-    """What the pass in progress has left to compute (seconds, slowdown included)."""
-    waiting_s: float = 0.0
-    """The compute of the prefills waiting for the next pass (seconds, slowdown included): a new step joins them."""
+    prefill_s: float = 0.0
+    """The estimated compute of the steps whose prefill runs (or waits) on the engine (`PlacementCosts.compute_s`
+    when each was placed)."""
+    busy_s: float = 0.0
+    """How long the oldest of those prefills has been in flight (the engine has computed since then)."""
     decodes: int = 0
     """Answers being decoded on the engine (D's decodes stall while a prefill on D computes)."""
-    slowdown: float = 1.0
-    """How much longer the engine's passes took under load than the compute model's estimate (learned by
-    src/agentkv/_engines/_step_ledger.py): a step that joins a queue computes at that pace."""
 
     def queued_s(self) -> float:
-        """The compute still ahead of a new step's first token, besides its own."""
-        return self.running_s + self.waiting_s
-
-    def under_load(self, compute_s: float) -> float:
-        """A new step's own compute on this engine: at the pace of a pass under load when it joins a queue."""
-        return compute_s * self.slowdown if self.prefills else compute_s
+        """The compute still ahead of a new step: what the prefills in flight need, less what the engine has
+        computed since the oldest of them started."""
+        return max(0.0, self.prefill_s - self.busy_s)
 
 
 def choose_within_slo(
@@ -116,44 +110,50 @@ def choose_within_slo(
     prefill_load: EngineLoad,
     decode_load: EngineLoad,
     at_stake: Callable[[float], int],
-    delayed_on_prefill: Callable[[float], int] = lambda _: 0,
 ) -> PlacementChoice:
     """P or D for a step that computes ``on_prefill`` tokens after ``prefill_context`` (the pin) on P or ``on_decode``
-    tokens after ``decode_context`` (the pin's whole blocks) on D alone, given what is in flight on each,
-    ``at_stake(s)``, how many other steps in flight a prefill on D computing for the next ``s`` seconds would stall
-    that can still meet ``slo``, and ``delayed_on_prefill(s)``, how many steps waiting on P for their pass would miss
-    their TTFT objective if that pass computed ``s`` seconds more: the placement that loses the fewer turns (see the
-    module's docstring), the faster of the two when both lose as many.
+    tokens after ``decode_context`` (the pin's whole blocks) on D alone, given what
+    is in flight on each and ``at_stake(s)``, how many other steps in flight a prefill on D computing for the next
+    ``s`` seconds would stall that can still meet ``slo``: the placement that keeps the most turns inside it (see
+    the module's docstring).
 
-    The reason gives both estimates (queue included), the turns each would lose, and the verdict.
+    The reason gives both estimates (queue included), the stall a prefill on D imposes on the turns at stake, and
+    the test that decided.
     """
-    own: dict[PrefillEngine, float] = {
-        "prefill": prefill_load.under_load(costs.compute_s(on_prefill, prefill_context)),
-        "decode": decode_load.under_load(costs.compute_s(on_decode, decode_context)),
-    }
-    via_prefill = prefill_load.queued_s() + own["prefill"] + costs.overhead_s["prefill"]
-    via_decode = decode_load.queued_s() + own["decode"] + costs.overhead_s["decode"]
-    # the steps at stake wait out the prefills queued on D as well as this one (vLLM batches them into one pass),
+    queued: dict[PrefillEngine, float] = {"prefill": prefill_load.queued_s(), "decode": decode_load.queued_s()}
+    via_prefill = queued["prefill"] + costs.estimate("prefill", on_prefill, prefill_context)
+    via_decode = queued["decode"] + costs.estimate("decode", on_decode, decode_context)
+    # the steps at stake wait out the prefills queued on D as well as this one (vLLM may batch them into one pass),
     # on top of the pass that computes their own next tokens (D's usual gap: this prefill adds its tokens to it)
-    stall_s = decode_load.queued_s() + decode_load.under_load(costs.added_s(on_decode, decode_context))
+    stall_s = queued["decode"] + costs.added_s(on_decode, decode_context)
     stake = at_stake(via_decode)
     breaks_gaps = stake > 0 and costs.gap_s + stall_s > slo.itl_s
-    delayed = delayed_on_prefill(own["prefill"])
-    lost_on_decode = (via_decode > slo.ttft_s) + (stake if breaks_gaps else 0)
-    lost_on_prefill = (via_prefill > slo.ttft_s) + delayed
-    engine: PrefillEngine
-    if lost_on_decode != lost_on_prefill:
-        engine = "decode" if lost_on_decode < lost_on_prefill else "prefill"
-        verdict = f"{'D' if engine == 'decode' else 'P'} loses fewer"
+    decode_fits = via_decode <= slo.ttft_s and not breaks_gaps
+    prefill_fits = via_prefill <= slo.ttft_s
+    if decode_fits and via_decode <= via_prefill:
+        engine: PrefillEngine = "decode"
+        verdict = "D fits and is no slower"
+    elif prefill_fits:
+        engine = "prefill"
+        verdict = "P fits" + (", D is slower" if decode_fits else _why_not_decode(via_decode, slo, breaks_gaps))
+    elif breaks_gaps and via_decode <= slo.ttft_s and stake == 1:
+        engine = "decode"
+        verdict = "P misses the TTFT, D the gaps of 1 turn at stake: D, off P's queue"
+    elif breaks_gaps:
+        engine = "prefill"
+        verdict = "neither fits; D would break the gaps of the turns at stake"
     else:
         engine = "decode" if via_decode <= via_prefill else "prefill"
-        either = f"{lost_on_decode} lost either way" if lost_on_decode else "neither loses a turn"
-        verdict = f"{either}, {'D is no slower' if engine == 'decode' else 'P is faster'}"
+        verdict = f"neither fits; {'D' if engine == 'decode' else 'P'} is faster"
     gaps = f"stall {stall_s:.3f} s on {stake} turns at stake (gap {costs.gap_s:.3f} s)" if stake else "no turn at stake"
     reason = (
-        f"SLO {slo}: D {via_decode:.3f} s ({on_decode} tokens, {decode_load.queued_s():.3f} s queued), "
-        f"P {via_prefill:.3f} s ({on_prefill} tokens, {prefill_load.queued_s():.3f} s queued"
-        f"{f', {delayed} waiting turns delayed past the TTFT' if delayed else ''}), {gaps}; "
-        f"turns lost on D {lost_on_decode}{f' ({stake} by the stall)' if breaks_gaps else ''}, on P {lost_on_prefill}: {verdict}"
+        f"SLO {slo}: D {via_decode:.3f} s ({on_decode} tokens, {queued['decode']:.3f} s queued), "
+        f"P {via_prefill:.3f} s ({on_prefill} tokens, {queued['prefill']:.3f} s queued), {gaps}: {verdict}"
     )
     return PlacementChoice(engine, reason)
+
+
+def _why_not_decode(via_decode: float, slo: Slo, breaks_gaps: bool) -> str:
+    if breaks_gaps:
+        return ", D would break the gaps of the turns at stake"
+    return ", D misses the TTFT" if via_decode > slo.ttft_s else ""
