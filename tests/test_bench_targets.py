@@ -39,14 +39,17 @@ from agentkv.testing import HonestPairEngine
 _ANSWER = "Sure: first read the failing test, then patch the parser and rerun every check."
 
 
-def _record(mode: str, turn: int, *, think: float, wait: float, ttft: float = 0.5, pulled: int = 40) -> TurnRecord:
+def _record(
+    mode: str, turn: int, *, think: float, wait: float, ttft: float = 0.5, pulled: int = 40, handoff: float = 0.0
+) -> TurnRecord:
     return TurnRecord(
         mode=mode,
         session=0,
         turn=turn,
         ttft_s=ttft,
         engine_ttft_s=ttft - 0.001,
-        kv_wait_s=wait,
+        kv_wait_s=wait + handoff,
+        handoff_wait_s=handoff,
         itl_s=[0.05],
         wall_s=ttft + 0.1,
         prompt_tokens=100,
@@ -69,8 +72,8 @@ def _record(mode: str, turn: int, *, think: float, wait: float, ttft: float = 0.
 def test_the_steps_after_a_pause_give_each_pair_modes_kv_wait_and_the_late_ratio() -> None:
     records = [
         _record(EARLY_MODE, 1, think=0.0, wait=0.5),  # the first turn: no pause before it
-        _record(EARLY_MODE, 2, think=2.0, wait=0.002, ttft=0.3, pulled=0),
-        _record(EARLY_MODE, 3, think=1.0, wait=0.004, ttft=0.5, pulled=8),
+        _record(EARLY_MODE, 2, think=2.0, wait=0.002, ttft=0.3, pulled=0, handoff=0.006),
+        _record(EARLY_MODE, 3, think=1.0, wait=0.004, ttft=0.5, pulled=8, handoff=0.010),
         _record("bidirectional", 2, think=2.0, wait=0.030, ttft=0.6),
         _record("bidirectional", 3, think=1.0, wait=0.050, ttft=0.6),
         _record("bidirectional", 4, think=0.0, wait=9.0),  # no pause before it: not counted
@@ -78,12 +81,15 @@ def test_the_steps_after_a_pause_give_each_pair_modes_kv_wait_and_the_late_ratio
     ]
     early, late = after_pause(records)
     assert (early.mode, early.steps, late.mode, late.steps) == (EARLY_MODE, 2, "bidirectional", 2)
-    assert (early.kv_wait_mean_s, early.kv_wait_max_s) == pytest.approx((0.003, 0.004))
+    assert (early.kv_wait_mean_s, early.kv_wait_max_s) == pytest.approx((0.011, 0.014))  # both engines' waits
+    # the target is on the wait before the first token: D's after P's first token was streamed is the hand-over's
+    assert (early.first_token_wait_mean_s, early.first_token_wait_max_s) == pytest.approx((0.003, 0.004))
+    assert early.handoff_wait_mean_s == pytest.approx(0.008) and late.handoff_wait_mean_s == 0.0
     assert (early.ttft_mean_s, early.pulled_tokens_mean, early.think_mean_s) == pytest.approx((0.4, 4.0, 1.5))
     assert early.kv_transfer_mean_s == pytest.approx(0.0015) and late.kv_wait_mean_s == pytest.approx(0.04)
     header, first, second = after_pause_lines([early, late], pair_modes_ran=True)
-    assert "KV wait target <= 5 ms" in header
-    assert "2 steps after 1.50 s mean pause: KV wait mean 3.0 ms (met), max 4.0 ms" in first
+    assert "KV wait before the first token, target <= 5 ms" in header
+    assert "2 steps after 1.50 s mean pause: KV wait mean 3.0 ms (met), max 4.0 ms, hand-over 8.0 ms" in first
     assert "KV wait mean 40.0 ms (NOT met)" in second and "pulled 40 tokens" in second
     line = early_ratio_line([early, late])
     assert line is not None and line.startswith(f"{EARLY_MODE} over bidirectional, steps after a pause: TTFT 0.67x")
@@ -355,7 +361,7 @@ def test_the_command_passes_the_probes_and_the_pin_ttl_and_prints_the_targets(
     )
     assert (calls[0]["probes"], calls[0]["pin_ttl_s"]) == (True, 30.0)
     out = capsys.readouterr().out
-    assert "steps after a pause (turns 2+ with a think time; KV wait target <= 5 ms):" in out
+    assert "steps after a pause (turns 2+ with a think time; KV wait before the first token, target <= 5 ms;" in out
     assert f"{EARLY_MODE} over bidirectional, steps after a pause: TTFT 1.00x" in out
     assert "probe bidirectional: after 40 s (pin TTL 30 s)" in out
     written = json.loads(path.read_text())

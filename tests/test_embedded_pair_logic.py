@@ -291,6 +291,35 @@ async def test_the_prefill_token_is_not_used_when_the_prompt_fills_its_last_bloc
     assert pair.d_llm.requests[0][0] == [1] * 128
 
 
+def _timed(output: Any, queued: float, scheduled: float) -> Any:
+    output.metrics = SimpleNamespace(
+        queued_ts=queued, scheduled_ts=scheduled, first_token_ts=scheduled + 0.05, last_token_ts=scheduled + 0.2
+    )
+    return output
+
+
+async def _timed_prefill(prompt: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+    yield _timed(_output(token_ids=[5], finished=True, params=p_reply(remote_num_tokens=len(prompt))), 1.0, 1.004)
+
+
+async def _timed_decode(prompt: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+    yield _output(token_ids=[11, 12], finished=False)
+    yield _timed(_output(token_ids=[13], finished=True, params=d_reply()), 2.0, 2.010)
+
+
+@pytest.mark.parametrize(("prompt", "handoff"), [([1] * 40, 0.010), ([1] * 128, 0.0)])
+async def test_d_s_wait_after_the_prefill_token_is_the_hand_over_s_not_the_first_token_s(
+    prompt: list[int], handoff: float
+) -> None:
+    pair = FakePair(_timed_prefill, _timed_decode)
+    async with pair:
+        done = await run_step(pair, request(prompt))
+    # both engines' waits, as vLLM's request timestamps give them; D's comes after the first token only when P's
+    # token was streamed as the first (not when the prompt fills its last block: then D samples the first)
+    assert done.timings.kv_wait_s == pytest.approx(0.014)
+    assert done.timings.handoff_wait_s == pytest.approx(handoff)
+
+
 @pytest.mark.parametrize(
     ("stop", "first_used"),
     [(("\n",), True), (("x",), False), (("xy",), False)],  # P's token's text is "x"

@@ -3,8 +3,9 @@ TTFT (the same session with the KV moved into P during the pause) over bidirecti
 
 A step follows a pause when its turn is not the first and its session paused before it (`TurnRecord.think_s` above
 0: staggered arrivals with a think time, src/agentkv/_bench/_population.py). Its KV wait is what `StepStats` records
-(src/agentkv/_stats/_stats.py): `kv_wait_s`, the time its requests waited to be scheduled, mostly for KV, with the
-transfer time and the tokens pulled beside it.
+(src/agentkv/_stats/_stats.py): `kv_wait_s`, the time its requests waited to be scheduled, mostly for KV, split at
+the step's first token (`handoff_wait_s`: D's wait for P's KV after P's first token was streamed), with the transfer
+time and the tokens pulled beside it. The target is on the wait before the first token: what the pause could move.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def after_pause(records: Sequence[TurnRecord]) -> list[AfterPause]:
         if mode not in PAIR_MODES or not rows:
             continue
         transfers = [r.kv_transfer_s for r in rows]
+        before_first = [r.kv_wait_s - r.handoff_wait_s for r in rows]
         summaries.append(
             AfterPause(
                 mode=mode,
@@ -40,6 +42,9 @@ def after_pause(records: Sequence[TurnRecord]) -> list[AfterPause]:
                 ttft_mean_s=statistics.fmean(r.ttft_s for r in rows),
                 kv_wait_mean_s=statistics.fmean(r.kv_wait_s for r in rows),
                 kv_wait_max_s=max(r.kv_wait_s for r in rows),
+                first_token_wait_mean_s=statistics.fmean(before_first),
+                first_token_wait_max_s=max(before_first),
+                handoff_wait_mean_s=statistics.fmean(r.handoff_wait_s for r in rows),
                 kv_transfer_mean_s=None if None in transfers else statistics.fmean(t or 0.0 for t in transfers),
                 pulled_tokens_mean=statistics.fmean(r.pulled_tokens for r in rows),
             )
@@ -54,15 +59,19 @@ def after_pause_lines(summaries: Sequence[AfterPause], *, pair_modes_ran: bool) 
         if not pair_modes_ran:
             return []
         return ["steps after a pause: none (a pause needs --arrivals staggered and a --think-s above 0)"]
-    lines = [f"steps after a pause (turns 2+ with a think time; KV wait target <= {KV_WAIT_TARGET_S * 1000:g} ms):"]
+    lines = [
+        "steps after a pause (turns 2+ with a think time; KV wait before the first token, target <= "
+        f"{KV_WAIT_TARGET_S * 1000:g} ms; then D's hand-over wait after it):"
+    ]
     width = max(len(s.mode) for s in summaries)
     for s in summaries:
         transfer = "-" if s.kv_transfer_mean_s is None else f"{s.kv_transfer_mean_s * 1000:.1f} ms"
-        verdict = "met" if s.kv_wait_mean_s <= KV_WAIT_TARGET_S else "NOT met"
+        verdict = "met" if s.first_token_wait_mean_s <= KV_WAIT_TARGET_S else "NOT met"
         lines.append(
             f"  {s.mode:<{width}}  {s.steps} steps after {s.think_mean_s:.2f} s mean pause: KV wait mean "
-            f"{s.kv_wait_mean_s * 1000:.1f} ms ({verdict}), max {s.kv_wait_max_s * 1000:.1f} ms; transfer {transfer}; "
-            f"pulled {s.pulled_tokens_mean:.0f} tokens; TTFT {s.ttft_mean_s:.3f} s"
+            f"{s.first_token_wait_mean_s * 1000:.1f} ms ({verdict}), max {s.first_token_wait_max_s * 1000:.1f} ms, "
+            f"hand-over {s.handoff_wait_mean_s * 1000:.1f} ms; transfer {transfer}; pulled {s.pulled_tokens_mean:.0f} "
+            f"tokens; TTFT {s.ttft_mean_s:.3f} s"
         )
     return lines
 
@@ -79,5 +88,6 @@ def early_ratio_line(summaries: Sequence[AfterPause]) -> str | None:
     return (
         f"{EARLY_MODE} over bidirectional, steps after a pause: TTFT {ratio:.2f}x ({early.ttft_mean_s:.3f} vs "
         f"{late.ttft_mean_s:.3f} s over {early.steps} and {late.steps} steps; target <= {EARLY_RATIO_TARGET:g}x on "
-        f"coding: {verdict}); KV wait {early.kv_wait_mean_s * 1000:.1f} vs {late.kv_wait_mean_s * 1000:.1f} ms"
+        f"coding: {verdict}); KV wait before the first token {early.first_token_wait_mean_s * 1000:.1f} vs "
+        f"{late.first_token_wait_mean_s * 1000:.1f} ms"
     )

@@ -49,6 +49,8 @@ class TurnRecord(BaseModel):
     """The prefilling engine's compute time of the step (`StepStats.prefill_s`)."""
     kv_wait_s: float = 0.0
     """Time the step's requests waited for KV or in a queue before being scheduled (`StepStats.kv_wait_s`)."""
+    handoff_wait_s: float = 0.0
+    """Of `kv_wait_s`, D's wait after P's first token was streamed (`StepStats.handoff_wait_s`)."""
     itl_s: list[float]
     """Gaps between output tokens as the client received them (served: between the text chunks)."""
     wall_s: float

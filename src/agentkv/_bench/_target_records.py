@@ -17,7 +17,8 @@ __all__ = [
 ]
 
 KV_WAIT_TARGET_S = 0.005
-"""The most KV wait a step after a pause may have on average once early transfer moves the KV during the pause."""
+"""The most KV wait before its first token a step after a pause may have on average once early transfer moves the
+KV during the pause."""
 EARLY_RATIO_TARGET = 0.75
 """The most ``bidirectional-early``'s mean TTFT of the steps after a pause may be over bidirectional's (coding)."""
 PIN_TTL_RATIO_TARGET = 1.1
@@ -37,6 +38,14 @@ class AfterPause(BaseModel):
     """Mean `TurnRecord.kv_wait_s`: the time the step's requests waited to be scheduled, mostly for KV
     (`StepStats.kv_wait_s`: P for D's blocks, D for P's, summed)."""
     kv_wait_max_s: float
+    first_token_wait_mean_s: float
+    """Mean of the part of `kv_wait_mean_s` before the step's first token (`TurnRecord.kv_wait_s` less
+    `TurnRecord.handoff_wait_s`): P's wait for the pinned KV the pause left to move, and any queue. The target
+    (`KV_WAIT_TARGET_S`) is on this: D's read of the KV P computes at the step comes after P's first token was
+    streamed, and no move during the pause can make it (that KV does not exist before the step)."""
+    first_token_wait_max_s: float
+    handoff_wait_mean_s: float
+    """Mean `TurnRecord.handoff_wait_s`: D's wait for P's KV after the first token (it delays the second)."""
     kv_transfer_mean_s: float | None
     """Mean NIXL transfer time of these steps (`StepStats.kv_transfer_s`); None when some step's was not
     attributable (another step in flight on the engine)."""

@@ -58,6 +58,11 @@ class StepMeasurements(BaseModel):
     """Prefilling engine's ``first_token_ts - scheduled_ts`` (vLLM ``RequestStateStats``): compute only."""
     kv_wait_s: float = 0.0
     """``scheduled_ts - queued_ts`` summed over the step's requests: waiting for KV (and any queue)."""
+    handoff_wait_s: float = 0.0
+    """Of `kv_wait_s`, the part after the step's first token: D's wait for the KV P computed, when P's sampled
+    token was streamed as the answer's first (it delays the second token, not the first). 0 when the first token
+    came after every wait (one engine, D alone, or D's own first token): `kv_wait_s` less this is the wait before
+    the first token."""
     decode_s: float | None = None
     """Decoding engine's ``last_token_ts - first_token_ts``."""
     local_hit_tokens: int = 0
