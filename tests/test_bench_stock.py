@@ -37,7 +37,9 @@ def test_the_command_is_vllm_serve_with_only_the_runs_shared_settings(monkeypatc
     flags = dict(zip(words[3::2], words[4::2], strict=False))
     assert flags["--model"] == "/models/m"
     assert flags["--port"] == "8123" and flags["--max-model-len"] == "4096" and flags["--dtype"] == "float32"
-    assert "--enforce-eager" not in words  # vLLM's own default stands
+    assert "--enforce-eager" not in words and "--block-size" not in words  # vLLM's own defaults stand
+    sized = stock_command(Path("/models/m"), 8123, max_model_len=4096, dtype="float32", block_size=32)
+    assert sized[sized.index("--block-size") + 1] == "32"  # the run's --block-size, as every engine's
     monkeypatch.setenv("AGENTKV_HOME", "/tmp/x")
     env = stock_env(2.0)
     assert not [key for key in env if key.startswith("AGENTKV_")]  # no agentkv plugin in the stock server

@@ -318,6 +318,17 @@ async def test_the_pin_ttl_goes_to_every_pair_the_bench_starts(monkeypatch: pyte
     compiled = {"max_model_len": 1024, "dtype": "float32", "engine_args": {"enforce_eager": False}}
     assert started == [("EmbeddedPair", compiled), ("Colocated", compiled)] and report.compiled
     assert "compiled (--compiled)" in report_header(report)
+    started.clear()  # --block-size: every engine keeps its KV in blocks of that many tokens
+    report = await run_bench(workload, modes=["bidirectional", "colocated"], max_model_len=1024, block_size=32)
+    sized = {"max_model_len": 1024, "dtype": "float32", "engine_args": {"block_size": 32}}
+    assert started == [("EmbeddedPair", sized), ("Colocated", sized)] and report.block_size == 32
+    assert "KV blocks of 32 tokens in every engine (--block-size)" in report_header(report)
+    for size in (0, -16):
+        with pytest.raises(UserError, match="KV block size is a number of tokens above 0"):
+            await run_bench(workload, modes=["bidirectional"], block_size=size)
+    async with HonestPairEngine() as engine:
+        with pytest.raises(UserError, match="block_size applies to the engines the bench starts"):
+            await run_bench(workload, modes=["bidirectional"], engines={"bidirectional": engine}, block_size=32)
 
 
 def test_the_command_passes_the_probes_and_the_pin_ttl_and_prints_the_targets(

@@ -90,6 +90,7 @@ async def run_bench(
     probes: bool = False,
     pin_ttl_s: float | None = None,
     compiled: bool = False,
+    block_size: int | None = None,
     progress: Progress | None = None,
     log: Callable[[str], None] | None = None,
 ) -> BenchReport:
@@ -112,7 +113,9 @@ async def run_bench(
     float32, see `DEFAULT_DTYPE`: it keeps the modes' greedy answers, hence their prompts,
     identical), and closes them at the end. ``dtype`` and ``engines`` exclude each other, as do ``pin_ttl_s`` (the
     pin TTL of every pair the bench starts; above 10 s) and ``engines``, and ``compiled`` (every engine the bench
-    starts compiles its model as stock vLLM does, instead of agentkv's eager mode on a CPU) and ``engines``. ``probes``: after the workload, each pair
+    starts compiles its model as stock vLLM does, instead of agentkv's eager mode on a CPU) and ``engines``, and
+    ``block_size`` (every engine the bench starts, stock ``vllm serve`` included, keeps KV in blocks of that many
+    tokens; default vLLM's: 128 on a CPU) and ``engines``. ``probes``: after the workload, each pair
     mode that pushes back runs the probes on its engine (src/agentkv/_bench/_probes.py). Mode ``served``
     puts a front door in a thread before its sessions: a given engine for it must be open on a loop that
     thread can call (opened with ``with``).
@@ -142,6 +145,10 @@ async def run_bench(
         raise UserError("pin_ttl_s applies to the pairs the bench starts; the given engines keep their own")
     if compiled and engines is not None:
         raise UserError("compiled applies to the engines the bench starts; the given engines run as they were started")
+    if block_size is not None and engines is not None:
+        raise UserError("block_size applies to the engines the bench starts; the given engines keep their own")
+    if block_size is not None and not (isinstance(block_size, int) and block_size > 0):
+        raise UserError(f"the KV block size is a number of tokens above 0, not {block_size!r}")
     if pin_ttl_s is not None and not (math.isfinite(pin_ttl_s) and pin_ttl_s > 10):
         raise UserError(f"the pin TTL must be a number of seconds above 10, not {pin_ttl_s!r}")
     started_dtype = None if engines is not None else resolve_dtype(dtype or DEFAULT_DTYPE)
@@ -162,6 +169,7 @@ async def run_bench(
         probes=probes,
         pin_ttl_s=pin_ttl_s,
         compiled=compiled,
+        block_size=block_size,
         progress=progress or (lambda *_: None),
         log=log or (lambda line: logger.info("%s", line)),
         slo_factors=(slo_ttft, slo_itl),
@@ -199,6 +207,7 @@ async def run_bench(
         probes=probed,
         pin_ttl_s=pin_ttl_s,
         compiled=compiled,
+        block_size=block_size,
     )
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "PROBE_MODES",
     "SESSION_MODES",
     "open_engines",
+    "started_engine_args",
     "session_options",
 ]
 
@@ -120,18 +121,25 @@ _Start = Callable[[contextlib.AsyncExitStack], Engine]
 """Makes an engine (not yet open); what it needs besides (network namespaces) goes on the stack."""
 
 
+def started_engine_args(*, compiled: bool, block_size: int | None) -> dict[str, Any]:
+    """The vLLM engine arguments of every engine the bench starts: compiling its model when ``compiled``
+    (`COMPILED_ENGINE_ARGS`), with KV blocks of ``block_size`` tokens when given (else vLLM's own: 128 on a CPU,
+    16 on CUDA)."""
+    return {**(COMPILED_ENGINE_ARGS if compiled else {}), **({} if block_size is None else {"block_size": block_size})}
+
+
 def _starts(
     max_model_len: int,
     dtype: str,
     progress: Callable[[str], None],
     pin_ttl_s: float | None = None,
-    compiled: bool = False,
+    engine_args: Mapping[str, Any] | None = None,
 ) -> list[tuple[frozenset[str], _Start]]:
     """Each engine the bench may start, in the order it starts them, with the modes it serves; every pair with
-    ``pin_ttl_s`` when given; every engine compiling its model when ``compiled`` (`COMPILED_ENGINE_ARGS`)."""
+    ``pin_ttl_s`` when given; every engine with ``engine_args`` (`started_engine_args`)."""
     single: dict[str, Any] = {"max_model_len": max_model_len, "dtype": dtype, "progress": progress}
-    if compiled:
-        single["engine_args"] = COMPILED_ENGINE_ARGS
+    if engine_args:
+        single["engine_args"] = dict(engine_args)
     common = {**single, **({} if pin_ttl_s is None else {"pin_ttl_s": pin_ttl_s})}
 
     def across_hosts(stack: contextlib.AsyncExitStack) -> Engine:
@@ -162,11 +170,11 @@ async def open_engines(
     dtype: str,
     progress: Callable[[str], None],
     pin_ttl_s: float | None = None,
-    compiled: bool = False,
+    engine_args: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[dict[str, Engine]]:
     """The engines the modes need (given, or started one after another, all in ``dtype``, every pair with
-    ``pin_ttl_s`` when given, compiling their model when ``compiled``, and closed on the way out). Started ones live on the running loop, reachable from
-    other threads (the front door's)."""
+    ``pin_ttl_s`` when given, every engine with ``engine_args`` (`started_engine_args`), and closed on the way
+    out). Started ones live on the running loop, reachable from other threads (the front door's)."""
     if given is not None:
         missing = [mode for mode in modes if mode not in given]
         if missing:
@@ -176,7 +184,7 @@ async def open_engines(
     async with BlockingPortal() as portal, contextlib.AsyncExitStack() as stack:
         home = EventLoopHome(asyncio.get_running_loop(), portal)  # the home names asyncio's loop (the engines')
         by_mode: dict[str, Engine] = {}
-        for served, start in _starts(max_model_len, dtype, progress, pin_ttl_s, compiled):
+        for served, start in _starts(max_model_len, dtype, progress, pin_ttl_s, engine_args):
             if served & set(modes):
                 engine = start(stack)
                 await engine.open(home=home)

@@ -300,6 +300,8 @@ class BenchReport(BaseModel):
     """The pin TTL the bench gave every pair it started; None: the pairs' default (or the given engines')."""
     compiled: bool = False
     """Every engine the bench started compiled its model (``--compiled``) instead of running eager on a CPU."""
+    block_size: int | None = None
+    """The KV block size every engine the bench started kept (``--block-size``); None: vLLM's own."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:

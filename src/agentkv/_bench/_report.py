@@ -115,6 +115,8 @@ def header(report: BenchReport) -> str:
     dtype = f"dtype {report.dtype}" if report.dtype is not None else "the given engines' dtype"
     if report.compiled:
         dtype += ", agentkv's engines compiled (--compiled)"
+    if report.block_size is not None:
+        dtype += f", KV blocks of {report.block_size} tokens in every engine (--block-size)"
     sessions = (
         f"{', '.join(map(str, report.loads))} sessions per mode (one load after another)"
         if len(report.loads) > 1

@@ -36,7 +36,7 @@ from .._session._session import Session, load_tokenizer
 from .._surfaces._serve import FrontDoor
 from ._conversations import BenchConversation, Clock, RawConversation, ServedConversation, SessionConversation, drain
 from ._goodput import busy_s, pair_slo
-from ._modes import PROBE_MODES, SESSION_MODES, open_engines, session_options
+from ._modes import PROBE_MODES, SESSION_MODES, open_engines, session_options, started_engine_args
 from ._population import Plan
 from ._probes import run_probes
 from ._records import FloorFit, FloorPoint, TurnRecord
@@ -173,13 +173,15 @@ async def run_modes(
     probes: bool = False,
     pin_ttl_s: float | None = None,
     compiled: bool = False,
+    block_size: int | None = None,
 ) -> tuple[list[TurnRecord], dict[int, dict[str, float]], FloorFit | None, Plan, list[ModeProbes]]:
     """Replay the workload in every mode at every load of ``plan``; return the records, each mode's wall time
     per load (its rounds' under a barrier; staggered, the time any of its turns was in flight), the floor, the
     plan as played (its arrival gap measured), and with ``probes`` each probed mode's probes (after the loads, on
     the mode's engine). ``slo_factors``: the goodput objective's TTFT and gap factors, which the pairs running
     ``auto`` aim at from the load after the solo one (None: they keep their own). ``pin_ttl_s`` goes to every pair
-    the bench starts; ``compiled``: every engine it starts compiles its model (no ``enforce_eager``)."""
+    the bench starts; ``compiled``: every engine it starts compiles its model (no ``enforce_eager``);
+    ``block_size``: every engine it starts, stock ``vllm serve`` included, keeps KV in blocks of that many tokens."""
     engine_modes = [mode for mode in modes if mode != STOCK_MODE]
     started = open_engines(
         engine_modes,
@@ -188,11 +190,12 @@ async def run_modes(
         dtype=dtype,
         progress=log,
         pin_ttl_s=pin_ttl_s,
-        compiled=compiled,
+        engine_args=started_engine_args(compiled=compiled, block_size=block_size),
     )
+    stock_server_of = _stock_if_asked(modes, max_model_len=max_model_len, dtype=dtype, block_size=block_size, log=log)
     async with (
         started as by_mode,
-        _stock_if_asked(modes, max_model_len=max_model_len, dtype=dtype, log=log) as stock,
+        stock_server_of as stock,
     ):
         floor = None
         if "colocated" in by_mode:
@@ -344,7 +347,7 @@ async def _open_lanes(
 
 @contextlib.asynccontextmanager
 async def _stock_if_asked(
-    modes: Sequence[str], *, max_model_len: int, dtype: str, log: Callable[[str], None]
+    modes: Sequence[str], *, max_model_len: int, dtype: str, block_size: int | None, log: Callable[[str], None]
 ) -> AsyncIterator[StockServer | None]:
     """Stock ``vllm serve`` when the modes name it (started after agentkv's engines, stopped before them)."""
     if STOCK_MODE not in modes:
@@ -353,7 +356,9 @@ async def _stock_if_asked(
     model = await anyio.to_thread.run_sync(prepare_model)
     log(f"agentkv bench: starting stock vllm serve on {model.name} (vLLM's defaults: it compiles the model first)")
     kv_cache_gib = PairConfig().kv_cache_gib  # the size the bench's own engines start with (their default)
-    async with stock_server(model, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=kv_cache_gib) as server:
+    async with stock_server(
+        model, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=kv_cache_gib, block_size=block_size
+    ) as server:
         log(f"agentkv bench: stock vllm serve up at {server.url} (its output: {server.log_path})")
         yield server
 

@@ -65,9 +65,14 @@ def vllm_server_command(model: Path, port: int, *flags: str) -> list[str]:
     ]
 
 
-def stock_command(model: Path, port: int, *, max_model_len: int, dtype: str) -> list[str]:
-    """``vllm serve`` with the run's shared settings only (`vllm_server_command`)."""
+def stock_command(
+    model: Path, port: int, *, max_model_len: int, dtype: str, block_size: int | None = None
+) -> list[str]:
+    """``vllm serve`` with the run's shared settings only (`vllm_server_command`): the KV block size too when the
+    run sets one for every engine (``--block-size``)."""
     shared = ["--max-model-len", str(max_model_len), "--dtype", dtype, "--served-model-name", _MODEL_NAME]
+    if block_size is not None:
+        shared += ["--block-size", str(block_size)]
     return vllm_server_command(
         model, port, *shared, "--host", "127.0.0.1", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"
     )
@@ -83,7 +88,7 @@ def stock_env(kv_cache_gib: float) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def stock_server(
-    model: Path, *, max_model_len: int, dtype: str, kv_cache_gib: float
+    model: Path, *, max_model_len: int, dtype: str, kv_cache_gib: float, block_size: int | None = None
 ) -> AsyncIterator[StockServer]:
     """Start stock ``vllm serve`` and wait until it is healthy; on the way out stop it and every process it
     started. Its output goes to a log file under ``$AGENTKV_HOME/logs``. ``kv_cache_gib``: its KV cache on a CPU
@@ -92,7 +97,7 @@ async def stock_server(
     log_dir = home_dir() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"bench-vllm-serve-{uuid.uuid4().hex[:8]}.log"
-    command = stock_command(model, port, max_model_len=max_model_len, dtype=dtype)
+    command = stock_command(model, port, max_model_len=max_model_len, dtype=dtype, block_size=block_size)
     process = await anyio.to_thread.run_sync(_spawn, command, stock_env(kv_cache_gib), log_path)
     server = StockServer(process, f"http://127.0.0.1:{port}", log_path)
     pids = {process.pid}

@@ -109,6 +109,15 @@ def add_bench_command(commands: Commands) -> None:
         help="every engine the bench starts compiles its model as stock vLLM does (on a CPU agentkv runs them eager "
         "for a quick start): compare with vllm-serve this way; each start then takes minutes",
     )
+    bench.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV block size, in tokens, of every engine the bench starts, stock vllm serve's included (default: "
+        "vLLM's own, 128 on a CPU: a prefix cache holds whole blocks only, so a turn recomputes its history's last "
+        "partial block on one engine)",
+    )
     bench.add_argument("--json", default="agentkv-bench.json", help="write the report here ('' for none)")
     bench.add_argument("--plot", default="agentkv-bench.png", help="draw the plot here ('' for none)")
 
@@ -184,6 +193,7 @@ def _bench(args: argparse.Namespace) -> int:
         probes=args.probes,
         pin_ttl_s=args.pin_ttl_s,
         compiled=args.compiled,
+        block_size=args.block_size,
         progress=progress,
         log=progress.log,
     )
