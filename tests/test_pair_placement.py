@@ -12,6 +12,7 @@ import pytest
 
 from agentkv import EmbeddedPair, Session
 from agentkv._engines import Engine, Placement, Sampling, StepDone, StepRequest, TokenDelta
+from agentkv._engines._pair_layer import PairLayer
 from agentkv.engines import Pin
 
 pytestmark = pytest.mark.pair
@@ -21,7 +22,6 @@ SYSTEM = "You are a terse assistant for a Python project. " + " ".join(
 )
 QUESTIONS = ("Which module exports f3?", "And f7?", "Name one more module.")
 MAX_TOKENS = 12
-BLOCK = 128  # vLLM's CPU block size
 
 
 async def _step(
@@ -60,7 +60,8 @@ def test_auto_mode_answers_as_bidirectional_and_says_where_each_step_ran(pair: E
             if turn > 1:
                 assert stats.handle_forwarded and stats.miss_reason is None
             if stats.prefill_engine == "decode":  # D's own cache served the pinned conversation's whole blocks
-                assert stats.pulled_tokens == 0 and stats.handoff_tokens == 0 and stats.local_hit_tokens >= BLOCK
+                assert stats.pulled_tokens == 0 and stats.handoff_tokens == 0
+                assert stats.local_hit_tokens >= pair._capacity()[1]  # at least one of D's blocks
     assert answers["auto"] == answers["bidirectional"]
 
 
@@ -86,7 +87,9 @@ async def steps_on_d_and_p(pair: Engine) -> None:
     assert list(on_d.token_ids) == list(reference.token_ids) == streamed
     timings = on_d.timings
     assert timings.prefill_engine == "decode" and timings.pulled_tokens == 0 and timings.handoff_tokens == 0
-    assert timings.local_hit_tokens == held // BLOCK * BLOCK
+    assert isinstance(pair, PairLayer)
+    block = pair._capacity()[1]  # D's KV block, in tokens (vLLM's CPU default: 128)
+    assert timings.local_hit_tokens == held // block * block
     assert timings.local_hit_tokens + timings.computed_tokens == len(prompt)
     assert on_d.pin is not None and on_d.pin.tokens == len(prompt) + len(on_d.token_ids) - 1
 

@@ -29,7 +29,6 @@ SYSTEM = "You are a terse assistant for a Python project. " + " ".join(
     f"Fact {i}: module m{i} exports function f{i}." for i in range(30)
 )
 QUESTIONS = ("Which module exports f3?", "And f7?", "Name one more module.")
-BLOCK = 128
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,8 @@ def test_push_with_push_back_reuses_as_pull_does_and_answers_the_same(
     pulled = _conversation(pair, "bidirectional", "pull-reference")
     plain = _conversation(push_pair, "disaggregated", "push-plain")
     assert [s.token_ids for s in pushed] == [s.token_ids for s in pulled] == [s.token_ids for s in plain]
-    block_bytes = _block_bytes(push_pair)
+    block = push_pair._capacity()[1]  # D's KV block, in tokens (vLLM's CPU default: 128)
+    block_bytes = _block_bytes(push_pair, block)
     for turn, (push, pull, no_back) in enumerate(zip(pushed, pulled, plain, strict=True), start=1):
         st = push.stats
         assert st.local_hit_tokens + st.pulled_tokens + st.computed_tokens == st.prompt_tokens
@@ -69,21 +69,21 @@ def test_push_with_push_back_reuses_as_pull_does_and_answers_the_same(
         # later turns read the blocks holding the pulled tokens and write those holding what D received
         assert st.kv_bytes is not None and st.kv_bytes % block_bytes == 0
         if turn == 1:
-            assert st.kv_bytes == block_bytes * _blocks(st.prompt_tokens)
+            assert st.kv_bytes == block_bytes * _blocks(st.prompt_tokens, block)
         else:
-            most = _blocks(st.pulled_tokens) + 1 + _blocks(st.handoff_tokens) + 1
+            most = _blocks(st.pulled_tokens, block) + 1 + _blocks(st.handoff_tokens, block) + 1
             assert block_bytes <= st.kv_bytes <= block_bytes * most
 
 
-def _blocks(tokens: int) -> int:
-    return -(-tokens // BLOCK)
+def _blocks(tokens: int, block: int) -> int:
+    return -(-tokens // block)
 
 
-def _block_bytes(engine: EmbeddedPair) -> int:
+def _block_bytes(engine: EmbeddedPair, block: int) -> int:
     """Bytes of one KV block of the bundled model in float32 (layers x K,V x KV heads x head size x 4 bytes)."""
     config = json.loads((engine.info.model_path / "config.json").read_text())
     head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return BLOCK * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_size * 4
+    return block * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_size * 4
 
 
 def _request(prompt: Sequence[int], pin: Pin | None, salt: str) -> StepRequest:
