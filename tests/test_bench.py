@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable
@@ -27,12 +28,16 @@ from agentkv._bench import (
     served_overhead,
     table,
 )
+from agentkv._bench._fits import check_fits, prompt_bounds
 from agentkv._bench._records import FloorFit, FloorPoint, TurnRecord, first_prompt_divergence, summarize
 from agentkv._bench._runner import FloorSampler
+from agentkv._conversation._conversation import ChatRenderer, Message
 from agentkv._engines import Engine, PrefillEngine, StepRequest
 from agentkv._engines._base import StepDone, StepEvent, StepTimings, TokenDelta
 from agentkv._engines._engine_launch import EngineLaunch
 from agentkv._engines._platform_settings import resolve_dtype
+from agentkv._model import prepare_model
+from agentkv._session._session import load_tokenizer
 from agentkv._stats._stats import StepStats
 from agentkv._surfaces._cli import main
 from agentkv._surfaces._cli_bench import BenchProgress
@@ -303,6 +308,7 @@ def test_the_command_rejects_unknown_modes_before_starting_anything(capsys: pyte
         (["bench", "--turns", "1"], "at least 2 turns"),
         (["bench", "--sessions", "0"], "sessions must be at least 1"),
         (["bench", "--replay", "/nonexistent/conversation.json"], "cannot read"),
+        (["bench", "--workload", "agentic", "--turns", "8"], "run 7 turns or fewer, or a longer context"),
     ],
 )
 def test_a_usage_mistake_is_one_line_and_exit_code_2(
@@ -408,6 +414,39 @@ async def test_every_engine_the_bench_starts_gets_its_dtype_and_each_mode_its_pl
     assert report.answers_agree == dict.fromkeys([m for m in modes if m != "bidirectional"], True)
     by_mode = {s.mode: s for s in report.summaries}
     assert by_mode["auto"].ttft_vs_colocated is not None and by_mode["colocated"].steps_on_decode is None
+
+
+@pytest.mark.anyio
+async def test_a_workload_whose_last_turn_overflows_the_context_is_refused_before_any_engine_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engines = _Engines()
+    monkeypatch.setattr("agentkv._bench._modes.Colocated", engines.kind("Colocated"))
+    workload = make_workload("agentic", turns=8)  # turn 8: 7 tool results and 7 answers of up to 24 tokens
+    with pytest.raises(UserError, match=r"turn 8 may send \d+ prompt tokens .* the context is 4096: run 7 turns"):
+        await run_bench(workload, modes=["colocated"])
+    assert engines.started == []
+    with pytest.raises(UserError, match="the context is 2048: run 3 turns or fewer"):
+        await run_bench(workload, modes=["colocated"], max_model_len=2048)
+    given = ScriptedEngine([], max_model_len=3000)  # given engines: their own context, not the bench's default
+    with pytest.raises(UserError, match="the context is 3000: run 5 turns or fewer"):
+        await run_bench(workload, modes=["colocated"], engines={"colocated": given})
+    assert given.requests == [] and engines.started == []
+
+
+def test_a_turn_s_bound_is_its_conversation_and_the_longest_earlier_answers() -> None:
+    tokenizer = load_tokenizer(str(prepare_model()))
+    workload = make_workload("agentic", turns=3)
+    bounds = prompt_bounds(workload, tokenizer)
+    answered = ChatRenderer(tokenizer, system=None)
+    system = Message(role="system", content=workload.system)
+    first = answered.initial([system, Message(role="user", content=workload.turns[0])])
+    assert bounds[0] == len(first)
+    shorter = dataclasses.replace(workload, max_tokens=0)
+    assert [b - s for b, s in zip(bounds, prompt_bounds(shorter, tokenizer), strict=True)] == [0, 24, 48]
+    check_fits(workload, tokenizer, max_model_len=bounds[-1] + 1)  # room for the answer's first token: fits
+    with pytest.raises(UserError, match=f"turn 3 may send {bounds[-1]} prompt tokens"):
+        check_fits(workload, tokenizer, max_model_len=bounds[-1])
 
 
 @pytest.mark.anyio

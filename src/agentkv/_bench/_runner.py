@@ -35,6 +35,7 @@ from .._session._pool import SessionPool
 from .._session._session import Session, load_tokenizer
 from .._surfaces._serve import FrontDoor
 from ._conversations import BenchConversation, Clock, RawConversation, ServedConversation, SessionConversation, drain
+from ._fits import check_fits
 from ._goodput import busy_s, pair_slo
 from ._modes import PROBE_MODES, SESSION_MODES, open_engines, session_options, started_engine_args
 from ._population import Plan
@@ -182,6 +183,7 @@ async def run_modes(
     ``auto`` aim at from the load after the solo one (None: they keep their own). ``pin_ttl_s`` goes to every pair
     the bench starts; ``compiled``: every engine it starts compiles its model (no ``enforce_eager``);
     ``block_size``: every engine it starts, stock ``vllm serve`` included, keeps KV in blocks of that many tokens."""
+    await _check_fits(workload, engines, max_model_len=max_model_len)
     engine_modes = [mode for mode in modes if mode != STOCK_MODE]
     started = open_engines(
         engine_modes,
@@ -310,6 +312,18 @@ def _aim_auto(
         return
     pair.slo = slo
     log(f"agentkv bench: auto now places its steps for the SLO measured at 1 session: {slo} ({how})")
+
+
+async def _check_fits(workload: Workload, engines: Mapping[str, Engine] | None, *, max_model_len: int) -> None:
+    """Refuse a workload whose last turn may overflow the context before any engine starts (`check_fits`): the
+    given engines' model and shortest context, or the model and ``max_model_len`` the bench starts engines with."""
+    if engines:
+        infos = [engine.info for engine in engines.values()]
+        model_path, max_model_len = infos[0].model_path, min(info.max_model_len for info in infos)
+    else:
+        model_path = await anyio.to_thread.run_sync(prepare_model)
+    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(model_path))
+    check_fits(workload, tokenizer, max_model_len=max_model_len)
 
 
 async def _open_lanes(
