@@ -105,3 +105,21 @@ def test_the_soak_script_hooks_what_exists(monkeypatch: pytest.MonkeyPatch) -> N
     soak.record_kv_usage()  # wraps the runner's stat-logger factory (monkeypatch restores it)
     wrapped = _vllm.AsyncLLMRunner._stat_logger_factory
     assert wrapped is not original and "record_kv_usage" in wrapped.__qualname__
+
+
+def test_the_nixl_read_script_times_one_block_from_every_layer_s_caches() -> None:
+    """scripts/nixl_read.py (the fixed cost under a pull, docs/benchmarks.md): two processes, real NIXL reads."""
+    import subprocess
+    import sys
+
+    path = Path(__file__).parent.parent / "scripts" / "nixl_read.py"
+    run = subprocess.run(
+        [sys.executable, str(path), "--block-size", "32", "--blocks", "2", "--reads", "4", "--pause-s", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["descriptors"] == 60 and result["bytes"] == 60 * 32 * 3 * 64 * 4  # K and V of 30 layers
+    assert result["reads"] == 4 and 0 < result["min_ms"] <= result["p50_ms"] <= result["p90_ms"]
