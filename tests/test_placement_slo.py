@@ -384,22 +384,17 @@ class _SteppingPair(_PlacingPair):
 
     _step_via_prefill = _step_on_decode = _step  # type: ignore[assignment]
 
-    def gate(self, *names: str) -> None:
-        """Steps ``names`` hold until the test sets their gates."""
-        self.gates.update({name: (anyio.Event(), anyio.Event()) for name in names})
-
-    async def run(self, request_id: str) -> None:
-        """A step of 300 prompt tokens, no pin, to its end."""
-        request = StepRequest(request_id=request_id, prompt_token_ids=list(range(300)), sampling=Sampling())
-        async for _ in self._pinned_step(request):
-            pass
-
 
 @pytest.mark.anyio
 async def test_the_pair_counts_its_steps_in_flight_and_learns_without_their_queue() -> None:
     pair = _SteppingPair()
     pair.costs = _costs(overhead_s={"prefill": 0.0, "decode": 5.0})  # every step to P
-    pair.gate("a", "b")
+    pair.gates = {name: (anyio.Event(), anyio.Event()) for name in ("a", "b")}
+
+    async def run(request_id: str) -> None:
+        request = StepRequest(request_id=request_id, prompt_token_ids=list(range(300)), sampling=Sampling())
+        async for _ in pair._pinned_step(request):
+            pass
 
     async def let_go(name: str) -> None:
         for gate in pair.gates[name]:
@@ -407,9 +402,9 @@ async def test_the_pair_counts_its_steps_in_flight_and_learns_without_their_queu
             await anyio.wait_all_tasks_blocked()
 
     async with anyio.create_task_group() as group:
-        group.start_soon(pair.run, "a")
+        group.start_soon(run, "a")
         await anyio.wait_all_tasks_blocked()
-        group.start_soon(pair.run, "b")
+        group.start_soon(run, "b")
         await anyio.wait_all_tasks_blocked()
         assert pair._ledger.load("prefill").prefill_s == pytest.approx(0.6)  # no pin: 300 tokens on P, each
         pair.gates["a"][0].set()
@@ -422,10 +417,10 @@ async def test_the_pair_counts_its_steps_in_flight_and_learns_without_their_queu
     # (2 s) less its compute (100 tokens) and the queue estimated ahead of it (b: a's 300 tokens)
     assert len(pair.costs.compute) == 0
     assert pair.costs.overhead_s["prefill"] == pytest.approx(0.7 * 1.9 + 0.3 * 1.6, abs=1e-3)  # less a's head start
-    pair.gate("c")
+    pair.gates["c"] = (anyio.Event(), anyio.Event())
     for gate in pair.gates["c"]:
         gate.set()
-    await pair.run("c")  # alone on P: its 100 tokens in 0.5 s teach the compute
+    await run("c")  # alone on P: its 100 tokens in 0.5 s teach the compute
     assert pair.costs.compute_s(100, 0) == pytest.approx(0.5)
     assert pair.costs.overhead_s["prefill"] == pytest.approx(0.7 * (0.7 * 1.9 + 0.3 * 1.6) + 0.3 * 1.5, abs=1e-3)
 
@@ -435,16 +430,21 @@ async def test_a_step_beside_a_busy_partner_teaches_its_compute_as_if_alone_and_
     pair = _SteppingPair()
     pair.contention = Contention(prefill=2.0, decode=2.0)
     pair.costs = _costs(overhead_s={"prefill": 0.0, "decode": 5.0})  # every step to P
-    pair.gate("a", "b")
+    pair.gates = {name: (anyio.Event(), anyio.Event()) for name in ("a", "b")}
+
+    async def run(request_id: str) -> None:
+        request = StepRequest(request_id=request_id, prompt_token_ids=list(range(300)), sampling=Sampling())
+        async for _ in pair._pinned_step(request):
+            pass
 
     async with anyio.create_task_group() as group:
-        group.start_soon(pair.run, "a")
+        group.start_soon(run, "a")
         await anyio.wait_all_tasks_blocked()
         assert pair._load("decode").slowdown == 2.0 and pair._load("prefill").slowdown == 1.0  # P prefills a
         pair.gates["a"][0].set()  # a decodes on D: P alone would compute on D's cores no more
         await anyio.wait_all_tasks_blocked()
         assert pair._load("prefill").slowdown == 2.0 and pair._load("decode").slowdown == 1.0
-        group.start_soon(pair.run, "b")  # b prefills on P while D decodes a, from its start to its first token
+        group.start_soon(run, "b")  # b prefills on P while D decodes a, from its start to its first token
         await anyio.wait_all_tasks_blocked()
         pair.gates["b"][0].set()
         await anyio.wait_all_tasks_blocked()
