@@ -17,7 +17,7 @@ import pytest
 from agentkv import EmbeddedPair, UserError
 from agentkv._engines._compute import ComputeCost, ComputeModel
 from agentkv._engines._placement import PlacementChoice, PlacementCosts
-from agentkv._engines._slo import DEFAULT_SLO, Contention, EngineLoad, choose_within_slo
+from agentkv._engines._slo import DEFAULT_SLO, EngineLoad, choose_within_slo
 from agentkv._engines._step_ledger import StepLedger
 from agentkv.engines import Sampling, Slo, StepDone, StepEvent, StepRequest, StepTimings, TokenDelta
 from test_placement import BLOCK, _pin, _PlacingPair, _request
@@ -232,48 +232,7 @@ def test_the_queue_counts_what_the_engine_computed_since_its_oldest_prefill() ->
     assert EngineLoad(prefill_s=1.0, busy_s=3.0).queued_s() == 0.0
 
 
-def test_a_busy_partner_slows_the_queue_the_estimate_and_the_stall() -> None:
-    assert EngineLoad(prefill_s=1.0, busy_s=0.4, slowdown=2.0).queued_s() == pytest.approx(1.6)
-    alone = _choose(on_decode=60, d=EngineLoad(decodes=1))  # D 0.08 s, its 60 tokens add 0.06 s to the gap
-    assert alone.engine == "decode" and "D 0.080 s" in alone.reason and "stall 0.060 s" in alone.reason
-    shared = _choose(on_decode=60, d=EngineLoad(decodes=1, slowdown=2.0))  # P busy: D on its own cores
-    assert shared.engine == "prefill" and "D 0.140 s" in shared.reason and "stall 0.120 s" in shared.reason
-    assert "D would break the gaps" in shared.reason
-    slow_p = _choose(on_prefill=50, on_decode=60, p=EngineLoad(slowdown=2.0))  # P beside a busy D: 0.1 + 2 x 0.05
-    assert "P 0.200 s" in slow_p.reason
-
-
-def test_contention_is_the_pair_s_cores_over_the_engine_s_own_and_only_beside_a_busy_partner() -> None:
-    assert Contention() == Contention(prefill=1.0, decode=1.0)
-    halves = Contention.elastic(1, 1)
-    assert (halves.prefill, halves.decode) == (2.0, 2.0)
-    uneven = Contention.elastic(4, 12)
-    assert (uneven.prefill, uneven.decode) == (4.0, pytest.approx(4 / 3))
-    assert uneven.factor("prefill", partner_busy=True) == 4.0 and uneven.factor("prefill", partner_busy=False) == 1.0
-    with pytest.raises(ValueError, match="1 or more"):
-        Contention(prefill=0.5)
-
-
 # ----------------------------------------------------------------- the ledger
-
-
-def test_the_ledger_says_which_engine_is_busy_and_whether_a_prefill_s_partner_was_busy_throughout() -> None:
-    ledger = StepLedger()
-    assert not ledger.busy("prefill") and not ledger.busy("decode")
-    alone = ledger.started("prefill", 0.1, now=0.0)
-    assert ledger.busy("prefill") and not ledger.busy("decode")
-    ledger.token(alone, now=1.0)  # D was idle at its start and at its first token; it decodes on D now
-    assert ledger.partner_was_busy(alone) is False and ledger.busy("decode") and not ledger.busy("prefill")
-    beside = ledger.started("prefill", 0.1, now=1.0)  # D decodes `alone` throughout
-    ledger.token(beside, now=2.0)
-    assert ledger.partner_was_busy(beside) is True
-    ledger.ended(alone)
-    ledger.ended(beside)
-    half = ledger.started("decode", 0.1, now=3.0)  # P idle at its start
-    on_p = ledger.started("prefill", 0.1, now=3.1)  # P busy at its first token
-    ledger.token(half, now=4.0)
-    assert ledger.partner_was_busy(half) is None and ledger.partner_was_busy(on_p) is True  # D prefills `half`
-    assert ledger.partner_was_busy(999) is None
 
 
 def test_the_ledger_follows_each_step_from_its_prefill_to_its_decode() -> None:
@@ -329,8 +288,6 @@ def test_a_prefill_in_flight_is_at_stake_when_its_first_token_is_due_in_the_wind
 
     assert [stake(s) for s in (0.1, 0.3, 1.0, 2.0, 9.0)] == [0, 1, 2, 3, 3]
     assert ledger.at_stake(slo, _costs(), within_s=9.0, now=1.0) == 3  # a second later: 1 s computed of the queue
-    slower = {"prefill": 2.0, "decode": 1.0}  # P computes at half speed: its first is due at 0.7 s, its second 3.7
-    assert ledger.at_stake(slo, _costs(), within_s=1.0, slowdown=slower, now=0.0) == 2  # the first and D's
     assert ledger.at_stake(slo, _costs(), within_s=9.0, now=2.1) == 0  # every one has waited past 2 s
 
 
@@ -423,35 +380,6 @@ async def test_the_pair_counts_its_steps_in_flight_and_learns_without_their_queu
     await run("c")  # alone on P: its 100 tokens in 0.5 s teach the compute
     assert pair.costs.compute_s(100, 0) == pytest.approx(0.5)
     assert pair.costs.overhead_s["prefill"] == pytest.approx(0.7 * (0.7 * 1.9 + 0.3 * 1.6) + 0.3 * 1.5, abs=1e-3)
-
-
-@pytest.mark.anyio
-async def test_a_step_beside_a_busy_partner_teaches_its_compute_as_if_alone_and_is_placed_by_it() -> None:
-    pair = _SteppingPair()
-    pair.contention = Contention(prefill=2.0, decode=2.0)
-    pair.costs = _costs(overhead_s={"prefill": 0.0, "decode": 5.0})  # every step to P
-    pair.gates = {name: (anyio.Event(), anyio.Event()) for name in ("a", "b")}
-
-    async def run(request_id: str) -> None:
-        request = StepRequest(request_id=request_id, prompt_token_ids=list(range(300)), sampling=Sampling())
-        async for _ in pair._pinned_step(request):
-            pass
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(run, "a")
-        await anyio.wait_all_tasks_blocked()
-        assert pair._load("decode").slowdown == 2.0 and pair._load("prefill").slowdown == 1.0  # P prefills a
-        pair.gates["a"][0].set()  # a decodes on D: P alone would compute on D's cores no more
-        await anyio.wait_all_tasks_blocked()
-        assert pair._load("prefill").slowdown == 2.0 and pair._load("decode").slowdown == 1.0
-        group.start_soon(run, "b")  # b prefills on P while D decodes a, from its start to its first token
-        await anyio.wait_all_tasks_blocked()
-        pair.gates["b"][0].set()
-        await anyio.wait_all_tasks_blocked()
-        for name in ("a", "b"):
-            pair.gates[name][1].set()
-    # a (D idle throughout) taught 100 tokens in 0.5 s; b's 0.5 s beside a busy D, 0.25 s alone: the fit of the two
-    assert len(pair.costs.compute) == 2 and pair.costs.compute_s(100, 0) == pytest.approx(0.375)
 
 
 @pytest.fixture

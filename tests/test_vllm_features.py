@@ -30,7 +30,6 @@ from agentkv._engines import _vllm_features
 from agentkv._engines._base import Sampling, StepRequest
 from agentkv._engines._pair_config import PUSH_CONNECTOR, PairConfig, connector_choice
 from agentkv._engines._platforms import Platform
-from agentkv._engines._slo import Contention
 from agentkv._engines._vllm import AsyncLLMRunner
 from agentkv._engines._vllm_features import warn_engine_features
 from agentkv._session._modes import modes_of
@@ -96,9 +95,10 @@ def test_without_auto_placement_a_pair_serves_no_auto_mode_and_says_why(missing:
     assert pair._place(step("auto")).engine == "prefill"
 
 
-@pytest.fixture
-def unstarted_engines(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """A CPU host whose pairs start no engine: each launch is recorded in the list returned."""
+@pytest.mark.anyio
+async def test_without_elastic_cores_a_pair_runs_split(
+    missing: Callable[[str], None], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     started: list[Any] = []
 
     async def model(*args: Any, **kwargs: Any) -> Path:
@@ -117,31 +117,12 @@ def unstarted_engines(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     monkeypatch.setattr("agentkv._engines._pair.current_platform", lambda: Platform("cpu"))
     monkeypatch.setattr("agentkv._engines._pair.CoreTable", Table)
     monkeypatch.setattr(AsyncLLMRunner, "start_async", start_async)
-    return started
-
-
-@pytest.mark.anyio
-async def test_with_elastic_cores_each_engine_computes_slower_beside_a_busy_partner(
-    unstarted_engines: list[Any],
-) -> None:
-    pair = EmbeddedPair(warmup=False, cores=([0], [1, 2, 3]))
-    await pair._start()
-    assert pair.info.details["core_policy"] == "elastic"
-    assert pair.contention == Contention(prefill=4.0, decode=4 / 3)  # alone on 4 cores, beside a busy partner on 1/3
-
-
-@pytest.mark.anyio
-async def test_without_elastic_cores_a_pair_runs_split(
-    missing: Callable[[str], None], caplog: pytest.LogCaptureFixture, unstarted_engines: list[Any]
-) -> None:
-    started = unstarted_engines
     missing(ELASTIC_CORES)
     pair = EmbeddedPair(warmup=False, cores=([0], [1]))  # core_policy="elastic", the default
     await pair._start()
     assert pair.info.details["core_policy"] == "split"
     assert [launch.env.get("VLLM_CPU_OMP_THREADS_BIND") for launch in started] == ["0", "1"]  # each its own core
     assert not [launch for launch in started if CORE_TABLE_ENV in launch.env]
-    assert pair.contention == Contention()  # each engine always on its own core: neither slows the other
     [warning] = _warnings(caplog)
     assert "agentkv: elastic cores is off" in warning and MOVED in warning and "split" in warning
 

@@ -27,7 +27,6 @@ from ._engine_launch import pair_engine_launch
 from ._pair_config import PairConfig, PairSettings, Role
 from ._pair_step import PairSteps
 from ._platforms import Platform, current_platform, pair_devices
-from ._slo import Contention
 from ._system import free_port, split_cores
 from ._vllm import AsyncLLMRunner
 from ._vllm_features import feature_problem, has_feature
@@ -121,7 +120,6 @@ class EmbeddedPair(PairSteps):
             and has_feature(ELASTIC_CORES)  # off where vLLM lacks its targets: one warning, the pair runs split
         )
         self._core_policy = "elastic" if elastic else "split"
-        self.contention = Contention.elastic(len(p_cores), len(d_cores)) if elastic else Contention()
         tag = uuid.uuid4().hex[:8]
         roles: tuple[tuple[Role, Role], ...] = (("prefill", "decode"), ("decode", "prefill"))
         runners: list[AsyncLLMRunner] = []

@@ -39,7 +39,7 @@ from ._handle import KVHandle, handle_of
 from ._pin_budget import PinBudget
 from ._pinning import HeldPin, choose_pin
 from ._placement import Placement, PlacementChoice, PlacementCosts, PrefillEngine
-from ._slo import DEFAULT_SLO, Contention, EngineLoad, Slo, choose_within_slo
+from ._slo import DEFAULT_SLO, Slo, choose_within_slo
 from ._step_ledger import StepLedger
 
 __all__ = ["ON_DECODE_PARAMS", "RELEASE_MARGIN_S", "PairLayer", "run_warmup_steps"]
@@ -69,9 +69,6 @@ class PairLayer(Engine):
         placement reads it). None: a step goes to D alone only while nothing is in flight on D."""
         self._ledger = StepLedger()
         """The steps in flight: where each prefills, with how many tokens, and which decode on D."""
-        self.contention = Contention()
-        """How much slower each engine computes while the other is busy (an embedded pair on elastic CPU cores
-        sets it at start; the estimates of mode ``"auto"`` and what steps teach them account for it)."""
         self._max_pinned_blocks = max_pinned_blocks
         self._pins: PinBudget | None = None
         self._steps_on_decode = 0
@@ -152,7 +149,7 @@ class PairLayer(Engine):
             on_decode = choice.engine == "decode"
             self._steps_on_decode += on_decode
             # the compute queued ahead of it on its engine: not its own cost, which the pair learns without it
-            queued_s = self._load(choice.engine).queued_s()
+            queued_s = self._ledger.load(choice.engine).queued_s()
             key = self._ledger.started(choice.engine, self.costs.compute_s(*self._tokens_on(choice.engine, request)))
             try:
                 placed = self._step_on_decode if on_decode else self._step_via_prefill
@@ -160,7 +157,7 @@ class PairLayer(Engine):
                     async for event in events:
                         self._ledger.token(key)  # the first ends the prefill (D decodes it now); each times a gap
                         if isinstance(event, StepDone):
-                            self._learn(event, pins, queued_s, evicted=evicted, key=key)
+                            self._learn(event, pins, queued_s, evicted=evicted, alone=self._ledger.prefilled_alone(key))
                             if on_decode and request.pin is not None and handle is not None:  # no P read frees it
                                 self._spawn_release(handle, request.pin.expires_at)
                         yield event
@@ -173,24 +170,20 @@ class PairLayer(Engine):
                 logger.debug("agentkv: a new pin overfills D; releasing the least recently pinned conversation")
                 self._spawn_release(released, deadline)
 
-    def _learn(self, done: StepDone, pins: PinBudget, queued_s: float, *, evicted: bool, key: int) -> None:
-        """What the step (``key`` in the ledger) teaches: D's new pin, and its costs (less ``queued_s``, the compute
-        ahead of it; its compute only when its prefill had its engine to itself, and its partner busy or idle
-        throughout: `Contention` scales it)."""
+    def _learn(self, done: StepDone, pins: PinBudget, queued_s: float, *, evicted: bool, alone: bool) -> None:
+        """What the step teaches: D's new pin, and its costs (less ``queued_s``, the compute ahead of it; its compute
+        only when its prefill ran ``alone`` on its engine)."""
         timings = done.timings
         timings.pin_evicted = evicted
         if done.pin is not None:
             pins.pinned(handle_of(done.pin), deadline=done.pin.expires_at)
-        engine = timings.prefill_engine or "prefill"
-        partner_busy = self._ledger.partner_was_busy(key)
         self.costs.observe(
-            engine,
+            timings.prefill_engine or "prefill",
             computed_tokens=timings.computed_tokens,
             context_tokens=timings.local_hit_tokens + timings.pulled_tokens,
             ttft_s=max(0.0, timings.ttft_s - queued_s),
             prefill_s=timings.prefill_s,
-            alone=self._ledger.prefilled_alone(key) and partner_busy is not None,
-            slowdown=self.contention.factor(engine, partner_busy=bool(partner_busy)),
+            alone=alone,
             decode_s=timings.decode_s,
             output_tokens=len(done.token_ids),
         )
@@ -222,8 +215,6 @@ class PairLayer(Engine):
         slo, costs = self.slo, self.costs
         on_prefill, prefill_context = self._tokens_on("prefill", request)
         on_decode, decode_context = self._tokens_on("decode", request)
-        loads: dict[PrefillEngine, EngineLoad] = {"prefill": self._load("prefill"), "decode": self._load("decode")}
-        slowdown = {engine: load.slowdown for engine, load in loads.items()}
         return choose_within_slo(
             costs,
             slo,
@@ -231,16 +222,10 @@ class PairLayer(Engine):
             on_decode=on_decode,
             prefill_context=prefill_context,
             decode_context=decode_context,
-            prefill_load=loads["prefill"],
-            decode_load=loads["decode"],
-            at_stake=lambda within_s: self._ledger.at_stake(slo, costs, within_s=within_s, slowdown=slowdown),
+            prefill_load=self._ledger.load("prefill"),
+            decode_load=self._ledger.load("decode"),
+            at_stake=lambda within_s: self._ledger.at_stake(slo, costs, within_s=within_s),
         )
-
-    def _load(self, engine: PrefillEngine) -> EngineLoad:
-        """What is in flight on ``engine`` now, and how fast it computes beside its partner (`Contention`)."""
-        partner: PrefillEngine = "decode" if engine == "prefill" else "prefill"
-        slowdown = self.contention.factor(engine, partner_busy=self._ledger.busy(partner))
-        return dataclasses.replace(self._ledger.load(engine), slowdown=slowdown)
 
     def _tokens_on(self, engine: PrefillEngine, request: StepRequest) -> tuple[int, int]:
         """The prompt tokens ``request`` computes on ``engine`` and the cached ones before them: on P, past the pin

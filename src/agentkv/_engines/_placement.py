@@ -71,12 +71,10 @@ class PlacementCosts:
         """What such a prefill adds to a forward pass that runs anyway: on D, the pass over its decodes."""
         return self.compute.cost.added_s(computed_tokens, context_tokens)
 
-    def estimate(
-        self, engine: PrefillEngine, computed_tokens: int, context_tokens: int, slowdown: float = 1.0
-    ) -> float:
+    def estimate(self, engine: PrefillEngine, computed_tokens: int, context_tokens: int) -> float:
         """Estimated time to first token for a step that computes ``computed_tokens`` after ``context_tokens`` on
-        ``engine``, its compute taking ``slowdown`` times its estimate (`agentkv._engines._slo.Contention`)."""
-        return self.overhead_s[engine] + slowdown * self.compute_s(computed_tokens, context_tokens)
+        ``engine``."""
+        return self.overhead_s[engine] + self.compute_s(computed_tokens, context_tokens)
 
     def observe(
         self,
@@ -87,18 +85,16 @@ class PlacementCosts:
         ttft_s: float,
         prefill_s: float | None,
         alone: bool = True,
-        slowdown: float = 1.0,
         decode_s: float | None = None,
         output_tokens: int = 0,
     ) -> None:
-        """Learn from a finished step: its compute (when its prefill ran ``alone`` on its engine, ``slowdown`` times
-        slower than on an idle pair), the rest of its time to first token, and (from an answer of
-        `_MIN_TOKENS_FOR_GAP` tokens or more) D's gap between tokens."""
+        """Learn from a finished step: its compute (when its prefill ran ``alone`` on its engine), the rest of its
+        time to first token, and (from an answer of `_MIN_TOKENS_FOR_GAP` tokens or more) D's gap between tokens."""
         if decode_s is not None and output_tokens >= _MIN_TOKENS_FOR_GAP:
             self.gap_s = self._blend("gap", "decode", self.gap_s, decode_s / (output_tokens - 1))
         if prefill_s is not None and alone:
-            self.compute.observe(ComputePoint(computed_tokens, context_tokens, prefill_s / slowdown))
-        overhead = max(0.0, ttft_s - slowdown * self.compute_s(computed_tokens, context_tokens))
+            self.compute.observe(ComputePoint(computed_tokens, context_tokens, prefill_s))
+        overhead = max(0.0, ttft_s - self.compute_s(computed_tokens, context_tokens))
         self.overhead_s[engine] = self._blend("overhead", engine, self.overhead_s[engine], overhead)
 
     def _blend(self, what: str, engine: PrefillEngine, current: float, new: float) -> float:

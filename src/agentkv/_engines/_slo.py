@@ -26,11 +26,6 @@ objective:
   P: one turn lost rather than several).
 
 With nothing in flight this is the plain comparison of the two estimates, whatever the SLO.
-
-Where the engines share cores (elastic cores on CPU), an engine whose partner has work in flight
-computes on its own cores only: its queue, its estimate and the stall of its prefill are scaled by
-the pair's `Contention` (each engine's `EngineLoad.slowdown`), and what a step teaches of the compute
-is scaled back (`PlacementCosts.observe`).
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ from dataclasses import dataclass
 from .._errors import UserError
 from ._placement import PlacementChoice, PlacementCosts, PrefillEngine
 
-__all__ = ["DEFAULT_SLO", "Contention", "EngineLoad", "Slo", "choose_within_slo"]
+__all__ = ["DEFAULT_SLO", "EngineLoad", "Slo", "choose_within_slo"]
 
 
 @dataclass(frozen=True)
@@ -97,45 +92,11 @@ class EngineLoad:
     """How long the oldest of those prefills has been in flight (the engine has computed since then)."""
     decodes: int = 0
     """Answers being decoded on the engine (D's decodes stall while a prefill on D computes)."""
-    slowdown: float = 1.0
-    """How many times longer than its estimate a compute on the engine takes now (`Contention`: its partner
-    is busy and they share cores)."""
 
     def queued_s(self) -> float:
-        """The compute still ahead of a new step: what the prefills in flight need at the engine's present speed,
-        less the time it has computed since the oldest of them started."""
-        return max(0.0, self.slowdown * self.prefill_s - self.busy_s)
-
-
-@dataclass(frozen=True)
-class Contention:
-    """How many times longer than alone each engine of a pair computes while the other engine has work in flight.
-
-    With elastic cores (the CPU platform's default, docs/engines.md) an engine computes on its partner's cores as
-    well as its own while the partner has nothing in flight, on its own only otherwise: the factor is the pair's
-    cores over the engine's own (2 for two halves), and a prefill on D while P prefills takes about twice what
-    it took alone (1.85 against 0.93 s, measured: docs/benchmarks.md, "Results under load"). Engines that share
-    nothing (split cores, GPUs of their own) have 1, the default.
-    """
-
-    prefill: float = 1.0
-    decode: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("prefill", "decode"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 1:
-                raise ValueError(f"a contention factor is a number of 1 or more, not {value!r}")
-
-    @classmethod
-    def elastic(cls, prefill_cores: int, decode_cores: int) -> Contention:
-        """Each engine computes on all ``prefill_cores + decode_cores`` alone, on its own beside a busy partner."""
-        both = prefill_cores + decode_cores
-        return cls(prefill=both / prefill_cores, decode=both / decode_cores)
-
-    def factor(self, engine: PrefillEngine, *, partner_busy: bool) -> float:
-        """The factor on ``engine``'s compute now."""
-        return (self.prefill if engine == "prefill" else self.decode) if partner_busy else 1.0
+        """The compute still ahead of a new step: what the prefills in flight need, less what the engine has
+        computed since the oldest of them started."""
+        return max(0.0, self.prefill_s - self.busy_s)
 
 
 def choose_within_slo(
@@ -160,11 +121,11 @@ def choose_within_slo(
     the test that decided.
     """
     queued: dict[PrefillEngine, float] = {"prefill": prefill_load.queued_s(), "decode": decode_load.queued_s()}
-    via_prefill = queued["prefill"] + costs.estimate("prefill", on_prefill, prefill_context, prefill_load.slowdown)
-    via_decode = queued["decode"] + costs.estimate("decode", on_decode, decode_context, decode_load.slowdown)
+    via_prefill = queued["prefill"] + costs.estimate("prefill", on_prefill, prefill_context)
+    via_decode = queued["decode"] + costs.estimate("decode", on_decode, decode_context)
     # the steps at stake wait out the prefills queued on D as well as this one (vLLM may batch them into one pass),
     # on top of the pass that computes their own next tokens (D's usual gap: this prefill adds its tokens to it)
-    stall_s = queued["decode"] + decode_load.slowdown * costs.added_s(on_decode, decode_context)
+    stall_s = queued["decode"] + costs.added_s(on_decode, decode_context)
     stake = at_stake(via_decode)
     breaks_gaps = stake > 0 and costs.gap_s + stall_s > slo.itl_s
     decode_fits = via_decode <= slo.ttft_s and not breaks_gaps
@@ -186,15 +147,10 @@ def choose_within_slo(
         verdict = f"neither fits; {'D' if engine == 'decode' else 'P'} is faster"
     gaps = f"stall {stall_s:.3f} s on {stake} turns at stake (gap {costs.gap_s:.3f} s)" if stake else "no turn at stake"
     reason = (
-        f"SLO {slo}: D {via_decode:.3f} s ({on_decode} tokens, {queued['decode']:.3f} s queued{_shared(decode_load)}), "
-        f"P {via_prefill:.3f} s ({on_prefill} tokens, {queued['prefill']:.3f} s queued{_shared(prefill_load)}), "
-        f"{gaps}: {verdict}"
+        f"SLO {slo}: D {via_decode:.3f} s ({on_decode} tokens, {queued['decode']:.3f} s queued), "
+        f"P {via_prefill:.3f} s ({on_prefill} tokens, {queued['prefill']:.3f} s queued), {gaps}: {verdict}"
     )
     return PlacementChoice(engine, reason)
-
-
-def _shared(load: EngineLoad) -> str:
-    return f", compute x{load.slowdown:g} beside its busy partner" if load.slowdown != 1 else ""
 
 
 def _why_not_decode(via_decode: float, slo: Slo, breaks_gaps: bool) -> str:

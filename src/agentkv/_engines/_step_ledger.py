@@ -11,24 +11,18 @@ The token times tell which steps a prefill on D would cost a turn (`at_stake`): 
 stalls the steps decoding on D and those whose first token comes while it computes (those
 prefilling on D ahead of it, those on P that hand over to D meanwhile), but a step whose first
 token or one of whose gaps misses the objective anyway is lost to goodput whatever D does.
-
-It also tells whether each engine is `busy`, and whether the other engine was busy while a step
-prefilled (`partner_was_busy`): with elastic cores (CPU) an engine computes on its partner's cores
-too only while the partner has nothing in flight (`Contention` in src/agentkv/_engines/_slo.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._placement import PlacementCosts, PrefillEngine
 from ._slo import EngineLoad, Slo
 
 __all__ = ["StepLedger"]
-
-_PARTNER: dict[PrefillEngine, PrefillEngine] = {"prefill": "decode", "decode": "prefill"}
 
 
 @dataclass
@@ -43,9 +37,6 @@ class _Step:
     worst_gap_s: float = 0.0
     crowded: bool = False
     """Another prefill ran (or waited) on its engine while it prefilled: its prefill's time is not its own."""
-    partner_busy: bool | None = False
-    """Whether the pair's other engine had work in flight when its prefill started and when it ended (None: at
-    one of the two only, so its prefill computed partly on shared cores)."""
 
     @property
     def decoding(self) -> bool:
@@ -71,7 +62,7 @@ class StepLedger:
     def started(self, engine: PrefillEngine, compute_s: float, *, now: float | None = None) -> int:
         """A step placed on ``engine``, whose prefill there is estimated to compute for ``compute_s``; its key in the
         ledger."""
-        step = _Step(engine, compute_s, self._clock() if now is None else now, partner_busy=self.busy(_PARTNER[engine]))
+        step = _Step(engine, compute_s, self._clock() if now is None else now)
         for other in self._steps.values():
             if other.engine == engine and not other.decoding:
                 other.crowded = step.crowded = True
@@ -84,16 +75,6 @@ class StepLedger:
         step = self._steps.get(key)
         return step is not None and not step.crowded
 
-    def partner_was_busy(self, key: int) -> bool | None:
-        """Whether the pair's other engine had work in flight while the step prefilled: at its start and at its
-        first token (None: at one of the two only, or the step is unknown)."""
-        step = self._steps.get(key)
-        return None if step is None else step.partner_busy
-
-    def busy(self, engine: PrefillEngine) -> bool:
-        """Whether ``engine`` has work in flight: P a prefill, D a prefill or an answer to decode."""
-        return self._busy_besides(engine, None)
-
     def token(self, key: int, *, now: float | None = None) -> None:
         """The step yielded tokens: after the first its prefill is over and it decodes on D."""
         step = self._steps.get(key)
@@ -102,18 +83,9 @@ class StepLedger:
         now = self._clock() if now is None else now
         if step.last_token is None:
             step.ttft_s = now - step.started
-            if step.partner_busy != self._busy_besides(_PARTNER[step.engine], step):
-                step.partner_busy = None
         else:
             step.worst_gap_s = max(step.worst_gap_s, now - step.last_token)
         step.last_token = now
-
-    def _busy_besides(self, engine: PrefillEngine, step: _Step | None) -> bool:
-        return any(
-            (other.engine == engine and not other.decoding) or (engine == "decode" and other.decoding)
-            for other in self._steps.values()
-            if other is not step
-        )
 
     def ended(self, key: int) -> None:
         self._steps.pop(key, None)
@@ -130,21 +102,12 @@ class StepLedger:
             decodes=decodes,
         )
 
-    def at_stake(
-        self,
-        slo: Slo,
-        costs: PlacementCosts,
-        *,
-        within_s: float,
-        slowdown: Mapping[PrefillEngine, float] | None = None,
-        now: float | None = None,
-    ) -> int:
+    def at_stake(self, slo: Slo, costs: PlacementCosts, *, within_s: float, now: float | None = None) -> int:
         """How many steps in flight a prefill on D that computes for the next ``within_s`` seconds would stall and
         that can still meet ``slo``: those decoding on D whose tokens met it so far, and those still prefilling whose
         first token is due within ``within_s`` and within their TTFT objective. A prefill's first token is due once
-        its engine's older prefills and its own are computed (at ``slowdown`` times their estimate on that engine,
-        less the time it computed since the oldest started, as `EngineLoad.queued_s`), plus its placement's overhead
-        (``costs``)."""
+        its engine's older prefills and its own are computed (less what the engine computed since the oldest
+        started, as `EngineLoad.queued_s`), plus its placement's overhead (``costs``)."""
         now = self._clock() if now is None else now
         stake = sum(step.met_so_far(slo, now) for step in self._steps.values() if step.decoding)
         engine: PrefillEngine
@@ -156,10 +119,9 @@ class StepLedger:
             if not queue:
                 continue
             busy_s, compute_s = now - queue[0].started, 0.0
-            factor = 1.0 if slowdown is None else slowdown[engine]
             for step in queue:
                 compute_s += step.compute_s
-                due = now + max(0.0, factor * compute_s - busy_s) + costs.overhead_s[engine]
+                due = now + max(0.0, compute_s - busy_s) + costs.overhead_s[engine]
                 stake += due <= now + within_s and due - step.started <= slo.ttft_s
         return stake
 
