@@ -35,8 +35,9 @@ def prompt_bounds(workload: Workload, tokenizer: Any) -> list[int]:
 
 
 def check_fits(workload: Workload, tokenizer: Any, *, max_model_len: int) -> None:
-    """Raise `UserError` when the last turn of ``workload`` may not fit ``max_model_len`` tokens with room for
-    an answer (`prompt_bounds`), naming the turns that do fit."""
+    """Raise `UserError` when the last turn of ``workload`` may send ``max_model_len`` prompt tokens or more
+    (`prompt_bounds`), the prompts a session refuses with `ContextLengthError` (it shortens an answer to the room
+    left), naming the turns that do fit."""
     bounds = prompt_bounds(workload, tokenizer)
     if bounds[-1] < max_model_len:
         return
