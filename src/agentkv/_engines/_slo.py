@@ -127,15 +127,25 @@ def choose_within_slo(
     # on top of the pass that computes their own next tokens (D's usual gap: this prefill adds its tokens to it)
     stall_s = queued["decode"] + costs.added_s(on_decode, decode_context)
     stake = at_stake(via_decode)
-    breaks_gaps = stake > 0 and costs.gap_s + stall_s > slo.itl_s
+    long_stall = costs.gap_s + stall_s > slo.itl_s
+    breaks_gaps = stake > 0 and long_stall
     decode_fits = via_decode <= slo.ttft_s and not breaks_gaps
     prefill_fits = via_prefill <= slo.ttft_s
-    if decode_fits and via_decode <= via_prefill:
+    # where P fits, a prefill on D that would break any gap it spans gains no turn: it takes the step only while no
+    # turn in flight can still be lost (their first tokens' times are estimates, which load on shared cores misses)
+    risked = at_stake(math.inf) if long_stall and decode_fits and prefill_fits and via_decode <= via_prefill else 0
+    if decode_fits and via_decode <= via_prefill and not risked:
         engine: PrefillEngine = "decode"
         verdict = "D fits and is no slower"
     elif prefill_fits:
         engine = "prefill"
-        verdict = "P fits" + (", D is slower" if decode_fits else _why_not_decode(via_decode, slo, breaks_gaps))
+        verdict = "P fits" + (
+            f", D would risk {risked} turns in flight"
+            if risked
+            else ", D is slower"
+            if decode_fits
+            else _why_not_decode(via_decode, slo, breaks_gaps)
+        )
     elif breaks_gaps and via_decode <= slo.ttft_s and stake == 1:
         engine = "decode"
         verdict = "P misses the TTFT, D the gaps of 1 turn at stake: D, off P's queue"
