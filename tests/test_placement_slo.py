@@ -8,7 +8,7 @@ test says otherwise; the objective 1 s to the first token, 0.1 s between tokens.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import anyio
@@ -39,10 +39,12 @@ def _choose(
     on_decode: int = 60,
     p: EngineLoad | None = None,
     d: EngineLoad | None = None,
-    at_stake: int | None = None,
+    at_stake: int | Callable[[float], int] | None = None,
 ) -> PlacementChoice:
-    """The policy on these loads; the turns at stake, unless given, are D's decodes (all inside the objective)."""
+    """The policy on these loads; the turns at stake, unless given (a count for any window, or a function of the
+    window), are D's decodes (all inside the objective)."""
     d = d or EngineLoad()
+    count = d.decodes if at_stake is None else at_stake
     return choose_within_slo(
         costs or _costs(),
         slo,
@@ -52,7 +54,7 @@ def _choose(
         decode_context=0,
         prefill_load=p or EngineLoad(),
         decode_load=d,
-        at_stake=lambda _: d.decodes if at_stake is None else at_stake,
+        at_stake=count if callable(count) else lambda _: count,
     )
 
 
@@ -198,6 +200,24 @@ def test_a_long_d_prefill_is_free_when_no_turn_in_flight_can_still_meet_the_obje
     assert lost.engine == "decode" and lost.reason.endswith("no turn at stake: D fits and is no slower")
     prefilling = _choose(cheap_d, on_prefill=300, on_decode=300, at_stake=1)  # one still prefilling, within
     assert prefilling.engine == "prefill" and "on 1 turns at stake" in prefilling.reason
+
+
+def test_where_p_fits_a_gap_breaking_d_prefill_waits_until_no_turn_in_flight_can_be_lost() -> None:
+    cheap_d = _costs(overhead_s={"prefill": 0.5, "decode": 0.0})  # D 0.3 s, P 0.8 s: both fit, D the faster
+
+    def due_later(within_s: float) -> int:  # one turn in flight, due after D's prefill by its estimate
+        return 1 if within_s == math.inf else 0
+
+    risky = _choose(cheap_d, on_prefill=300, on_decode=300, at_stake=due_later)
+    assert risky.engine == "prefill" and risky.reason.endswith(
+        "no turn at stake: P fits, D would risk 1 turns in flight"
+    )
+    assert _choose(cheap_d, on_prefill=300, on_decode=300, at_stake=lambda _: 0).engine == "decode"  # none at risk
+    short = _choose(cheap_d, on_prefill=60, on_decode=60, at_stake=due_later)  # 0.06 s breaks no gap: no risk
+    assert short.engine == "decode" and short.reason.endswith("D fits and is no slower")
+    queued_p = EngineLoad(prefills=3, prefill_s=0.9)  # P misses its TTFT: D keeps this turn
+    late_p = _choose(cheap_d, on_prefill=300, on_decode=300, p=queued_p, at_stake=due_later)
+    assert late_p.engine == "decode" and late_p.reason.endswith("D fits and is no slower")
 
 
 def test_when_neither_fits_the_faster_wins_unless_d_breaks_the_gaps() -> None:

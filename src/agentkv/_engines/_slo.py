@@ -17,7 +17,9 @@ objective:
 * D when its TTFT fits the SLO, its prefill keeps the token gaps of the turns at stake within
   the ITL objective (or none is at stake), and it is no slower than P; a gap while D prefills
   is D's usual gap (`PlacementCosts.gap_s`, learned from the pair's answers) plus the
-  prefill's compute;
+  prefill's compute. Where P fits as well and that prefill would break any gap it spans, D
+  waits until no turn in flight can still meet the objective: on P the step keeps its turn,
+  and the turns at stake are known from estimated times, which load on shared cores can miss;
 * else P when its TTFT fits;
 * else, P missing the TTFT, D when its TTFT fits and its prefill breaks the gaps of one turn
   at stake only: one turn is lost either way, and the prefill taken off P shortens the queue
