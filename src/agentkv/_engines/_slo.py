@@ -21,9 +21,11 @@ objective:
   waits until no turn in flight can still meet the objective: on P the step keeps its turn,
   and the turns at stake are known from estimated times, which load on shared cores can miss;
 * else P when its TTFT fits;
-* else, P missing the TTFT, D when its TTFT fits and its prefill breaks the gaps of one turn
-  at stake only: one turn is lost either way, and the prefill taken off P shortens the queue
-  of every step waiting there (under load P is the pair's bottleneck);
+* else, P missing the TTFT by its queue (the compute queued there and the step's own, without
+  the overhead the pair learned, which under load carries the other engine's contention), D
+  when its TTFT fits and its prefill breaks the gaps of one turn at stake only: one turn is
+  lost either way, and the prefill taken off P shortens the queue of every step waiting there
+  (under load P is the pair's bottleneck);
 * else the faster of the two, unless D's prefill would break the gaps of turns at stake (then
   P: one turn lost rather than several).
 
@@ -133,6 +135,9 @@ def choose_within_slo(
     breaks_gaps = stake > 0 and long_stall
     decode_fits = via_decode <= slo.ttft_s and not breaks_gaps
     prefill_fits = via_prefill <= slo.ttft_s
+    # P misses by its queue when the compute queued there and the step's own pass the objective, its learned overhead
+    # left out: under load that overhead carries the other engine's contention and can run seconds long
+    queue_misses = queued["prefill"] + costs.compute_s(on_prefill, prefill_context) > slo.ttft_s
     # where P fits, a prefill on D that would break any gap it spans gains no turn: it takes the step only while no
     # turn in flight can still be lost (their first tokens' times are estimates, which load on shared cores misses)
     risked = at_stake(math.inf) if long_stall and decode_fits and prefill_fits and via_decode <= via_prefill else 0
@@ -148,7 +153,7 @@ def choose_within_slo(
             if decode_fits
             else _why_not_decode(via_decode, slo, breaks_gaps)
         )
-    elif breaks_gaps and via_decode <= slo.ttft_s and stake == 1:
+    elif breaks_gaps and via_decode <= slo.ttft_s and stake == 1 and queue_misses:
         engine = "decode"
         verdict = "P misses the TTFT, D the gaps of 1 turn at stake: D, off P's queue"
     elif breaks_gaps:
