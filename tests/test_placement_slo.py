@@ -247,6 +247,18 @@ def test_when_p_misses_the_ttft_d_takes_a_step_that_breaks_the_gaps_of_one_turn_
     )
 
 
+def test_the_trade_is_for_p_s_queue_not_for_an_overhead_learned_under_load() -> None:
+    slow_hop = _costs(overhead_s={"prefill": 1.0, "decode": 0.0})  # P's overhead learned under load: 1 s
+    short_queue = EngineLoad(prefills=1, prefill_s=0.2)  # P 0.2 + 0.3 + 1.0 s misses; queue and compute 0.5 s do not
+    kept = _choose(slow_hop, on_prefill=300, on_decode=300, p=short_queue, at_stake=1)
+    assert kept.engine == "prefill" and kept.reason.endswith(
+        "neither fits; D would break the gaps of the turns at stake"
+    )
+    long_queue = EngineLoad(prefills=3, prefill_s=0.9)  # 0.9 + 0.3 s of compute miss without the overhead
+    traded = _choose(slow_hop, on_prefill=300, on_decode=300, p=long_queue, at_stake=1)
+    assert traded.engine == "decode" and traded.reason.endswith("D, off P's queue")
+
+
 def test_the_queue_counts_what_the_engine_computed_since_its_oldest_prefill() -> None:
     assert EngineLoad(prefill_s=1.0, busy_s=0.4).queued_s() == pytest.approx(0.6)
     assert EngineLoad(prefill_s=1.0, busy_s=3.0).queued_s() == 0.0
