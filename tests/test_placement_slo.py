@@ -252,7 +252,7 @@ def test_the_trade_is_for_p_s_queue_not_for_an_overhead_learned_under_load() -> 
     short_queue = EngineLoad(prefills=1, prefill_s=0.2)  # P 0.2 + 0.3 + 1.0 s misses; queue and compute 0.5 s do not
     kept = _choose(slow_hop, on_prefill=300, on_decode=300, p=short_queue, at_stake=1)
     assert kept.engine == "prefill" and kept.reason.endswith(
-        "neither fits; D would break the gaps of the turns at stake"
+        "neither fits; D would break the gaps of the turns at stake (P misses by its overhead, not its queue)"
     )
     long_queue = EngineLoad(prefills=3, prefill_s=0.9)  # 0.9 + 0.3 s of compute miss without the overhead
     traded = _choose(slow_hop, on_prefill=300, on_decode=300, p=long_queue, at_stake=1)

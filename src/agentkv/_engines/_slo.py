@@ -159,6 +159,8 @@ def choose_within_slo(
     elif breaks_gaps:
         engine = "prefill"
         verdict = "neither fits; D would break the gaps of the turns at stake"
+        if via_decode <= slo.ttft_s and stake == 1:
+            verdict += " (P misses by its overhead, not its queue)"
     else:
         engine = "decode" if via_decode <= via_prefill else "prefill"
         verdict = f"neither fits; {'D' if engine == 'decode' else 'P'} is faster"
