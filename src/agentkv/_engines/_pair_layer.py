@@ -25,6 +25,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from abc import abstractmethod
@@ -225,6 +226,7 @@ class PairLayer(Engine):
             prefill_load=self._ledger.load("prefill"),
             decode_load=self._ledger.load("decode"),
             at_stake=lambda within_s: self._ledger.at_stake(slo, costs, within_s=within_s),
+            at_risk=lambda: self._ledger.at_stake(slo, costs, within_s=math.inf, earliest=True),
         )
 
     def _tokens_on(self, engine: PrefillEngine, request: StepRequest) -> tuple[int, int]:

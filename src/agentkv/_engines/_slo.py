@@ -114,12 +114,14 @@ def choose_within_slo(
     prefill_load: EngineLoad,
     decode_load: EngineLoad,
     at_stake: Callable[[float], int],
+    at_risk: Callable[[], int] | None = None,
 ) -> PlacementChoice:
     """P or D for a step that computes ``on_prefill`` tokens after ``prefill_context`` (the pin) on P or ``on_decode``
     tokens after ``decode_context`` (the pin's whole blocks) on D alone, given what
     is in flight on each and ``at_stake(s)``, how many other steps in flight a prefill on D computing for the next
-    ``s`` seconds would stall that can still meet ``slo``: the placement that keeps the most turns inside it (see
-    the module's docstring).
+    ``s`` seconds would stall that can still meet ``slo``, and ``at_risk()``, how many steps in flight could still
+    meet it, each counted at its earliest first token (``at_stake(math.inf)`` unless given): the placement that
+    keeps the most turns inside it (see the module's docstring).
 
     The reason gives both estimates (queue included), the stall a prefill on D imposes on the turns at stake, and
     the test that decided.
@@ -140,7 +142,9 @@ def choose_within_slo(
     queue_misses = queued["prefill"] + costs.compute_s(on_prefill, prefill_context) > slo.ttft_s
     # where P fits, a prefill on D that would break any gap it spans gains no turn: it takes the step only while no
     # turn in flight can still be lost (their first tokens' times are estimates, which load on shared cores misses)
-    risked = at_stake(math.inf) if long_stall and decode_fits and prefill_fits and via_decode <= via_prefill else 0
+    risked = 0
+    if long_stall and decode_fits and prefill_fits and via_decode <= via_prefill:
+        risked = at_risk() if at_risk is not None else at_stake(math.inf)
     if decode_fits and via_decode <= via_prefill and not risked:
         engine: PrefillEngine = "decode"
         verdict = "D fits and is no slower"

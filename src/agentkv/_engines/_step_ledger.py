@@ -102,12 +102,15 @@ class StepLedger:
             decodes=decodes,
         )
 
-    def at_stake(self, slo: Slo, costs: PlacementCosts, *, within_s: float, now: float | None = None) -> int:
+    def at_stake(
+        self, slo: Slo, costs: PlacementCosts, *, within_s: float, earliest: bool = False, now: float | None = None
+    ) -> int:
         """How many steps in flight a prefill on D that computes for the next ``within_s`` seconds would stall and
         that can still meet ``slo``: those decoding on D whose tokens met it so far, and those still prefilling whose
         first token is due within ``within_s`` and within their TTFT objective. A prefill's first token is due once
         its engine's older prefills and its own are computed (less what the engine computed since the oldest
-        started, as `EngineLoad.queued_s`), plus its placement's overhead (``costs``)."""
+        started, as `EngineLoad.queued_s`), plus its placement's overhead (``costs``); at the ``earliest``, without
+        that overhead (the turns that could still be kept, were the overhead learned under load too long)."""
         now = self._clock() if now is None else now
         stake = sum(step.met_so_far(slo, now) for step in self._steps.values() if step.decoding)
         engine: PrefillEngine
@@ -121,7 +124,7 @@ class StepLedger:
             busy_s, compute_s = now - queue[0].started, 0.0
             for step in queue:
                 compute_s += step.compute_s
-                due = now + max(0.0, compute_s - busy_s) + costs.overhead_s[engine]
+                due = now + max(0.0, compute_s - busy_s) + (0.0 if earliest else costs.overhead_s[engine])
                 stake += due <= now + within_s and due - step.started <= slo.ttft_s
         return stake
 
