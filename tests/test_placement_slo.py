@@ -323,6 +323,16 @@ def test_a_prefill_in_flight_is_at_stake_when_its_first_token_is_due_in_the_wind
     assert ledger.at_stake(slo, _costs(), within_s=9.0, now=2.1) == 0  # every one has waited past 2 s
 
 
+def test_at_its_earliest_a_prefill_in_flight_is_due_without_its_placement_s_overhead() -> None:
+    slo = Slo(ttft_s=2.0, itl_s=0.5)
+    ledger = StepLedger()
+    ledger.started("prefill", 0.5, now=0.0)
+    slow_hop = _costs(overhead_s={"prefill": 1.0, "decode": 0.0})  # an overhead learned under load: 1 s
+    assert ledger.at_stake(slo, slow_hop, within_s=math.inf, now=1.2) == 0  # due at 2.2 s: lost, by the estimate
+    assert ledger.at_stake(slo, slow_hop, within_s=math.inf, earliest=True, now=1.2) == 1  # could come at 1.2 s
+    assert ledger.at_stake(slo, slow_hop, within_s=math.inf, earliest=True, now=2.1) == 0  # past 2 s already
+
+
 # ----------------------------------------------------------------- the pair layer
 
 
@@ -346,6 +356,17 @@ def test_the_pair_places_by_its_slo_with_what_it_has_in_flight(unstarted_pair: A
     unstarted_pair.slo = Slo(ttft_s=1.0, itl_s=0.05)  # changed while the pair runs: the next step reads it
     choice = unstarted_pair._place(request)
     assert choice.engine == "prefill" and "D would break the gaps" in choice.reason
+
+
+def test_where_p_fits_the_pair_risks_no_turn_that_could_still_be_kept_at_its_earliest(unstarted_pair: Any) -> None:
+    unstarted_pair.costs = _costs(overhead_s={"prefill": 1.5, "decode": 0.0})  # P's overhead learned under load
+    unstarted_pair.slo = Slo(ttft_s=2.0, itl_s=0.05)
+    request = _request("auto", pin=_pin(2 * BLOCK + 10), prompt=2 * BLOCK + 100)  # D 0.1 s: breaks a 0.05 s gap
+    assert unstarted_pair._place(request).engine == "decode"  # nothing in flight
+    unstarted_pair._ledger = StepLedger(clock=lambda: 100.0)
+    unstarted_pair._ledger.started("prefill", 0.2, now=99.0)  # due at 100.7 s by the estimate: lost (1.7 s)
+    choice = unstarted_pair._place(request)  # but it could come now, within 2 s, so D would risk it
+    assert choice.engine == "prefill" and choice.reason.endswith("P fits, D would risk 1 turns in flight")
 
 
 def test_placement_asked_or_impossible_ignores_the_slo(unstarted_pair: Any) -> None:

@@ -18,8 +18,9 @@ objective:
   the ITL objective (or none is at stake), and it is no slower than P; a gap while D prefills
   is D's usual gap (`PlacementCosts.gap_s`, learned from the pair's answers) plus the
   prefill's compute. Where P fits as well and that prefill would break any gap it spans, D
-  waits until no turn in flight can still meet the objective: on P the step keeps its turn,
-  and the turns at stake are known from estimated times, which load on shared cores can miss;
+  waits until no turn in flight could still meet the objective, each counted at its earliest
+  first token: on P the step keeps its turn, and the turns at stake are known from estimated
+  times, which load on shared cores can miss;
 * else P when its TTFT fits;
 * else, P missing the TTFT by its queue (the compute queued there and the step's own, without
   the overhead the pair learned, which under load carries the other engine's contention), D
