@@ -142,7 +142,7 @@ def choose_within_slo(
     # left out: under load that overhead carries the other engine's contention and can run seconds long
     queue_misses = queued["prefill"] + costs.compute_s(on_prefill, prefill_context) > slo.ttft_s
     # where P fits, a prefill on D that would break any gap it spans gains no turn: it takes the step only while no
-    # turn in flight can still be lost (their first tokens' times are estimates, which load on shared cores misses)
+    # turn in flight could still be kept, each at its earliest (the due times are estimates that load can miss)
     risked = 0
     if long_stall and decode_fits and prefill_fits and via_decode <= via_prefill:
         risked = at_risk() if at_risk is not None else at_stake(math.inf)
@@ -151,13 +151,12 @@ def choose_within_slo(
         verdict = "D fits and is no slower"
     elif prefill_fits:
         engine = "prefill"
-        verdict = "P fits" + (
-            f", D would risk {risked} turns in flight"
-            if risked
-            else ", D is slower"
-            if decode_fits
-            else _why_not_decode(via_decode, slo, breaks_gaps)
-        )
+        if risked:
+            verdict = f"P fits, D would risk {risked} turns in flight"
+        elif decode_fits:
+            verdict = "P fits, D is slower"
+        else:
+            verdict = "P fits" + _why_not_decode(via_decode, slo, breaks_gaps)
     elif breaks_gaps and via_decode <= slo.ttft_s and stake == 1 and queue_misses:
         engine = "decode"
         verdict = "P misses the TTFT, D the gaps of 1 turn at stake: D, off P's queue"
