@@ -45,6 +45,7 @@ def _choose(
     window), are D's decodes (all inside the objective)."""
     d = d or EngineLoad()
     count = d.decodes if at_stake is None else at_stake
+    stake: Callable[[float], int] = count if callable(count) else lambda _: count
     return choose_within_slo(
         costs or _costs(),
         slo,
@@ -54,7 +55,8 @@ def _choose(
         decode_context=0,
         prefill_load=p or EngineLoad(),
         decode_load=d,
-        at_stake=count if callable(count) else lambda _: count,
+        at_stake=stake,
+        at_risk=lambda: stake(math.inf),
     )
 
 

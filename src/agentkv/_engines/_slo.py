@@ -115,14 +115,14 @@ def choose_within_slo(
     prefill_load: EngineLoad,
     decode_load: EngineLoad,
     at_stake: Callable[[float], int],
-    at_risk: Callable[[], int] | None = None,
+    at_risk: Callable[[], int],
 ) -> PlacementChoice:
     """P or D for a step that computes ``on_prefill`` tokens after ``prefill_context`` (the pin) on P or ``on_decode``
     tokens after ``decode_context`` (the pin's whole blocks) on D alone, given what
     is in flight on each and ``at_stake(s)``, how many other steps in flight a prefill on D computing for the next
     ``s`` seconds would stall that can still meet ``slo``, and ``at_risk()``, how many steps in flight could still
-    meet it, each counted at its earliest first token (``at_stake(math.inf)`` unless given): the placement that
-    keeps the most turns inside it (see the module's docstring).
+    meet it, each counted at its earliest first token: the placement that keeps the most turns inside it (see the
+    module's docstring).
 
     The reason gives both estimates (queue included), the stall a prefill on D imposes on the turns at stake, and
     the test that decided.
@@ -138,14 +138,11 @@ def choose_within_slo(
     breaks_gaps = stake > 0 and long_stall
     decode_fits = via_decode <= slo.ttft_s and not breaks_gaps
     prefill_fits = via_prefill <= slo.ttft_s
-    # P misses by its queue when the compute queued there and the step's own pass the objective, its learned overhead
-    # left out: under load that overhead carries the other engine's contention and can run seconds long
-    queue_misses = queued["prefill"] + costs.compute_s(on_prefill, prefill_context) > slo.ttft_s
     # where P fits, a prefill on D that would break any gap it spans gains no turn: it takes the step only while no
     # turn in flight could still be kept, each at its earliest (the due times are estimates that load can miss)
     risked = 0
     if long_stall and decode_fits and prefill_fits and via_decode <= via_prefill:
-        risked = at_risk() if at_risk is not None else at_stake(math.inf)
+        risked = at_risk()
     if decode_fits and via_decode <= via_prefill and not risked:
         engine: PrefillEngine = "decode"
         verdict = "D fits and is no slower"
@@ -157,14 +154,20 @@ def choose_within_slo(
             verdict = "P fits, D is slower"
         else:
             verdict = "P fits" + _why_not_decode(via_decode, slo, breaks_gaps)
-    elif breaks_gaps and via_decode <= slo.ttft_s and stake == 1 and queue_misses:
-        engine = "decode"
-        verdict = "P misses the TTFT, D the gaps of 1 turn at stake: D, off P's queue"
+    elif breaks_gaps and via_decode <= slo.ttft_s and stake == 1:
+        # the trade is for P's queue: it needs P to miss by the compute queued there and the step's own, its learned
+        # overhead left out (under load that overhead carries the other engine's contention and runs seconds long)
+        if queued["prefill"] + costs.compute_s(on_prefill, prefill_context) > slo.ttft_s:
+            engine = "decode"
+            verdict = "P misses the TTFT, D the gaps of 1 turn at stake: D, off P's queue"
+        else:
+            engine = "prefill"
+            verdict = (
+                "neither fits; D would break the gaps of the turns at stake (P misses by its overhead, not its queue)"
+            )
     elif breaks_gaps:
         engine = "prefill"
         verdict = "neither fits; D would break the gaps of the turns at stake"
-        if via_decode <= slo.ttft_s and stake == 1:
-            verdict += " (P misses by its overhead, not its queue)"
     else:
         engine = "decode" if via_decode <= via_prefill else "prefill"
         verdict = f"neither fits; {'D' if engine == 'decode' else 'P'} is faster"
