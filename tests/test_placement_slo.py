@@ -366,7 +366,7 @@ def test_where_p_fits_the_pair_risks_no_turn_that_could_still_be_kept_at_its_ear
     request = _request("auto", pin=_pin(2 * BLOCK + 10), prompt=2 * BLOCK + 100)  # D 0.1 s: breaks a 0.05 s gap
     assert unstarted_pair._place(request).engine == "decode"  # nothing in flight
     unstarted_pair._ledger = StepLedger(clock=lambda: 100.0)
-    unstarted_pair._ledger.started("prefill", 0.2, now=99.0)  # due at 100.7 s by the estimate: lost (1.7 s)
+    unstarted_pair._ledger.started("prefill", 0.2, now=99.0)  # due at 101.5 s by the estimate: lost (2.5 s)
     choice = unstarted_pair._place(request)  # but it could come now, within 2 s, so D would risk it
     assert choice.engine == "prefill" and choice.reason.endswith("P fits, D would risk 1 turns in flight")
 
