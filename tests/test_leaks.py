@@ -1,12 +1,15 @@
 """Leaks: opening and closing sessions and pairs, over and over, leaves nothing behind.
 
 Counted before and after: processes below this one, threads, open file descriptors,
-/dev/shm segments and listening TCP ports of this process and its children.
+/dev/shm segments, listening TCP ports of this process and its children, and vLLM's IPC socket files
+(ZMQ leaves them behind: each engine has a folder for them, removed when it stops).
 """
 
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -31,6 +34,7 @@ class Footprint:
     fds: int
     shm: frozenset[str]
     ports: frozenset[int]
+    ipc: frozenset[str]
 
     def growth(self, later: Footprint) -> list[str]:
         found = []
@@ -44,6 +48,8 @@ class Footprint:
             found.append(f"/dev/shm segments {sorted(later.shm - self.shm)}")
         if later.ports - self.ports:
             found.append(f"listening ports {sorted(later.ports - self.ports)}")
+        if later.ipc - self.ipc:
+            found.append(f"IPC sockets or their folders {sorted(later.ipc - self.ipc)}")
         return found
 
 
@@ -55,7 +61,22 @@ def footprint() -> Footprint:
         fds=len(os.listdir("/proc/self/fd")),
         shm=frozenset(os.listdir("/dev/shm")),
         ports=frozenset(listening_ports(held_by={os.getpid(), *children})),
+        ipc=ipc_leftovers(),
     )
+
+
+def ipc_leftovers() -> frozenset[str]:
+    """Socket files and engines' IPC folders (``agentkv-<engine>-*``) in the temporary folder."""
+    folder = tempfile.gettempdir()
+    found = set()
+    for entry in os.scandir(folder):
+        try:
+            with_mode = entry.stat(follow_symlinks=False).st_mode
+        except FileNotFoundError:  # gone meanwhile
+            continue
+        if stat.S_ISSOCK(with_mode) or (stat.S_ISDIR(with_mode) and entry.name.startswith("agentkv-")):
+            found.add(entry.name)
+    return frozenset(found)
 
 
 @pytest.mark.parametrize("cycles", [pytest.param(10, id="10"), pytest.param(100, id="100", marks=pytest.mark.nightly)])

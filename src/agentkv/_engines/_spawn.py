@@ -22,6 +22,10 @@ binding lines) out of the caller's terminal: while the turn is held, this proces
 engine log (`engine_output`, ``$AGENTKV_HOME/logs/engines-<pid>.log``), so the engine core, and the workers it
 makes, inherit the file instead of the terminal; they are pointed back when the core exists.
 ``AGENTKV_ENGINE_OUTPUT=-`` leaves the output inherited, as it was before.
+
+The environment also gives each engine a folder of its own for vLLM's ZMQ IPC sockets (`ipc_folder`): vLLM names
+them ``ipc://$VLLM_RPC_BASE_PATH/<uuid>`` and ZMQ leaves the socket files behind when they close (seven per engine
+on a CPU host, in the temporary folder, one lot per engine started); the engine's folder goes when it stops.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from multiprocessing import resource_tracker
@@ -208,3 +214,15 @@ def stop_signals_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ipc_folder(name: str) -> str:
+    """A new folder for the ZMQ IPC sockets of the engine ``name`` (its ``VLLM_RPC_BASE_PATH``), inside the caller's
+    ``VLLM_RPC_BASE_PATH`` if set, else the temporary folder; `remove_ipc_folder` removes it when the engine stops."""
+    return tempfile.mkdtemp(prefix=f"agentkv-{name}-", dir=os.environ.get("VLLM_RPC_BASE_PATH") or None)
+
+
+def remove_ipc_folder(folder: str | None) -> None:
+    """Remove an engine's IPC folder and the socket files ZMQ left in it (its processes have ended)."""
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -30,7 +30,7 @@ from _agentkv_vllm._patches import keep_prefill_stats, stop_output_handler
 from .._errors import EngineDeadError, EngineError, EngineStartError, UserError
 from ._base import Pin, StepDone, StepTimings, TokenDelta, TokenLogprob
 from ._engine_launch import EngineLaunch
-from ._spawn import SpawnTurn, quiet_env, spawn_turn, stop_signals_blocked
+from ._spawn import SpawnTurn, ipc_folder, quiet_env, remove_ipc_folder, spawn_turn, stop_signals_blocked
 from ._start_log import record_engine_start
 from ._system import descendants, kill_and_reap, repin_threads
 from ._vllm_features import check_vllm_version, warn_engine_features
@@ -120,6 +120,8 @@ class AsyncLLMRunner:
         """Requests sent to the engine that have not ended."""
         self.keeps_prefill_stats = True
         """Whether each request's prefill split is read out (False where vLLM lacks the targets: docs/vllm-patches.md)."""
+        self._ipc_folder: str | None = None
+        """The folder of the engine's ZMQ IPC sockets while it runs (`ipc_folder`)."""
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -142,10 +144,13 @@ class AsyncLLMRunner:
         warn_engine_features(self.launch.env)  # an untested vLLM, a feature whose targets moved: one warning each
         record_engine_start(kind="in-process", role=self.name)
         turn = SpawnTurn()
+        self._ipc_folder = ipc_folder(self.name)
+        env = {**quiet_env(), "VLLM_RPC_BASE_PATH": self._ipc_folder, **self.launch.env}
         try:
-            with spawn_turn({**quiet_env(), **self.launch.env}) as turn, stop_signals_blocked():
+            with spawn_turn(env) as turn, stop_signals_blocked():
                 self._llm = self._build()
         except Exception as exc:
+            remove_ipc_folder(self._ipc_folder)  # what the failed start left running is reaped by the caller's shutdown
             log = f" (the engine's output: {turn.log_path})" if turn.log_path is not None else ""
             raise EngineStartError(f"the {self.name} engine did not start{log}: {exc}") from exc
         finally:
@@ -210,6 +215,8 @@ class AsyncLLMRunner:
             gc.collect()  # run AsyncLLM.__del__ now, while the interpreter is whole
         killed = kill_and_reap(self.pids)
         forget_pids(self.pids)
+        remove_ipc_folder(self._ipc_folder)
+        self._ipc_folder = None
         if self.core_slot is not None:
             self.core_slot.release()
         return killed
