@@ -23,6 +23,10 @@ from scripted import close_leftover_event_loop
 
 # D pins blocks for 30 s in tests (480 s by default), so expiry paths run in seconds.
 PIN_TTL_S = 30.0
+# The launched pair's pins live longer: doors that share a store do not renew pins (src/agentkv/_session/_pool.py), so
+# a conversation's next turn must come within the TTL less the 10 s margin, and a round of 8 conversations across a
+# door's death (tests/test_scale_out_pair.py) took 11.6 s here, near the 20 s that 30 s leaves on a slower machine.
+LAUNCHED_PIN_TTL_S = 120.0
 # bf16 KV from a cache, a pull or a recompute differs in its last bits: float32 keeps greedy outputs equal across modes.
 EXACT_DTYPE = "float32"
 
@@ -92,7 +96,7 @@ def colocated() -> Iterator[Colocated]:
 def launched() -> Iterator[LaunchedPair]:
     """Two vLLM API servers that agentkv started, as the pair is sized; closing it leaves no process and no port."""
     running_before = running_pids()
-    with LaunchedPair(max_model_len=2048, pin_ttl_s=PIN_TTL_S, dtype=EXACT_DTYPE) as engine:
+    with LaunchedPair(max_model_len=2048, pin_ttl_s=LAUNCHED_PIN_TTL_S, dtype=EXACT_DTYPE) as engine:
         yield engine
         pids, ports = engine.pids, engine.ports
         assert pids and ports

@@ -244,12 +244,16 @@ class Chat:
     stats: list[dict[str, Any]] = field(default_factory=list)
     failures: list[tuple[int, str]] = field(default_factory=list)
     """(turn, what failed) for each request the client saw fail."""
+    paused_s: list[float] = field(default_factory=list)
+    """For each turn, the time since the last turn's answer came whole (0 for the first): how long its pin waited."""
+    _answered: float | None = field(default=None, repr=False)
 
     def turn(self, client: openai.OpenAI, number: int, *, within_s: float = 120.0) -> None:
         question = {"role": "user", "content": f"Question {number} of {self.name or 'the unnamed one'}?"}
         deadline = time.monotonic() + within_s
         while True:
             try:
+                asked = time.monotonic()
                 text, stats = self._ask(client, [*self.messages, question])
                 break
             except openai.APIError as exc:
@@ -259,6 +263,8 @@ class Chat:
         self.messages += [question, {"role": "assistant", "content": text}]
         self.answers.append(text)
         self.stats.append(stats)
+        self.paused_s.append(asked - self._answered if self._answered is not None else 0.0)
+        self._answered = time.monotonic()
 
     def _ask(self, client: openai.OpenAI, messages: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         turn = streamed_turn(client, self.model, messages, self.name, **self.params)

@@ -44,6 +44,15 @@ def talk(url: str, turns: range, chats: list[Chat]) -> None:
                 chat.turn(client, number)
 
 
+def brief(chat: Chat) -> list[tuple[Any, ...]]:
+    """Each turn in short, for a failure's message: turn, forwarded, pulled, computed, miss reason, paused (s)."""
+    keys = ("turn", "handle_forwarded", "pulled_tokens", "computed_tokens", "miss_reason")
+    return [
+        (*(stats.get(key) for key in keys), round(paused, 1))
+        for stats, paused in zip(chat.stats, chat.paused_s, strict=True)
+    ]
+
+
 def pulled(stats: dict[str, Any]) -> bool:
     return bool(stats["handle_forwarded"]) and stats["pulled_tokens"] > 0 and stats["miss_reason"] is None
 
@@ -80,9 +89,13 @@ def test_a_door_killed_behind_the_router_hands_its_conversations_kv_and_all_to_t
     for chat in chats:
         assert chat.name not in alone or chat.answers == alone[chat.name], chat.name
         assert [stats["turn"] for stats in chat.stats] == list(range(1, TURNS + 1)), chat.name
-        assert all(pulled(stats) for stats in chat.stats[1:]), (chat.name, chat.stats)  # moved ones too: pulled
+        # doors sharing a store do not renew pins: each turn within the pin's TTL less the sessions' margin (10 s)
+        assert max(chat.paused_s) < launched.config.pin_ttl_s - 10, ("paused past the pin", chat.name, brief(chat))
+        assert all(pulled(stats) for stats in chat.stats[1:]), (chat.name, chat.name in moved, brief(chat))  # moved too
         if chat.name not in moved:
             assert chat.failures == [], chat.name
         else:
             assert {turn for turn, _ in chat.failures} <= {KILLED_AFTER + 1}, chat.name
-    print(f"{len(moved)} conversations moved with their KV; {sum(len(c.failures) for c in chats)} requests retried")
+    longest = max(max(chat.paused_s) for chat in chats)
+    retried = sum(len(c.failures) for c in chats)
+    print(f"{len(moved)} conversations moved with their KV; {retried} requests retried; longest pause {longest:.1f} s")
