@@ -94,14 +94,17 @@ def colocated() -> Iterator[Colocated]:
 
 @pytest.fixture(scope="session")
 def launched() -> Iterator[LaunchedPair]:
-    """Two vLLM API servers that agentkv started, as the pair is sized; closing it leaves no process and no port."""
+    """Two vLLM API servers that agentkv started, as the pair is sized; closing it leaves no process, no port and no
+    IPC socket file."""
     running_before = running_pids()
     with LaunchedPair(max_model_len=2048, pin_ttl_s=LAUNCHED_PIN_TTL_S, dtype=EXACT_DTYPE) as engine:
         yield engine
         pids, ports = engine.pids, engine.ports
-        assert pids and ports
+        sockets = [server.ipc_folder for server in engine._servers.values()]
+        assert pids and ports and all(sockets)
     assert alive(pids) == set()
     assert_ports_freed(ports, running_before=running_before)
+    assert not [folder for folder in sockets if folder and os.path.exists(folder)]  # vLLM's IPC socket files went
 
 
 @pytest.fixture(scope="module")

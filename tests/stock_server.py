@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from agentkv._bench._stock import vllm_server_command
+from agentkv._engines._spawn import ipc_folder, remove_ipc_folder
 from agentkv._engines._start_log import record_engine_start
 from agentkv._engines._system import alive, descendants
 from freed import assert_ports_freed, running_pids
@@ -62,11 +63,12 @@ def stock_vllm_starting(model: Path, port: int, args: Sequence[str], log: Path) 
     waits until it is healthy and returns its URL. Stopped when the block ends."""
     running_before = running_pids()
     env = {key: value for key, value in os.environ.items() if not key.startswith("AGENTKV_")}
+    sockets = ipc_folder("vllm-serve")  # where its ZMQ IPC socket files go: removed when it stops
     record_engine_start(kind="stock-server", role="colocated")  # counted in the suite's engine summary (conftest)
     with open(log, "wb") as out:
         process = subprocess.Popen(
             vllm_server_command(model, port, *args),
-            env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            env={**env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": sockets},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -87,7 +89,10 @@ def stock_vllm_starting(model: Path, port: int, args: Sequence[str], log: Path) 
         yield ready
     finally:
         pids.update(descendants(process.pid))
-        stop_servers([process], pids, {port}, running_before)
+        try:
+            stop_servers([process], pids, {port}, running_before)
+        finally:
+            remove_ipc_folder(sockets)
 
 
 @contextlib.contextmanager

@@ -55,15 +55,19 @@ def test_the_server_is_waited_for_and_leaves_no_process(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(_stock, "stock_command", command)
     monkeypatch.setenv("AGENTKV_HOME", str(tmp_path))
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))  # the caller's: the server's folder goes inside it
 
-    async def main() -> int:
+    async def main() -> tuple[int, str]:
         async with stock_server(tmp_path, max_model_len=64, dtype="float32", kv_cache_gib=1.0) as server:
             assert server.process.poll() is None
-            return server.process.pid
+            sockets = psutil.Process(server.process.pid).environ()["VLLM_RPC_BASE_PATH"]
+            assert Path(sockets).parent == tmp_path and await anyio.Path(sockets).is_dir()
+            return server.process.pid, sockets
 
-    pid = anyio.run(main)
+    pid, sockets = anyio.run(main)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert list((tmp_path / "logs").glob("bench-vllm-serve-*.log"))
+    assert not Path(sockets).exists()  # where vLLM's IPC socket files would be: removed with the server
 
 
 def test_a_server_that_exits_at_start_is_an_engine_start_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

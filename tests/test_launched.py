@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -102,12 +104,34 @@ def test_a_step_on_d_alone_over_http(launched: LaunchedPair) -> None:
     launched.home.call(steps_on_d_and_p, launched)
 
 
+def ipc_sockets(launched: LaunchedPair) -> dict[str, list[str]]:
+    """Each server's IPC folder and the socket files in it."""
+    found = {}
+    for server in launched._servers.values():
+        assert server.ipc_folder is not None
+        found[server.ipc_folder] = [e.name for e in os.scandir(server.ipc_folder) if stat.S_ISSOCK(e.stat().st_mode)]
+    return found
+
+
+def test_each_launched_server_keeps_its_ipc_sockets_in_a_folder_of_its_own(launched: LaunchedPair) -> None:
+    """vLLM names its ZMQ IPC sockets ``ipc://$VLLM_RPC_BASE_PATH/<uuid>`` and ZMQ leaves their files behind: each
+    server's go in a folder of its own (src/agentkv/_engines/_server_process.py), which its stop removes (the
+    fixture checks that on the way out: tests/conftest.py)."""
+    found = ipc_sockets(launched)
+    assert sorted(Path(folder).name.rsplit("-", 1)[0] for folder in found) == [
+        "agentkv-server-decode",
+        "agentkv-server-prefill",
+    ]
+    assert all(found.values()), found  # vLLM bound its sockets there
+
+
 @pytest.mark.nightly
 def test_a_server_that_dies_mid_step_is_restarted_and_the_conversation_kept(launched: LaunchedPair) -> None:
     with Session(engine=launched, system=SYSTEM, max_tokens=48) as session:
         session.run_sync(QUESTIONS[0])
         before = session.messages
         dead = launched.pids_by_role["decode"]
+        dead_sockets = launched._servers["decode"].ipc_folder
 
         def kill_decode(event: object) -> None:
             if isinstance(event, TextDelta):
@@ -121,6 +145,8 @@ def test_a_server_that_dies_mid_step_is_restarted_and_the_conversation_kept(laun
         again = session.run_sync(QUESTIONS[1])  # D restarts first; the handle it pinned is not sent to P
         assert again.text and again.steps[0].stats.miss_reason == "no_handle"
         assert alive(dead) == set() and not dead & launched.pids
+        assert dead_sockets is not None and not os.path.exists(dead_sockets)  # the dead server's folder went too
+        assert all(ipc_sockets(launched).values())
         third = session.run_sync(QUESTIONS[2])
         assert third.steps[0].stats.pulled_tokens > 0  # push-back works with the new D
     assert [m.role for m in session.messages][-6:] == ["user", "assistant"] * 3

@@ -6,7 +6,8 @@ The server gets vLLM's own defaults except what every mode of a run shares: the 
 size that agentkv's engines get (``VLLM_CPU_KVCACHE_SPACE``). ``--enable-prompt-tokens-details`` only adds the
 cached-token count to each answer's usage. No agentkv code runs in it (no plugin: ``AGENTKV_*`` variables are
 left out of its environment). Its own defaults stand: on a CPU, vLLM compiles the model (no ``enforce_eager``) and
-binds its compute threads its own way.
+binds its compute threads its own way. Its ZMQ IPC sockets go in a folder of the bench's (``VLLM_RPC_BASE_PATH``:
+where the socket files are, nothing else), removed when it stops.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import httpx
 
 from .._engines._platform_settings import kv_cache_space
 from .._engines._platforms import current_platform
+from .._engines._spawn import ipc_folder, remove_ipc_folder
 from .._engines._system import descendants, free_port, kill_and_reap
 from .._errors import AgentKVError, EngineStartError
 from .._model import home_dir
@@ -98,16 +100,21 @@ async def stock_server(
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"bench-vllm-serve-{uuid.uuid4().hex[:8]}.log"
     command = stock_command(model, port, max_model_len=max_model_len, dtype=dtype, block_size=block_size)
-    process = await anyio.to_thread.run_sync(_spawn, command, stock_env(kv_cache_gib), log_path)
-    server = StockServer(process, f"http://127.0.0.1:{port}", log_path)
-    pids = {process.pid}
+    env = stock_env(kv_cache_gib)
+    sockets = env["VLLM_RPC_BASE_PATH"] = ipc_folder("vllm-serve", inside=env.get("VLLM_RPC_BASE_PATH"))
     try:
-        await _wait_healthy(server)
-        pids |= descendants(process.pid)
-        yield server
+        process = await anyio.to_thread.run_sync(_spawn, command, env, log_path)
+        server = StockServer(process, f"http://127.0.0.1:{port}", log_path)
+        pids = {process.pid}
+        try:
+            await _wait_healthy(server)
+            pids |= descendants(process.pid)
+            yield server
+        finally:
+            pids |= descendants(process.pid)
+            await anyio.to_thread.run_sync(_stop, process, pids)
     finally:
-        pids |= descendants(process.pid)
-        await anyio.to_thread.run_sync(_stop, process, pids)
+        remove_ipc_folder(sockets)
 
 
 def _spawn(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:

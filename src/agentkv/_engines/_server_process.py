@@ -2,6 +2,11 @@
 
 Used by `LaunchedPair` (two servers on this host) and by ``agentkv engine`` (one server, in
 the foreground, for a pair spread over hosts).
+
+A server started without a launch prefix gets a folder of its own for vLLM's ZMQ IPC sockets
+(`agentkv._engines._spawn.ipc_folder`, named ``agentkv-server-<role>-*``), removed when it stops: ZMQ leaves
+the socket files behind. One under a prefix keeps vLLM's naming (in the ``VLLM_RPC_BASE_PATH`` of its
+environment, if set): the prefix may run it where that folder is not.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import httpx
 from .._errors import EngineStartError, UserError
 from ._engine_launch import EngineLaunch
 from ._pair_config import Role
+from ._spawn import ipc_folder, remove_ipc_folder
 from ._start_log import record_engine_start
 from ._system import descendants, kill_and_reap, repin_threads
 from ._vllm_features import warn_engine_features
@@ -191,6 +197,8 @@ class ServerProcess:
         self.log_path = log_path
         self._process: subprocess.Popen[bytes] | None = None
         self.pids: set[int] = set()
+        self.ipc_folder: str | None = None
+        """The folder of the server's ZMQ IPC sockets while it runs (None: vLLM's own naming, under a prefix)."""
 
     @property
     def url(self) -> str:
@@ -211,15 +219,24 @@ class ServerProcess:
         warn_engine_features(server_env(self.spec))  # here, not only in the server's log; the server inherits it
         record_engine_start(kind="server", role=self.spec.role)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(
-                server_command(self.spec),
-                env={**os.environ, **server_env(self.spec)},
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C in the caller's terminal goes to the caller; close stops us
-            )
+        env = {**os.environ, **server_env(self.spec)}
+        if not self.spec.launch_prefix:
+            self.ipc_folder = ipc_folder(f"server-{self.spec.role}", inside=env.get("VLLM_RPC_BASE_PATH"))
+            env["VLLM_RPC_BASE_PATH"] = self.ipc_folder
+        try:
+            with open(self.log_path, "ab") as log:
+                self._process = subprocess.Popen(
+                    server_command(self.spec),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # Ctrl-C in the caller's terminal goes to the caller; close stops us
+                )
+        except BaseException:
+            remove_ipc_folder(self.ipc_folder)
+            self.ipc_folder = None
+            raise
         self.pids = {self._process.pid}
         watch_pids(self.pids)
 
@@ -285,6 +302,8 @@ class ServerProcess:
             process.wait(timeout=2.0)
         forget_pids(pids)
         self.pids = set()
+        remove_ipc_folder(self.ipc_folder)  # its processes have ended
+        self.ipc_folder = None
         return killed
 
     async def stop_async(self) -> None:

@@ -216,10 +216,11 @@ def stop_signals_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def ipc_folder(name: str) -> str:
-    """A new folder for the ZMQ IPC sockets of the engine ``name`` (its ``VLLM_RPC_BASE_PATH``), inside the caller's
-    ``VLLM_RPC_BASE_PATH`` if set, else the temporary folder; `remove_ipc_folder` removes it when the engine stops."""
-    return tempfile.mkdtemp(prefix=f"agentkv-{name}-", dir=os.environ.get("VLLM_RPC_BASE_PATH") or None)
+def ipc_folder(name: str, *, inside: str | None = None) -> str:
+    """A new folder for the ZMQ IPC sockets of the engine ``name`` (its ``VLLM_RPC_BASE_PATH``), inside ``inside``
+    or the caller's ``VLLM_RPC_BASE_PATH`` if set, else the temporary folder; `remove_ipc_folder` removes it when
+    the engine stops."""
+    return tempfile.mkdtemp(prefix=f"agentkv-{name}-", dir=inside or os.environ.get("VLLM_RPC_BASE_PATH") or None)
 
 
 def remove_ipc_folder(folder: str | None) -> None:
