@@ -171,3 +171,31 @@ def test_a_closed_session_leaves_no_offer_behind_even_when_its_release_is_skippe
         pool.idle_ttl_s = 1e-9
         doors.ask(0, "c2", "Two?")  # the step's idle sweep closes c1
         assert pool.conversations == ["c2"] and len(pool._offered) == 1
+
+
+def test_a_pin_another_door_took_and_did_not_save_is_never_pushed_back(postgres_url: str) -> None:
+    """A -> B -> A where B's step is not saved (its store failed: B drops the conversation, whose pin, A's, it had
+    taken off offer and pushed back): A's copy is not stale by the store's number, yet its pin is used. The lease
+    tells (no pin came off offer): A resumes from the store and recomputes once, never pushing back a used pin."""
+    from agentkv import StoreUnavailableError
+
+    with ExitStack() as stack:
+        doors = Doors(postgres_url, stack)
+        doors.ask(0, "c1", "One?")
+        assert offered(postgres_url, "c1") is not None
+
+        def down(*_: Any, **__: Any) -> None:
+            raise StoreUnavailableError("the store is down", path="postgresql://test", reason="down")
+
+        doors.stores[1].put = down  # type: ignore[method-assign]
+        try:
+            doors.ask(1, "c1", "Two?")
+        except StoreUnavailableError:
+            doors.messages["c1"].pop()  # not answered: the client asks again
+        else:
+            raise AssertionError("B's step was answered without being saved")
+        assert offered(postgres_url, "c1") is None  # B took A's pin off offer and pushed it back
+        again = doors.ask(0, "c1", "Two?")
+        assert again.stats.miss_reason == "resumed" and not again.stats.handle_forwarded
+        assert pulled(doors.ask(0, "c1", "Three?"))
+        doors.assert_honest()
