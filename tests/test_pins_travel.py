@@ -176,7 +176,8 @@ def test_a_closed_session_leaves_no_offer_behind_even_when_its_release_is_skippe
 def test_a_pin_another_door_took_and_did_not_save_is_never_pushed_back(postgres_url: str) -> None:
     """A -> B -> A where B's step is not saved (its store failed: B drops the conversation, whose pin, A's, it had
     taken off offer and pushed back): A's copy is not stale by the store's number, yet its pin is used. The lease
-    tells (no pin came off offer): A resumes from the store and recomputes once, never pushing back a used pin."""
+    tells (no pin came off offer): A keeps its session, drops the pin (not released: the guard finds it off offer)
+    and recomputes once, never pushing back a used pin; its next step pulls again."""
     from agentkv import StoreUnavailableError
 
     with ExitStack() as stack:
@@ -196,6 +197,7 @@ def test_a_pin_another_door_took_and_did_not_save_is_never_pushed_back(postgres_
             raise AssertionError("B's step was answered without being saved")
         assert offered(postgres_url, "c1") is None  # B took A's pin off offer and pushed it back
         again = doors.ask(0, "c1", "Two?")
-        assert again.stats.miss_reason == "resumed" and not again.stats.handle_forwarded
+        assert again.stats.miss_reason == "no_handle" and not again.stats.handle_forwarded
         assert pulled(doors.ask(0, "c1", "Three?"))
-        doors.assert_honest()
+        doors.assert_honest()  # the dropped pin was neither pushed back nor released
+        assert list(doors.pools[0]._offered) == [offered(postgres_url, "c1")]  # the guard's entry for it went too

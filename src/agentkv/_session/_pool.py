@@ -313,23 +313,28 @@ class SessionPool(EngineUser):
 
         With a store several doors share, ``lease`` says what taking the conversation's lease found: a member
         saved under another number than the store's last is stale (another door stepped the conversation
-        since), and so is one whose offered pin the lease did not take off offer (another door took it and
-        did not save a step: its step failed or was cancelled, or it died, after pushing the pin back); a stale
-        member is closed, its pin left alone, and the conversation resumes from the store. The pin the store
-        offered is this door's now (the member's own, or one another door left, adopted on resuming)."""
+        since: it is closed, its pin left alone, and the conversation resumes from the store); the pin the store
+        offered is this door's now (the member's own, or one another door left, adopted on resuming). A member
+        whose offered pin the lease did not take off offer keeps its conversation but not its pin: another door
+        took the pin and saved no step (its step failed or was cancelled, or it died, perhaps after pushing the
+        pin back), so it is dropped, never pushed back (its release is refused by the guard: not on offer)."""
         saved_key: str | None
         if conversation_id is not None:
             named = next((m for m in self._members if m.conversation_id == conversation_id), None)
             if named is not None and named.busy:
                 raise SessionBusyError(f"conversation {conversation_id!r} is already running a step")
-            stale = named is not None and lease is not None and _stale(named, lease)
-            if named is not None and stale:
+            if named is not None and lease is not None and lease.written not in (None, named.written):
                 named.busy = True  # until closed: no other step takes it meanwhile
-                await self._close(named, stale)
+                await self._close(named, "another door stepped its conversation since")
                 named = None
             if named is not None:
                 if lease is not None and named.offered is not None:  # the lease took it off offer: ours again
-                    self._offered.pop(named.offered, None)
+                    if _offered_id(lease) != named.offered:  # or another door did: the guard refuses its release
+                        logger.debug("agentkv: another door took a pooled session's pin; the step recomputes")
+                        with named.session._lock:
+                            named.session._drop_pin()
+                    else:
+                        self._offered.pop(named.offered, None)
                     named.offered = None
                 named.busy = True
                 return named
@@ -434,16 +439,6 @@ class SessionPool(EngineUser):
         await member.session.aclose()  # its pin released (the guard asked) or skipped (it was about to expire)
         if member.offered is not None:  # either way no one asks again: the entry goes (idle closes outlive pins)
             self._offered.pop(member.offered, None)
-
-
-def _stale(member: _Member, lease: StoreLease) -> Literal[False] | str:
-    """Why ``member`` is stale by what taking its conversation's lease found (False: it is not): another door saved
-    a step since, or took the pin this door offered without saving one (its pin may have been read: never again)."""
-    if lease.written not in (None, member.written):
-        return "another door stepped its conversation since"
-    if member.offered is not None and _offered_id(lease) != member.offered:
-        return "another door took its pin and saved no step"
-    return False
 
 
 def _offered_id(lease: StoreLease) -> str | None:
