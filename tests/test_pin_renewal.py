@@ -196,14 +196,16 @@ def test_renewals_stop_after_the_idle_bound() -> None:
     engine.assert_honest()
 
 
-def test_a_pools_sessions_renew_unless_its_store_offers_pins(tmp_path: Path) -> None:
+def test_a_pools_sessions_renew_their_pins(tmp_path: Path) -> None:
+    """Whatever the store (one that offers pins to other doors takes each back first: tests/test_pins_travel.py)."""
+
     class OfferingStore(SqliteSessionStore):
         offers_pins = True
 
     engine = _engine()
     with SqliteSessionStore(tmp_path / "a.db") as plain, OfferingStore(tmp_path / "b.db") as offering:
         assert SessionPool(engine=engine, store=plain)._config.renew_pins
-        assert not SessionPool(engine=engine, store=offering)._config.renew_pins
+        assert SessionPool(engine=engine, store=offering, early_transfer=True)._config.early_transfer
     with SessionPool(engine=engine, expiry_margin_s=MARGIN_S, early_transfer=False) as pool:
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Capital of France?"}]
         reply = pool.step_sync(messages, conversation_id="c1")

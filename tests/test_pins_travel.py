@@ -15,8 +15,10 @@ from contextlib import ExitStack
 from typing import Any
 
 import psycopg
+import pytest
 
 from agentkv import PostgresSessionStore, SessionPool, StepReply
+from agentkv._session import _pin_upkeep
 from agentkv._session._session_store import conversation_key
 from agentkv.testing import HonestPairEngine
 
@@ -24,12 +26,14 @@ from agentkv.testing import HonestPairEngine
 class Doors:
     """Two doors (pools) on one database and one D; `ask` sends a conversation's next turn to one of them."""
 
-    def __init__(self, url: str, stack: ExitStack, *, lease_ttl_s: float = 30.0) -> None:
-        first = HonestPairEngine()
-        self.engines = [first, HonestPairEngine(decode_of=first)]
+    def __init__(
+        self, url: str, stack: ExitStack, *, lease_ttl_s: float = 30.0, pin_ttl_s: float = 3600.0, **options: Any
+    ) -> None:
+        first = HonestPairEngine(pin_ttl_s=pin_ttl_s)
+        self.engines = [first, HonestPairEngine(decode_of=first, pin_ttl_s=pin_ttl_s)]
         self.stores = [stack.enter_context(PostgresSessionStore(url, lease_ttl_s=lease_ttl_s)) for _ in range(2)]
         self.pools = [
-            stack.enter_context(SessionPool(engine=engine, store=store))
+            stack.enter_context(SessionPool(engine=engine, store=store, **options))
             for engine, store in zip(self.engines, self.stores, strict=True)
         ]
         self.messages: dict[str, list[dict[str, Any]]] = {}
@@ -201,3 +205,103 @@ def test_a_pin_another_door_took_and_did_not_save_is_never_pushed_back(postgres_
         assert pulled(doors.ask(0, "c1", "Three?"))
         doors.assert_honest()  # the dropped pin was neither pushed back nor released
         assert list(doors.pools[0]._offered) == [offered(postgres_url, "c1")]  # the guard's entry for it went too
+
+
+TTL_S, MARGIN_S = 2.0, 0.2
+"""Pins of 2 s and a margin of 0.2 s (tests/test_pin_renewal.py's): a renewal is due about 1.5 s after a pin."""
+
+
+def renewals(engine: HonestPairEngine) -> int:
+    return sum(record.request_id.startswith("agentkv-renew-") for record in engine.steps)
+
+
+def test_a_pin_renewed_between_steps_is_offered_in_place_of_the_old(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pause longer than the pin's TTL on door A: A renews the pin (taking the old one off offer first) and
+    offers the new one on the conversation's row, so door B, taking the lease, pulls the live pin."""
+    monkeypatch.setattr(_pin_upkeep, "RENEW_LEAD_S", 0.3)
+    with ExitStack() as stack:
+        doors = Doors(postgres_url, stack, pin_ttl_s=TTL_S, expiry_margin_s=MARGIN_S)
+        doors.ask(0, "c1", "One?")
+        first = offered(postgres_url, "c1")
+        time.sleep(TTL_S + 0.6)
+        assert renewals(doors.engines[0]) >= 1
+        renewed = offered(postgres_url, "c1")
+        assert renewed not in (None, first)
+        moved = doors.ask(1, "c1", "Two?")
+        assert pulled(moved)
+        doors.assert_honest()
+
+
+def test_a_renewal_leaves_a_pin_another_door_took_off_offer(postgres_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Door B takes the conversation's lease (and so A's pin, off offer) before A's renewal is due: A's renewal
+    finds its pin taken and is not made (no pin given back twice, none released that B holds); A's next step
+    recomputes."""
+    monkeypatch.setattr(_pin_upkeep, "RENEW_LEAD_S", 0.3)
+    with ExitStack() as stack:
+        doors = Doors(postgres_url, stack, pin_ttl_s=TTL_S, expiry_margin_s=MARGIN_S)
+        doors.ask(0, "c1", "One?")
+        key = conversation_key("c1")
+        assert doors.stores[1].lease(key) is not None  # as a door that then steps it, slowly
+        try:
+            time.sleep(TTL_S + 0.6)
+            assert renewals(doors.engines[0]) == 0 and offered(postgres_url, "c1") is None
+        finally:
+            doors.stores[1].release(key)
+        again = doors.ask(0, "c1", "Two?")
+        assert again.stats.miss_reason == "no_handle" and not again.stats.handle_forwarded
+        doors.assert_honest()
+
+
+@pytest.mark.upkeep
+def test_the_early_transfers_pin_is_the_one_offered(postgres_url: str) -> None:
+    """With the early transfer, a step's pin goes to P right after it (D pins anew): the door offers the new pin
+    (the save's, or after it), and the next door pulls it."""
+    with ExitStack() as stack:
+        doors = Doors(postgres_url, stack, early_transfer=True)
+        doors.ask(0, "c1", "One?")
+        pool = doors.pools[0]
+        deadline = time.monotonic() + 10
+        while not any(r.request_id.startswith("agentkv-prefetch-") for r in doors.engines[0].steps):
+            assert time.monotonic() < deadline, "no prefetch"
+            time.sleep(0.01)
+        deadline = time.monotonic() + 10
+        while pool.sessions[0]._upkeep.renewing is not None or offered(postgres_url, "c1") is None:
+            assert time.monotonic() < deadline, "the prefetched pin was not offered"
+            time.sleep(0.01)
+        moved = doors.ask(1, "c1", "Two?")
+        assert pulled(moved)
+        doors.assert_honest()
+
+
+def test_a_pin_is_offered_between_saves_only_on_the_row_as_its_door_left_it(postgres_url: str) -> None:
+    """`PostgresSessionStore.offer_pin` (the store's side of a renewal's offer): refused while the row offers a pin,
+    once another save numbered it anew, and while another door's lease is live; made under no lease or one's own."""
+    from agentkv._engines._base import SavedPin
+
+    def pin(name: str) -> SavedPin:
+        return SavedPin(id=name, server="http://d", tokens=1, expires_unix=time.time() + 60, ref={})
+
+    key = conversation_key("c1")
+    with ExitStack() as stack:
+        doors = Doors(postgres_url, stack)
+        doors.ask(0, "c1", "One?")
+        door, other = doors.stores
+        written, first = doors.pools[0]._members[0].written, offered(postgres_url, "c1")
+        assert written is not None and first is not None
+        assert not door.offer_pin(key, pin("p2"), written=written)  # the row offers a pin already
+        assert door.take_pin_back(key, first)
+        assert not door.offer_pin(key, pin("p2"), written=written + 1)  # another save since
+        other.lease(key)
+        try:
+            assert not door.offer_pin(key, pin("p2"), written=written)  # another door may be stepping it
+        finally:
+            other.release(key)
+        door.lease(key)
+        try:
+            assert door.offer_pin(key, pin("p2"), written=written) and offered(postgres_url, "c1") == "p2"
+        finally:
+            door.release(key)
+        assert door.take_pin_back(key, "p2") and door.offer_pin(key, pin("p3"), written=written)
+        assert offered(postgres_url, "c1") == "p3"

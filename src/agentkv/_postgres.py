@@ -40,7 +40,9 @@ is the server's clock, one clock for every door. The cost: a row written before 
 that the doors share (``pin``, a `SavedPin`; ``pin_id``, its id): the door that takes the lease next takes the
 pin off the row in the same statement (`take_lease` returns it), so that no two doors ever push one handle back;
 a door that wants to release a pin it offered takes it back first (`take_pin_back`), and releases it only if it
-was still on offer (else another door may be reading it).
+was still on offer (else another door may be reading it). A door that gives its session's pin to D between steps
+(a renewal, a repin, the early transfer: src/agentkv/_session/_pin_upkeep.py) takes it back first the same way,
+and offers the new pin only on the row as its last save left it, with no other owner's lease live (`offer_pin`).
 
 **Migration.** Each new connection reads the layout's version (no ``agentkv_schema``: 0). One behind this
 agentkv's is migrated in one transaction: it takes a transaction-wide advisory lock (doors opening a fresh
@@ -81,6 +83,7 @@ __all__ = [
     "StoreLease",
     "drop_lease",
     "is_postgres_url",
+    "offer_pin",
     "renew_leases",
     "shown_url",
     "take_lease",
@@ -290,6 +293,19 @@ def take_pin_back(table: PostgresTable, key: str, pin_id: str) -> bool:
     it now), False when it was taken or replaced meanwhile."""
     sql = "UPDATE agentkv_sessions SET pin = NULL, pin_id = NULL WHERE key = %s AND pin_id = %s"
     return table._run("save to", lambda db: db.execute(sql, (key, pin_id)).rowcount == 1)
+
+
+def offer_pin(table: PostgresTable, key: str, written: int, owner: str, pin: str, pin_id: str) -> bool:
+    """Offer a pin on ``key``'s row outside a save (a door renewed its session's pin between steps): True when it
+    did; False, offering nothing, when the row moved on since the save numbered ``written`` (another door saved a
+    step), offers a pin already, or another owner holds the conversation's live lease (it may be stepping it)."""
+    sql = (
+        "UPDATE agentkv_sessions SET pin = %(pin)s, pin_id = %(pin_id)s"
+        " WHERE key = %(key)s AND written = %(written)s AND pin IS NULL AND NOT EXISTS"
+        " (SELECT 1 FROM agentkv_leases WHERE key = %(key)s AND owner <> %(owner)s AND expires >= now())"
+    )
+    values = {"pin": pin, "pin_id": pin_id, "key": key, "written": written, "owner": owner}
+    return table._run("save to", lambda db: db.execute(sql, values).rowcount == 1)
 
 
 def renew_leases(table: PostgresTable, keys: Sequence[str], owner: str, ttl_s: float) -> None:

@@ -22,6 +22,10 @@ output token, so the token-exact rule holds); its output token is thrown away: t
 and the new pin is held for the conversation's tokens alone, which the next step's prompt extends exactly. After a
 repin or a prefetch the renewal is scheduled from the new pin's expiry.
 
+A session whose pin a pool offers to other doors (a store several doors share: src/agentkv/_session/_pool.py) has
+`PinOffers`: an upkeep step that gives the pin back takes it off offer first (if another door took it meanwhile,
+the step is not made and the pin is not this session's any more), and the new pin is offered after.
+
 A turn that starts while one runs waits for it (one token) and takes its pin; one that starts while one waits
 cancels it. An edit that drops the pin cancels it (a pin it brings back is released), and closing the session
 cancels it and waits for its end. One that fails drops the pin quietly (logged at debug): the next step recomputes
@@ -44,13 +48,13 @@ from typing import Any, Literal, Protocol
 import anyio
 
 from .._conversation._conversation import Conversation
-from .._engines import Engine, Sampling, StepDone, StepRequest
+from .._engines import Engine, Pin, Sampling, StepDone, StepRequest
 from .._engines._pinning import HeldPin, choose_pin
 from .._home import EventLoopHome
 from ._modes import Mode, pushes_back
 from ._session_config import SessionConfig
 
-__all__ = ["RENEW_LEAD_S", "PinUpkeep", "UpkeepKind"]
+__all__ = ["RENEW_LEAD_S", "PinOffers", "PinUpkeep", "UpkeepKind"]
 
 logger = logging.getLogger("agentkv")
 
@@ -68,10 +72,24 @@ UpkeepKind = Literal["renew", "repin", "prefetch"]
 """What a wake does (see the module's docstring)."""
 
 
+class PinOffers(Protocol):
+    """Where a session's pin is offered to other processes (a pool's store several doors share)."""
+
+    async def take_back(self, pin: Pin) -> bool:
+        """Take ``pin`` off offer before an upkeep step gives it back: True when no other process can have it (it
+        was not on offer, or is off it now); False when another took it (it is not the session's any more)."""
+        ...
+
+    async def offer(self) -> None:
+        """Offer the session's pin after an upkeep step left a new one (or drop it where it cannot be offered)."""
+        ...
+
+
 class Upkept(Protocol):
     """What an upkeep step reads and changes of its session (`agentkv._session._session_core.SessionCore`)."""
 
     _pin: HeldPin | None
+    _pin_offers: PinOffers | None
 
     @property
     def _lock(self) -> AbstractContextManager[Any]: ...
@@ -274,8 +292,13 @@ class PinUpkeep:
         replaced = wake.held if pin is None else None
         """A pin that holds the conversation's tokens exactly (an upkeep step's): released once the step has run."""
         on_decode = wake.kind != "prefetch" and engine.info.places_steps
+        offers = session._pin_offers
         new: HeldPin | None = None
+        kept = False
         try:
+            if offers is not None and wake.held is not None and not await offers.take_back(wake.held.pin):
+                logger.debug("agentkv: another door took the pin off offer; its %s step is not made", wake.kind)
+                return  # not this session's: forgotten, or released where the guard lets it (it does not)
             request = StepRequest(
                 request_id=f"agentkv-{wake.kind}-{uuid.uuid4().hex}",
                 prompt_token_ids=tokens,
@@ -291,7 +314,7 @@ class PinUpkeep:
                 if current:
                     self._wake = None
                 if current and new is not None and session._pin is None:
-                    session._pin = new
+                    session._pin, kept = new, True
                     self._count(wake.kind)
                     if session._active is None:
                         self.schedule(session)
@@ -299,6 +322,9 @@ class PinUpkeep:
                     session._discard_pin(new)
                 if replaced is not None:
                     session._discard_pin(replaced)
+        if offers is not None and kept:
+            with anyio.CancelScope(shield=True):  # offered, or dropped: never left half-way
+                await offers.offer()
 
     def _count(self, kind: UpkeepKind) -> None:
         if kind == "renew":

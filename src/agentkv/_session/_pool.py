@@ -16,7 +16,6 @@ import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal, Unpack, overload
 
 import anyio
@@ -31,6 +30,7 @@ from .._home import Background, start_background
 from .._postgres import StoreLease
 from ._engine_user import EngineUser
 from ._message_step import MessageRequest, StepOptions
+from ._pool_members import Member, Offers, offered_id
 from ._results import ReasoningDelta, StepReply, ToolCallDelta
 from ._session import Session
 from ._session_config import SessionConfig
@@ -40,20 +40,6 @@ from ._session_store import SessionStore, check_session_store, conversation_key,
 __all__ = ["SessionPool"]
 
 logger = logging.getLogger("agentkv")
-
-
-@dataclass(eq=False)
-class _Member:
-    session: Session
-    conversation_id: str | None
-    busy: bool = False
-    used: float = field(default_factory=time.monotonic)
-    saved_key: str | None = None
-    """Where its last snapshot is in the pool's store."""
-    written: int | None = None
-    """The store's number of that save, where it numbers them (a store several doors share)."""
-    offered: str | None = None
-    """The id of the pin that save offered to the door that steps the conversation next."""
 
 
 class SessionPool(EngineUser):
@@ -77,8 +63,9 @@ class SessionPool(EngineUser):
             closed: the conversation's next step resumes from its last saved step. A named conversation's
             step holds its lease in the store (`SessionStore.lease`: a PostgreSQL store several doors
             share); one another door holds is a `SessionBusyError`, as a busy session is. With a store that
-            offers pins (PostgreSQL), the sessions do not renew their pins nor move them early (`Session`'s
-            ``renew_pins``, ``early_transfer``): either would leave the pin the store offers stale.
+            offers pins (PostgreSQL), a named conversation's pin renewed or moved early between steps
+            (`Session`'s ``renew_pins``, ``early_transfer``) is taken off offer first and the new one offered
+            after (src/agentkv/_session/_pool_members.py), so the door that steps the conversation next pulls the live one.
         session_options: keyword arguments of each `Session` (``system``, ``mode``, ``tool_format``,
             ``tool_call_parser`` and ``reasoning_parser`` (vLLM's parsers, by name), ``max_tokens``, ``temperature``, ``seed``, ``sampling`` (`SamplingOptions`: every session's
             defaults, which a step's ``sampling=`` overrides field by field), ``cache_salt``; ``model`` and
@@ -105,11 +92,9 @@ class SessionPool(EngineUser):
         """Every session's configuration (each step's request is read once, with it), and the pool's own engine's."""
         self._use_engine(engine)
         self.store = check_session_store(store)
-        if self.store is not None and self.store.offers_pins:  # a renewed pin would leave the store's saved one stale
-            self._config = self._config.model_copy(update={"renew_pins": False, "early_transfer": False})
         self._owns_store = self.store is not store
         """Whether the pool opened its store (from a URL), and so closes it."""
-        self._members: list[_Member] = []
+        self._members: list[Member] = []
         self._offered: dict[str, str] = {}
         """The pins this pool's saves offered (`SessionStore.offers_pins`) and not yet taken back: id -> key."""
         self._reaper: Background | None = None
@@ -308,7 +293,7 @@ class SessionPool(EngineUser):
 
     async def _member_for(
         self, request: MessageRequest, conversation_id: str | None, lease: StoreLease | None
-    ) -> _Member:
+    ) -> Member:
         """The conversation's member, marked busy (no await between the choice and the mark).
 
         With a store several doors share, ``lease`` says what taking the conversation's lease found: a member
@@ -329,7 +314,7 @@ class SessionPool(EngineUser):
                 named = None
             if named is not None:
                 if lease is not None and named.offered is not None:  # the lease took it off offer: ours again
-                    if _offered_id(lease) != named.offered:  # or another door did: the guard refuses its release
+                    if offered_id(lease) != named.offered:  # or another door did: the guard refuses its release
                         logger.debug("agentkv: another door took a pooled session's pin; the step recomputes")
                         with named.session._lock:
                             named.session._drop_pin()
@@ -347,7 +332,10 @@ class SessionPool(EngineUser):
             answered = [i for i, m in enumerate(request.messages) if m.role == "assistant"]
             saved = self.store is not None and answered  # the digest only when there is a store to look in
             saved_key = history_key(request.messages[: answered[-1] + 1]) if saved else None
-        member = _Member(Session._of_config(self._config, self.engine), conversation_id, busy=True)
+        member = Member(Session._of_config(self._config, self.engine), conversation_id, busy=True)
+        if self.store is not None and self.store.offers_pins and conversation_id is not None:
+            key = conversation_key(conversation_id)
+            member.session._pin_offers = Offers(member, self.store, key, offered=self._offered, members=self._members)
         self._members.append(member)  # before opening: a second step of this conversation sees it busy
         try:
             await member.session.open(home=self.home)
@@ -361,7 +349,7 @@ class SessionPool(EngineUser):
         await self._close_beyond_limit()
         return member
 
-    async def _resume(self, member: _Member, key: str, lease: StoreLease | None) -> None:
+    async def _resume(self, member: Member, key: str, lease: StoreLease | None) -> None:
         """Restore the member's session from the store's snapshot under ``key``, if there is one that fits, with
         the pin the lease took off offer (unless the lease was taken over from a door that died: it may have
         used that pin in a step it never saved)."""
@@ -393,7 +381,7 @@ class SessionPool(EngineUser):
             logger.debug("agentkv: an offered pin could not be taken back (%s); it expires", exc)
             return False
 
-    async def _save(self, member: _Member, *, history: Sequence[Message]) -> None:
+    async def _save(self, member: Member, *, history: Sequence[Message]) -> None:
         """Save the member's session after a step (an unnamed one under its new history, the old key dropped).
 
         A save that fails raises (`SqliteSessionStore`: `StoreUnavailableError`): `_step` then drops the
@@ -405,12 +393,8 @@ class SessionPool(EngineUser):
         else:
             key = history_key(history)
         previous, member.saved_key = member.saved_key, key
-        pin = member.session._saved_pin() if store.offers_pins and member.conversation_id is not None else None
-        if pin is not None:  # offered from before the save on: a release from now on asks the store first
-            self._offered[pin.id] = key
-            member.offered = pin.id
 
-        def save() -> None:
+        def save(pin: SavedPin | None) -> None:
             member.written = store.put(key, snapshot, pin=pin) if store.offers_pins else store.put(key, snapshot)
             if previous is not None and previous != key:
                 try:
@@ -419,7 +403,12 @@ class SessionPool(EngineUser):
                     logger.warning("agentkv: a superseded session snapshot could not be dropped: %s", exc)
 
         with anyio.CancelScope(shield=True):  # the step is done: its snapshot is saved even if the caller left
-            await anyio.to_thread.run_sync(save)
+            async with member.offering:  # not beside an upkeep step's offer or take-back (`Offers`)
+                pin = member.session._saved_pin() if store.offers_pins and member.conversation_id else None
+                if pin is not None:  # offered from before the save on: a release from now on asks the store first
+                    self._offered[pin.id] = key
+                    member.offered = pin.id
+                await anyio.to_thread.run_sync(save, pin)
 
     async def _close_idle(self) -> None:
         for member in list(self._members):
@@ -433,19 +422,9 @@ class SessionPool(EngineUser):
                 return
             await self._close(min(idle, key=lambda m: m.used), "over max_sessions")
 
-    async def _close(self, member: _Member, why: str) -> None:
+    async def _close(self, member: Member, why: str) -> None:
         logger.debug("agentkv: closing a pooled session (%s)", why)
         self._members.remove(member)
         await member.session.aclose()  # its pin released (the guard asked) or skipped (it was about to expire)
         if member.offered is not None:  # either way no one asks again: the entry goes (idle closes outlive pins)
             self._offered.pop(member.offered, None)
-
-
-def _offered_id(lease: StoreLease) -> str | None:
-    """The id of the pin the lease took off offer (None: none, or one too damaged to read)."""
-    if lease.pin is None:
-        return None
-    try:
-        return SavedPin.model_validate_json(lease.pin).id
-    except ValidationError:
-        return None

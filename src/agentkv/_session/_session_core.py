@@ -34,7 +34,7 @@ from .._home import EventLoopHome
 from .._stats._stats import SessionStats, TurnStats
 from ._engine_user import EngineUser
 from ._modes import Mode, modes_of, natural_mode, off_reason, pushes_back
-from ._pin_upkeep import PinUpkeep
+from ._pin_upkeep import PinOffers, PinUpkeep
 from ._session_config import SessionConfig
 from ._turn import StepContext, Turn
 
@@ -85,6 +85,8 @@ class SessionCore(EngineUser):
         self._resumed = False
         """Restored from a snapshot, and no step since (its first step's miss reason is ``resumed``)."""
         self.mode: Mode = config.mode or "bidirectional"
+        self._pin_offers: PinOffers | None = None
+        """Where a pool offers the session's pin to other doors (`agentkv._session._pool`; None: nowhere)."""
         self._upkeep = PinUpkeep(self)
         """The pin's renewal, repin and prefetch while the session is idle (`agentkv._session._pin_upkeep`)."""
 

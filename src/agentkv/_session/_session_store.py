@@ -31,7 +31,16 @@ from pydantic import ValidationError
 from .._conversation._conversation import Message
 from .._engines._base import SavedPin
 from .._errors import SessionBusyError, StoreUnavailableError, UserError
-from .._postgres import PostgresTable, StoreLease, drop_lease, is_postgres_url, renew_leases, take_lease, take_pin_back
+from .._postgres import (
+    PostgresTable,
+    StoreLease,
+    drop_lease,
+    is_postgres_url,
+    offer_pin,
+    renew_leases,
+    take_lease,
+    take_pin_back,
+)
 from .._sqlite import STORE_TIMEOUT_S, SqliteTable, Store, positive, store_path
 from .._store_table import StoreTable
 from ._snapshot import SessionSnapshot
@@ -97,6 +106,12 @@ class SessionStore(Store):
         """Take the pin `put` offered under ``key`` off offer: True when no other door can have it (the caller may
         release it), False when one took it or a later save replaced it. By default True (nothing offered)."""
         return True
+
+    def offer_pin(self, key: str, pin: SavedPin, *, written: int) -> bool:
+        """Offer ``pin`` under ``key`` between saves (the session renewed its pin since the save numbered
+        ``written``): True when offered; False, offering nothing, when the row moved on since, offers a pin
+        already, or another door holds the conversation's lease. By default False (nothing offered)."""
+        return False
 
 
 @contextlib.asynccontextmanager
@@ -233,6 +248,9 @@ class PostgresSessionStore(_TableSessionStore):
 
     def take_pin_back(self, key: str, pin_id: str) -> bool:
         return take_pin_back(self._leases, key, pin_id)
+
+    def offer_pin(self, key: str, pin: SavedPin, *, written: int) -> bool:
+        return offer_pin(self._leases, key, written, self.owner, pin.model_dump_json(), pin.id)
 
     def lease(self, key: str) -> StoreLease | None:
         with self._held_lock:
