@@ -51,6 +51,27 @@ def test_free_port_and_process_helpers() -> None:
     assert os.getpid() not in descendants(os.getpid())
 
 
+def test_a_free_port_is_drawn_below_the_ephemeral_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No outgoing connection can take it between its choice and its server's bind (an engine's NIXL side
+    channel: tens of seconds later); where the kernel does not say its range, or leaves no room, the OS picks."""
+    from agentkv._engines import _system
+
+    found = _system.EPHEMERAL_PORTS.read_text().split() if _system.EPHEMERAL_PORTS.exists() else []
+    if found:
+        low = int(found[0])
+        ports = {free_port() for _ in range(20)}
+        assert all(low - 12_000 <= port < low for port in ports) and len(ports) > 1
+    ranges = tmp_path / "range"
+    monkeypatch.setattr(_system, "EPHEMERAL_PORTS", ranges)
+    ranges.write_text("40000\t60999\n")
+    assert 28_000 <= free_port() < 40_000
+    for unknown in ("", "abc", "2000 3000"):  # unreadable, or no room under it: the OS's pick
+        ranges.write_text(unknown)
+        assert 0 < free_port() < 65536
+    ranges.unlink()
+    assert 0 < free_port() < 65536
+
+
 def test_an_interrupted_preparation_is_never_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTKV_HOME", str(tmp_path))
     target = tmp_path / "models" / DEFAULT_MODEL

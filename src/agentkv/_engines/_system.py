@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import psutil
 
@@ -107,11 +109,47 @@ def bind_order(cores: Iterable[int]) -> str:
     return ",".join(str(core) for core in cores)
 
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""Where Linux says which ports it gives outgoing connections (and ``bind(0)``): 32768-60999 by default."""
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral ports where it says which they are.
+
+    A port is chosen well before its server binds it (an engine's NIXL side channel: tens of seconds, while the
+    engine loads its model), and an ephemeral one can meanwhile become the source port of any outgoing
+    connection on the host; vLLM's engine then waits for its side channel for ever (its listener thread failed
+    to bind, 2026-12). A port below that range is taken only by a server that binds it by number. Where the
+    range is unknown or leaves no room below it, the OS picks the port (``bind(0)``).
+    """
+    low = _ephemeral_low()
+    if low is not None and low - _BELOW_EPHEMERAL > 1024:
+        for port in random.sample(range(low - _BELOW_EPHEMERAL, low), 64):
+            if _binds(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_BELOW_EPHEMERAL = 12_000
+"""How many ports under the ephemeral range `free_port` draws from (20768-32767 with Linux's default range)."""
+
+
+def _ephemeral_low() -> int | None:
+    try:
+        return int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _binds(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def descendants(pid: int) -> set[int]:
