@@ -112,6 +112,9 @@ def bind_order(cores: Iterable[int]) -> str:
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 """Where Linux says which ports it gives outgoing connections (and ``bind(0)``): 32768-60999 by default."""
 
+_BELOW_EPHEMERAL = 12_000
+"""How many ports under the ephemeral range `free_port` draws from (20768-32767 with Linux's default range)."""
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral ports where it says which they are.
@@ -130,10 +133,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-_BELOW_EPHEMERAL = 12_000
-"""How many ports under the ephemeral range `free_port` draws from (20768-32767 with Linux's default range)."""
 
 
 def _ephemeral_low() -> int | None:

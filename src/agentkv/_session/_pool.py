@@ -65,7 +65,8 @@ class SessionPool(EngineUser):
             share); one another door holds is a `SessionBusyError`, as a busy session is. With a store that
             offers pins (PostgreSQL), a named conversation's pin renewed or moved early between steps
             (`Session`'s ``renew_pins``, ``early_transfer``) is taken off offer first and the new one offered
-            after (src/agentkv/_session/_pool_members.py), so the door that steps the conversation next pulls the live one.
+            after (src/agentkv/_session/_pool_members.py), so the door that steps the conversation next pulls
+            the live one.
         session_options: keyword arguments of each `Session` (``system``, ``mode``, ``tool_format``,
             ``tool_call_parser`` and ``reasoning_parser`` (vLLM's parsers, by name), ``max_tokens``, ``temperature``, ``seed``, ``sampling`` (`SamplingOptions`: every session's
             defaults, which a step's ``sampling=`` overrides field by field), ``cache_salt``; ``model`` and

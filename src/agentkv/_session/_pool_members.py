@@ -89,10 +89,8 @@ class Offers:
         member = self._member
         async with member.offering:
             saved = member.session._saved_pin()
-            if saved is None or saved.id == member.offered or member not in self._members:
-                return
-            if member.written is None:  # never saved here: nothing to offer it beside; this door's alone
-                return
+            if saved is None or saved.id == member.offered or member not in self._members or member.written is None:
+                return  # nothing new, the member closed, or never saved here (nothing to offer it beside: ours alone)
             self._offered[saved.id] = self._key  # from before the offer on: a release asks the store first
             try:
                 offered = await anyio.to_thread.run_sync(
