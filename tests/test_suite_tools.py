@@ -123,3 +123,52 @@ def test_the_nixl_read_script_times_one_block_from_every_layer_s_caches() -> Non
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["descriptors"] == 60 and result["bytes"] == 60 * 32 * 3 * 64 * 4  # K and V of 30 layers
     assert result["reads"] == 4 and 0 < result["min_ms"] <= result["p50_ms"] <= result["p90_ms"]
+
+
+def _turn(mode: str, engine: str, *, start: float, ttft: float, gaps: list[float], prefill: float = 0.5) -> Any:
+    return {
+        "mode": mode,
+        "load": 2,
+        "session": 0,
+        "turn": 2,
+        "start_s": start,
+        "ttft_s": ttft,
+        "wall_s": ttft + sum(gaps),
+        "itl_s": gaps,
+        "prefill_s": prefill,
+        "prefill_engine": engine,
+        "placement_reason": "SLO TTFT 2 s, ITL 0.5 s: D 1.000 s (...): D is no slower",
+        "prompt_tokens": 600,
+        "new_tokens": 100,
+    }
+
+
+def test_the_bench_gaps_script_places_each_gap_against_the_prefills_on_d(capsys: pytest.CaptureFixture[str]) -> None:
+    """scripts/bench_gaps.py (docs/benchmarks.md, "Results under load") on a made-up load of two turns per mode."""
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "scripts" / "bench_gaps.py"
+    spec = importlib.util.spec_from_file_location("bench_gaps", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    steady = [0.1] * 10
+    run = {
+        "loads": [2],
+        "floor": {"a_s": 1.0, "b_s_per_token": 0.0, "c_s_per_attended": 0.0},
+        "slo": {"ttft_factor": 2.0, "itl_factor": 5.0, "itl_reference_s": 0.1},
+        "records": [
+            _turn("bidirectional", "prefill", start=0.0, ttft=1.0, gaps=steady),  # decodes on D from 1 s to 2 s
+            _turn("bidirectional", "prefill", start=0.0, ttft=3.0, gaps=steady),  # D idle from 2 s to 3 s
+            _turn("auto", "decode", start=0.0, ttft=1.0, gaps=steady, prefill=1.0),  # prefilled on D from 0 to 1 s
+            _turn("auto", "prefill", start=0.0, ttft=0.5, gaps=[0.6, *steady[1:]]),  # its hand-over waits on it
+        ],
+    }
+    script.tail(run, "auto", "bidirectional")
+    script.turns(run, 2, ("auto", "bidirectional"))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("load  2: ITL p99 auto ") and "bidirectional 0.100 s" in lines[0]
+    assert "auto's gaps over it 1, 1 spanning a prefill on D, 1 hand-overs; auto's steps on D 1" in lines[0]
+    assert lines[0].endswith("D decoded nothing for 1.0 s in 1 stretches (1.00)")
+    verdicts = [line.split(", ")[2].split(";")[0] for line in lines[1:]]
+    assert verdicts == ["kept", "lost on a gap", "kept", "lost on TTFT"]  # objectives: 2 s, a 0.5 s gap
