@@ -126,13 +126,15 @@ def test_the_nixl_read_script_times_one_block_from_every_layer_s_caches() -> Non
 
 
 def _turn(mode: str, engine: str, *, start: float, ttft: float, gaps: list[float], prefill: float = 0.5) -> Any:
+    """A bench record (`TurnRecord`, as `agentkv bench --json` writes it) of a turn 2 at load 2."""
     return {
         "mode": mode,
-        "load": 2,
         "session": 0,
         "turn": 2,
+        "load": 2,
         "start_s": start,
         "ttft_s": ttft,
+        "engine_ttft_s": ttft,
         "wall_s": ttft + sum(gaps),
         "itl_s": gaps,
         "prefill_s": prefill,
@@ -140,6 +142,15 @@ def _turn(mode: str, engine: str, *, start: float, ttft: float, gaps: list[float
         "placement_reason": "SLO TTFT 2 s, ITL 0.5 s: D 1.000 s (...): D is no slower",
         "prompt_tokens": 600,
         "new_tokens": 100,
+        "local_hit_tokens": 500,
+        "pulled_tokens": 0,
+        "computed_tokens": 100,
+        "output_tokens": len(gaps) + 1,
+        "kv_bytes": None,
+        "kv_transfer_s": None,
+        "miss_reason": None,
+        "output_token_ids": [7] * (len(gaps) + 1),
+        "prompt_digest": "d",
     }
 
 
@@ -155,8 +166,15 @@ def test_the_bench_gaps_script_places_each_gap_against_the_prefills_on_d(capsys:
     steady = [0.1] * 10
     run = {
         "loads": [2],
-        "floor": {"a_s": 1.0, "b_s_per_token": 0.0, "c_s_per_attended": 0.0},
-        "slo": {"ttft_factor": 2.0, "itl_factor": 5.0, "itl_reference_s": 0.1},
+        "floor": {"a_s": 1.0, "b_s_per_token": 0.0, "c_s_per_attended": 0.0, "points": []},  # every turn's: 1 s
+        "slo": {  # a turn's objective: TTFT 2 s, worst gap 0.5 s
+            "ttft_factor": 2.0,
+            "itl_factor": 5.0,
+            "itl_reference_s": 0.1,
+            "itl_reference_gaps": 10,
+            "ttft_target_min_s": 2.0,
+            "ttft_target_max_s": 2.0,
+        },
         "records": [
             _turn("bidirectional", "prefill", start=0.0, ttft=1.0, gaps=steady),  # decodes on D from 1 s to 2 s
             _turn("bidirectional", "prefill", start=0.0, ttft=3.0, gaps=steady),  # D idle from 2 s to 3 s
@@ -164,11 +182,10 @@ def test_the_bench_gaps_script_places_each_gap_against_the_prefills_on_d(capsys:
             _turn("auto", "prefill", start=0.0, ttft=0.5, gaps=[0.6, *steady[1:]]),  # its hand-over waits on it
         ],
     }
-    script.tail(run, "auto", "bidirectional")
-    script.turns(run, 2, ("auto", "bidirectional"))
+    script.report(run, mode="auto", against="bidirectional", load=2)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("load  2: ITL p99 auto ") and "bidirectional 0.100 s" in lines[0]
     assert "auto's gaps over it 1, 1 spanning a prefill on D, 1 hand-overs; auto's steps on D 1" in lines[0]
     assert lines[0].endswith("D decoded nothing for 1.0 s in 1 stretches (1.00)")
     verdicts = [line.split(", ")[2].split(";")[0] for line in lines[1:]]
-    assert verdicts == ["kept", "lost on a gap", "kept", "lost on TTFT"]  # objectives: 2 s, a 0.5 s gap
+    assert verdicts == ["kept", "lost on a gap", "kept", "lost on TTFT"]
