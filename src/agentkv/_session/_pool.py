@@ -333,7 +333,8 @@ class SessionPool(EngineUser):
             answered = [i for i, m in enumerate(request.messages) if m.role == "assistant"]
             saved = self.store is not None and answered  # the digest only when there is a store to look in
             saved_key = history_key(request.messages[: answered[-1] + 1]) if saved else None
-        member = Member(Session._of_config(self._config, self.engine), conversation_id, busy=True)
+        session = Session._of_config(self._config, self.engine, conversation_id=conversation_id)
+        member = Member(session, conversation_id, busy=True)
         if self.store is not None and self.store.offers_pins and conversation_id is not None:
             key = conversation_key(conversation_id)
             member.session._pin_offers = Offers(member, self.store, key, offered=self._offered, members=self._members)

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import threading
+import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any, Self
@@ -31,11 +32,13 @@ from .._engines._base import Pin, SavedPin
 from .._engines._pinning import HeldPin
 from .._errors import SessionClosedError, UserError
 from .._home import EventLoopHome
+from .._model import model_name
 from .._stats._stats import SessionStats, TurnStats
 from ._engine_user import EngineUser
 from ._modes import Mode, modes_of, natural_mode, off_reason, pushes_back
 from ._pin_upkeep import PinOffers, PinUpkeep
 from ._session_config import SessionConfig
+from ._tracing import TraceInfo
 from ._turn import StepContext, Turn
 
 __all__ = ["SessionCore", "load_tokenizer", "make_engine"]
@@ -47,15 +50,20 @@ class SessionCore(EngineUser):
     """A conversation on an engine with its pin and stats; `Session` adds the turn and the step APIs."""
 
     @classmethod
-    def _of_config(cls, config: SessionConfig, engine: Engine | None) -> Self:
+    def _of_config(cls, config: SessionConfig, engine: Engine | None, *, conversation_id: str | None = None) -> Self:
         """A session made from a configuration already checked (a pool's sessions, a fork)."""
         session = cls.__new__(cls)
-        session._setup(config, engine)
+        session._setup(config, engine, conversation_id=conversation_id)
         return session
 
-    def _setup(self, config: SessionConfig, engine: Engine | None) -> None:
+    def _setup(self, config: SessionConfig, engine: Engine | None, *, conversation_id: str | None = None) -> None:
         super().__init__()
         self._config = config
+        self._conversation_id = conversation_id or uuid.uuid4().hex
+        """The conversation's id in the session's spans (``gen_ai.conversation.id``): a pool's name for it, else
+        one of the session's own."""
+        self._trace: TraceInfo | None = None
+        """What the session's spans name (set when it opens: the model is the engine's)."""
         self._use_engine(engine)
         self._conversation: Conversation | None = None
         self._pin: HeldPin | None = None
@@ -98,6 +106,7 @@ class SessionCore(EngineUser):
     async def _open_resources(self) -> None:
         engine = await self._open_engine()
         self.mode = self._resolve_mode(engine)
+        self._trace = TraceInfo(conversation_id=self._conversation_id, model=model_name(engine.info.model_path))
         tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
         config = self._config
         native_tools = template_tools(config.tool_specs) if config.tools and config.format == "native" else None
@@ -197,6 +206,7 @@ class SessionCore(EngineUser):
             placement="auto" if self.mode == "auto" else "prefill",
             resumed=self._resumed,
             parsers=self._parsers,
+            trace=self._trace,
         )
 
     def _take(self, turn: Turn) -> None:
