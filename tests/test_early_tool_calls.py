@@ -31,7 +31,12 @@ def test_a_complete_call_starts_while_the_model_still_writes(monkeypatch: pytest
     STARTED.clear()
     long_key = "k" * 400  # the second call's arguments fill the output's second half
     output = json.dumps(
-        {"tool_calls": [{"name": "look_up", "arguments": {"key": "a"}}, {"name": "look_up", "arguments": {"key": long_key}}]}
+        {
+            "tool_calls": [
+                {"name": "look_up", "arguments": {"key": "a"}},
+                {"name": "look_up", "arguments": {"key": long_key}},
+            ]
+        }
     )
     seen: list[tuple[Any, float]] = []
     with recording() as recorded:

@@ -24,6 +24,7 @@ from typing import Any, Self
 import anyio.to_thread
 
 from .._conversation._conversation import ChatRenderer, Conversation, Message
+from .._conversation._mcp import MCPServer, close_sources, open_sources, source_tools
 from .._conversation._parsers import OutputParsers
 from .._conversation._tools import template_tools
 from .._conversation._transcript import Transcript, TranscriptKey
@@ -64,6 +65,10 @@ class SessionCore(EngineUser):
         one of the session's own."""
         self._trace: TraceInfo | None = None
         """What the session's spans name (set when it opens: the model is the engine's)."""
+        self._own_sources: list[MCPServer] = []
+        """The MCP servers the session opened (given unopened), which close with it."""
+        self._tool_versions: tuple[int, ...] = ()
+        """The versions of its MCP servers' tool lists that the session's tools are (`_take_new_tools`)."""
         self._use_engine(engine)
         self._conversation: Conversation | None = None
         self._pin: HeldPin | None = None
@@ -109,16 +114,46 @@ class SessionCore(EngineUser):
         self._trace = TraceInfo(conversation_id=self._conversation_id, model=model_name(engine.info.model_path))
         tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
         config = self._config
-        native_tools = template_tools(config.tool_specs) if config.tools and config.format == "native" else None
-        text = config.system_text(config.system)
-        system = Message(role="system", content=text) if text is not None else None
-        renderer = ChatRenderer(tokenizer, system=system, tools=native_tools)
+        if config.tool_sources:  # listed once, here: the session's tools stay these (see `_take_new_tools`)
+            assert self.home is not None
+            self._own_sources = await open_sources(config.tool_sources, self.home)
+            listed, self._tool_versions = source_tools(config.tool_sources)
+            config = self._config = config.with_source_tools(listed)
         self._tokenizer = tokenizer
+        system, renderer = self._rendering(config)
         self._parsers = OutputParsers(tokenizer, config.tool_call_parser, config.reasoning_parser)
         self._parsers.reasoning()  # a reasoning parser that does not fit the model's tokenizer is refused at open
         if config.format == "native":  # and so is a tool parser
             self._parsers.tools(config.tool_specs)
         self._conversation = Conversation(renderer, system=system)
+
+    def _rendering(self, config: SessionConfig) -> tuple[Message | None, ChatRenderer]:
+        """The system message and the renderer of the session's conversation under ``config`` (its tools)."""
+        native_tools = template_tools(config.tool_specs) if config.tools and config.format == "native" else None
+        text = config.system_text(config.system)
+        system = Message(role="system", content=text) if text is not None else None
+        return system, ChatRenderer(self._tokenizer, system=system, tools=native_tools)
+
+    def _take_new_tools(self) -> None:
+        """At the start of a turn or a step (the lock held, none running): if one of the session's MCP servers
+        announced a changed tool list since the session took it, take the new one. The tools are rendered at the
+        head of the prompt (the system message, or the template's tools), so the whole conversation is rendered
+        again (each output kept as generated) and the next step computes all of it: its pin does not extend the new
+        prompt (``prefix_mismatch``)."""
+        sources = self._config.tool_sources
+        if not sources or self._active is not None or self._conversation is None:
+            return
+        if tuple(server.version for server in sources) == self._tool_versions:
+            return
+        try:
+            listed, versions = source_tools(sources)
+            config = self._config.with_source_tools(listed)
+        except (UserError, SessionClosedError) as exc:  # the tools the session has stay
+            logger.warning("agentkv: an MCP server's new tools cannot be taken (%s); keeping the old ones", exc)
+            return
+        self._config, self._tool_versions = config, versions
+        system, renderer = self._rendering(config)
+        self._conversation = self._conversation.rerendered(renderer, system)
 
     async def _close_resources(self) -> None:
         if self._owns_engine:  # the forks run on this session's engine, which closes now
@@ -130,6 +165,7 @@ class SessionCore(EngineUser):
                 self._releases.append(self._pin.pin)
                 self._pin = None
         await self._release_pins()
+        await close_sources(self._own_sources)
         await self._close_engine()
 
     def _resolve_mode(self, engine: Engine) -> Mode:

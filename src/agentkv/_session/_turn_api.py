@@ -98,6 +98,7 @@ class TurnAPI(SessionCore):
             self._require_idle(
                 "a turn is already running in this session; sessions take one turn at a time", SessionBusyError
             )
+            self._take_new_tools()
             turn = self._claim(len(self._turns) + 1, consumer)
             turn.trace_context = span.context
         await self._prepare(turn, lambda turn: turn.conversation.add_messages([Message(role="user", content=message)]))
