@@ -16,7 +16,8 @@ import pytest
 
 import mcp_server
 from agentkv import Message, Session, SessionClosedError, SessionPool, UserError, tool
-from agentkv.mcp import MCPServer, ToolOutput, tool_output
+from agentkv._conversation._mcp import tool_output
+from agentkv.mcp import MCPServer, ToolOutput
 from agentkv.testing import HonestPairEngine, ScriptedEngine
 from scripted import Script, answer
 from spans import parent_of, recording

@@ -10,10 +10,10 @@ See docs/mcp.md: the transports (stdio, streamable HTTP), who closes a server, t
 session, how results read to the model.
 """
 
-from ._conversation._mcp import MCPServer, tool_output
+from ._conversation._mcp import MCPServer
 from ._conversation._tools import ToolOutput
 
-__all__ = ["MCPServer", "ToolOutput", "tool_output"]
+__all__ = ["MCPServer", "ToolOutput"]
 
 for _obj in (MCPServer, ToolOutput):
     _obj.__module__ = __name__  # documented (and shown) where users import them
