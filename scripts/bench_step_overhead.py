@@ -46,7 +46,7 @@ def _child(steps: int) -> None:
             return took
 
     took = anyio.run(run)
-    print(json.dumps({"median_us": statistics.median(took) * 1e6}))
+    sys.stdout.write(json.dumps({"median_us": statistics.median(took) * 1e6}) + "\n")
 
 
 def _spans_alone(loops: int) -> float:
@@ -90,12 +90,13 @@ def main() -> None:
             ).stdout
             medians[side].append(json.loads(out.strip().splitlines()[-1])["median_us"])
     for side, values in medians.items():
-        print(
+        sys.stdout.write(
             f"{side:6}  median of {len(values)} rounds {statistics.median(values):8.1f} us/step"
-            f"  (rounds from {min(values):.1f} to {max(values):.1f})"
+            f"  (rounds from {min(values):.1f} to {max(values):.1f})\n"
         )
-    print(f"after - before: {statistics.median(medians['after']) - statistics.median(medians['before']):+.1f} us/step")
-    print(f"the spans and metrics alone, no SDK: {_spans_alone(100_000):.2f} us/step")
+    difference = statistics.median(medians["after"]) - statistics.median(medians["before"])
+    sys.stdout.write(f"after - before: {difference:+.1f} us/step\n")
+    sys.stdout.write(f"the spans and metrics alone, no SDK: {_spans_alone(100_000):.2f} us/step\n")
 
 
 if __name__ == "__main__":
