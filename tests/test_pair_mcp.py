@@ -4,16 +4,15 @@ examples/mcp_agent.py. The logic on doubles: tests/test_mcp.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 import mcp_server
 from agentkv import EmbeddedPair, Session
 from agentkv.mcp import MCPServer
+from example_module import load_example
 
 pytestmark = pytest.mark.pair
 
@@ -47,17 +46,8 @@ def test_an_agent_calls_mcp_tools_over_stdio_and_http_on_the_pair(pair: Embedded
     assert second.steps[0].stats.pulled_tokens > 0  # turn 2 pulled turn 1's KV
 
 
-def _example() -> ModuleType:
-    path = Path(__file__).parent.parent / "examples" / "mcp_agent.py"
-    spec = importlib.util.spec_from_file_location("mcp_agent", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_mcp_example_runs_on_the_pair(pair: EmbeddedPair, capsys: pytest.CaptureFixture[str]) -> None:
-    results = _example().main(engine=pair)
+    results = load_example("mcp_agent").main(engine=pair)
     calls = [c for r in results for s in r.steps for c in s.tool_calls]
     assert [c.name for c in calls][:1] == ["read_file"]  # forced: the first step of each turn reads a file
     assert any("Dana" in t.content for r in results for s in r.steps for t in s.tool_results)

@@ -5,10 +5,6 @@ tests/test_telemetry.py."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import httpx
 import pytest
 from opentelemetry import propagate, trace
@@ -16,6 +12,7 @@ from opentelemetry import propagate, trace
 from agentkv import EmbeddedPair, Session, SessionPool, tool
 from agentkv._engines._system import free_port
 from agentkv.serve import FrontDoor
+from example_module import load_example
 from spans import parent_of, recording
 
 pytestmark = pytest.mark.pair
@@ -82,17 +79,8 @@ def test_a_door_request_on_the_pair_hangs_under_its_clients_trace(pair: Embedded
     assert dict(chat.attributes or {})["gen_ai.response.time_to_first_chunk"] > 0
 
 
-def _example() -> ModuleType:
-    path = Path(__file__).parent.parent / "examples" / "observability.py"
-    spec = importlib.util.spec_from_file_location("observability_example", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_observability_example_draws_its_trace(pair: EmbeddedPair) -> None:
-    example = _example()
+    example = load_example("observability")
     with recording() as recorded:
         results = example.main(engine=pair)
     drawn = example.draw(recorded.spans)

@@ -23,7 +23,6 @@ import anyio.to_thread
 from pydantic import ValidationError
 
 from .._conversation._conversation import Message
-from .._conversation._mcp import MCPServer, close_sources, open_sources, source_tools
 from .._engines import Engine
 from .._engines._base import SavedPin
 from .._errors import SessionBusyError, UserError
@@ -37,6 +36,7 @@ from ._session import Session
 from ._session_config import SessionConfig
 from ._session_core import make_engine
 from ._session_store import SessionStore, check_session_store, conversation_key, history_key, leased
+from ._tool_sources import ToolSources
 
 __all__ = ["SessionPool"]
 
@@ -100,9 +100,8 @@ class SessionPool(EngineUser):
         self._offered: dict[str, str] = {}
         """The pins this pool's saves offered (`SessionStore.offers_pins`) and not yet taken back: id -> key."""
         self._reaper: Background | None = None
-        self._own_sources: list[MCPServer] = []
-        """The MCP servers among the tools that the pool opened (given unopened): they close with it."""
-        self._tool_versions: tuple[int, ...] = ()
+        self._sources = ToolSources()
+        """The MCP servers among the tools: those the pool opened close with it; its sessions share them."""
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
 
@@ -116,18 +115,8 @@ class SessionPool(EngineUser):
         if self.store is not None and self.store.offers_pins:
             self.engine.guard_releases(self._may_release)
         assert self.home is not None  # set by open, before the resources are
-        if self._config.tool_sources:  # the pool's sessions share them (open: not theirs to close)
-            self._own_sources = await open_sources(self._config.tool_sources, self.home)
-            self._take_new_tools()
+        self._config = await self._sources.open(self._config, self.home)
         self._reaper = start_background(self.home, self._reap)
-
-    def _take_new_tools(self) -> None:
-        """The tools the pool's MCP servers list now, if they changed since the pool took them (at open, then at a
-        step): what its steps offer the model when the caller names no tools."""
-        sources = self._config.tool_sources
-        if sources and tuple(server.version for server in sources) != self._tool_versions:
-            listed, versions = source_tools(sources)
-            self._config, self._tool_versions = self._config.with_source_tools(listed), versions
 
     async def _reap(self) -> None:
         """Close idle sessions as they pass ``idle_ttl_s``, whether or not requests come."""
@@ -141,7 +130,7 @@ class SessionPool(EngineUser):
         members, self._members = self._members, []
         for member in members:
             await member.session.aclose()
-        await close_sources(self._own_sources)
+        await self._sources.close()
         if self.store is not None and self.store.offers_pins and self._engine is not None:
             self._engine.guard_releases(None)
         await self._close_engine()
@@ -275,7 +264,7 @@ class SessionPool(EngineUser):
         self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, options: StepOptions
     ) -> StepReply:
         await self._close_idle()
-        self._take_new_tools()
+        self._config = self._sources.newer(self._config) or self._config  # a changed MCP list, taken now
         request = MessageRequest.build(self._config, messages, options)
         async with leased(self.store, conversation_id) as lease:  # a store several doors share: one door at a time
             return await self._step_member(request, conversation_id, options, lease)

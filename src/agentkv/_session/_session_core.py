@@ -24,7 +24,6 @@ from typing import Any, Self
 import anyio.to_thread
 
 from .._conversation._conversation import ChatRenderer, Conversation, Message
-from .._conversation._mcp import MCPServer, close_sources, open_sources, source_tools
 from .._conversation._parsers import OutputParsers
 from .._conversation._tools import template_tools
 from .._conversation._transcript import Transcript, TranscriptKey
@@ -39,6 +38,7 @@ from ._engine_user import EngineUser
 from ._modes import Mode, modes_of, natural_mode, off_reason, pushes_back
 from ._pin_upkeep import PinOffers, PinUpkeep
 from ._session_config import SessionConfig
+from ._tool_sources import ToolSources
 from ._tracing import TraceInfo
 from ._turn import StepContext, Turn
 
@@ -65,10 +65,8 @@ class SessionCore(EngineUser):
         one of the session's own."""
         self._trace: TraceInfo | None = None
         """What the session's spans name (set when it opens: the model is the engine's)."""
-        self._own_sources: list[MCPServer] = []
-        """The MCP servers the session opened (given unopened), which close with it."""
-        self._tool_versions: tuple[int, ...] = ()
-        """The versions of its MCP servers' tool lists that the session's tools are (`_take_new_tools`)."""
+        self._sources = ToolSources()
+        """The MCP servers among its tools: those it opened close with it (`_take_new_tools`)."""
         self._use_engine(engine)
         self._conversation: Conversation | None = None
         self._pin: HeldPin | None = None
@@ -113,12 +111,8 @@ class SessionCore(EngineUser):
         self.mode = self._resolve_mode(engine)
         self._trace = TraceInfo(conversation_id=self._conversation_id, model=model_name(engine.info.model_path))
         tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
-        config = self._config
-        if config.tool_sources:  # listed once, here: the session's tools stay these (see `_take_new_tools`)
-            assert self.home is not None
-            self._own_sources = await open_sources(config.tool_sources, self.home)
-            listed, self._tool_versions = source_tools(config.tool_sources)
-            config = self._config = config.with_source_tools(listed)
+        assert self.home is not None
+        config = self._config = await self._sources.open(self._config, self.home)  # listed once: `_take_new_tools`
         self._tokenizer = tokenizer
         system, renderer = self._rendering(config)
         self._parsers = OutputParsers(tokenizer, config.tool_call_parser, config.reasoning_parser)
@@ -140,18 +134,16 @@ class SessionCore(EngineUser):
         head of the prompt (the system message, or the template's tools), so the whole conversation is rendered
         again (each output kept as generated) and the next step computes all of it: its pin does not extend the new
         prompt (``prefix_mismatch``)."""
-        sources = self._config.tool_sources
-        if not sources or self._active is not None or self._conversation is None:
-            return
-        if tuple(server.version for server in sources) == self._tool_versions:
+        if self._active is not None or self._conversation is None:
             return
         try:
-            listed, versions = source_tools(sources)
-            config = self._config.with_source_tools(listed)
+            config = self._sources.newer(self._config)
         except (UserError, SessionClosedError) as exc:  # the tools the session has stay
             logger.warning("agentkv: an MCP server's new tools cannot be taken (%s); keeping the old ones", exc)
             return
-        self._config, self._tool_versions = config, versions
+        if config is None:
+            return
+        self._config = config
         system, renderer = self._rendering(config)
         self._conversation = self._conversation.rerendered(renderer, system)
 
@@ -165,7 +157,7 @@ class SessionCore(EngineUser):
                 self._releases.append(self._pin.pin)
                 self._pin = None
         await self._release_pins()
-        await close_sources(self._own_sources)
+        await self._sources.close()
         await self._close_engine()
 
     def _resolve_mode(self, engine: Engine) -> Mode:
