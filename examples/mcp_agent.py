@@ -26,9 +26,9 @@ def main(engine: Engine | None = None, *, url: str | None = None) -> list[TurnRe
         engine=engine,
         system="You are a release assistant. Answer from the files, in one short sentence.",
         tools=[server],  # opened with the session, closed with it (its process ends)
-        tool_choice="read_file",  # each turn's first step reads a file
-        max_steps=3,
-        max_tokens=96,
+        tool_choice="read_file",  # each turn's first step reads a file; the second answers
+        max_steps=2,
+        max_tokens=64,
     ) as session:
         results = [
             session.run_sync("Who is the release owner, according to notes.txt?"),

@@ -46,7 +46,7 @@ def setup(otlp: str | None) -> InMemorySpanExporter:
 def main(engine: Engine | None = None) -> list[TurnResult]:
     """Two turns of a tool-calling agent; with ``engine=`` on an open engine (the tests pass theirs)."""
     with trace.get_tracer("example").start_as_current_span("my-agent-request"):  # agentkv's spans hang under it
-        with Session(engine=engine, tools=[add], tool_choice="required", max_steps=3, max_tokens=48) as session:
+        with Session(engine=engine, tools=[add], tool_choice="required", max_steps=2, max_tokens=48) as session:
             return [session.run_sync("What is 1234 + 4321?"), session.run_sync("Thanks. And 1 + 1?")]
 
 

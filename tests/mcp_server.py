@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -23,8 +23,8 @@ def build(only: set[str] | None = None) -> Any:
     """The server (``only``: the names of the tools it keeps)."""
     server: Any = MCPServer("agentkv-test", log_level="ERROR")
 
-    def owner_of(project: str) -> str:
-        """Who owns a project (release or docs)."""
+    def owner_of(project: Literal["release", "docs"]) -> str:
+        """Who owns a project."""
         return WORKSPACE.get(project, f"no project named {project}")
 
     def add(a: int, b: int) -> int:
@@ -58,12 +58,13 @@ def build(only: set[str] | None = None) -> Any:
 
 
 @contextmanager
-def http_process(*options: str) -> Iterator[str]:
-    """This server in a process of its own over streamable HTTP; yields its URL, and stops it after."""
+def http_process(*options: str, script: str = __file__) -> Iterator[str]:
+    """This server (or another ``script`` that takes ``--http PORT``) in a process of its own over streamable HTTP;
+    yields its URL, and stops it after."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    process = subprocess.Popen([sys.executable, __file__, "--http", str(port), *options], stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, script, "--http", str(port), *options], stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while True:

@@ -1,6 +1,6 @@
-"""OpenTelemetry on the real pair: a 2-turn tool-calling conversation's turn, step and tool spans with the GenAI
-conventions' attributes (turn 2's step reading cached tokens pulled back from D, with its TTFT), a door request's
-spans under its client's ``traceparent``, and examples/observability.py. The logic on doubles:
+"""OpenTelemetry on the real pair: examples/observability.py's 2-turn tool-calling conversation has its turn, step
+and tool spans with the GenAI conventions' attributes (turn 2's step reading cached tokens pulled back from D, with
+its TTFT), and a door request's spans hang under its client's ``traceparent``. The logic on doubles:
 tests/test_telemetry.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import httpx
 import pytest
 from opentelemetry import propagate, trace
 
-from agentkv import EmbeddedPair, Session, SessionPool, tool
+from agentkv import EmbeddedPair, SessionPool
 from agentkv._engines._system import free_port
 from agentkv.serve import FrontDoor
 from example_module import load_example
@@ -20,24 +20,18 @@ pytestmark = pytest.mark.pair
 _app = trace.get_tracer("the-application")
 
 
-@tool
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
 def test_a_two_turn_tool_conversation_on_the_pair_is_traced(pair: EmbeddedPair) -> None:
-    with recording() as recorded, _app.start_as_current_span("app") as app:
-        with Session(
-            engine=pair, tools=[add], tool_choice="required", max_steps=3, max_tokens=48, cache_salt="pair-traced"
-        ) as session:
-            first = session.run_sync("What is 1234 + 4321?")
-            second = session.run_sync("Thanks. And 1 + 1?")
+    example = load_example("observability")
+    with recording() as recorded:
+        first, second = example.main(engine=pair)  # two turns under the example's own span
+    drawn = example.draw(recorded.spans)
+    print(drawn)  # docs/observability.md draws one such trace
+    (root,) = recorded.named("my-agent-request")
     turns = recorded.named("invoke_agent")
     chats = recorded.named("chat ")
     tools = recorded.named("execute_tool")
     steps = [*first.steps, *second.steps]
-    assert [parent_of(t) for t in turns] == [app.get_span_context().span_id] * 2
+    assert [parent_of(t) for t in turns] == [root.context.span_id] * 2
     assert len(chats) == len(steps) and len(tools) == sum(len(s.tool_calls) for s in steps) > 0
     in_turn = {t.context.span_id: n for n, t in enumerate(turns)}
     assert [in_turn[parent_of(c)] for c in chats] == [0] * len(first.steps) + [1] * len(second.steps)  # type: ignore[index]
@@ -60,6 +54,10 @@ def test_a_two_turn_tool_conversation_on_the_pair_is_traced(pair: EmbeddedPair) 
     assert turn_two["gen_ai.usage.cache_read.input_tokens"] > 0 and turn_two["agentkv.tokens.pulled"] > 0
     assert "agentkv.miss_reason" not in turn_two and turn_two["agentkv.pin.forwarded_tokens"] > 0
     assert turn_two["gen_ai.response.time_to_first_chunk"] > 0
+    lines = drawn.splitlines()
+    assert lines[0].startswith("my-agent-request")
+    assert sum(line.strip().startswith("execute_tool add") for line in lines) == len(tools)
+    assert all("ttft" in line and "cached" in line for line in lines if line.strip().startswith("chat "))
 
 
 def test_a_door_request_on_the_pair_hangs_under_its_clients_trace(pair: EmbeddedPair) -> None:
@@ -77,17 +75,3 @@ def test_a_door_request_on_the_pair_hangs_under_its_clients_trace(pair: Embedded
     assert parent_of(server) == client.get_span_context().span_id
     assert parent_of(chat) == server.context.span_id
     assert dict(chat.attributes or {})["gen_ai.response.time_to_first_chunk"] > 0
-
-
-def test_the_observability_example_draws_its_trace(pair: EmbeddedPair) -> None:
-    example = load_example("observability")
-    with recording() as recorded:
-        results = example.main(engine=pair)
-    drawn = example.draw(recorded.spans)
-    print(drawn)  # docs/observability.md draws one such trace
-    lines = drawn.splitlines()
-    assert lines[0].startswith("my-agent-request")
-    assert sum(line.strip().startswith("invoke_agent") for line in lines) == 2
-    assert sum(line.strip().startswith("chat ") for line in lines) == sum(len(r.steps) for r in results)
-    assert any(line.strip().startswith("execute_tool add") for line in lines)
-    assert all("ttft" in line and "cached" in line for line in lines if line.strip().startswith("chat "))
