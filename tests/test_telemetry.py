@@ -224,3 +224,23 @@ def test_the_genai_names_are_the_conventions(recorded: Recorded) -> None:
     ours = {m.otel_name for m in STEP_METRICS if m.otel_name.startswith("gen_ai.")}
     assert ours and ours <= known_metrics
     assert json.dumps(sorted(written))  # listed in docs/observability.md
+
+
+@pytest.mark.anyio
+async def test_a_streamed_turn_ends_its_span_once_and_an_abandoned_one_says_cancelled(recorded: Recorded) -> None:
+    from contextlib import aclosing
+
+    from agentkv import TurnEnd
+
+    async with HonestPairEngine(Script(answer("One."), answer("Two."))) as engine, Session(engine=engine) as session:
+        async with aclosing(session.stream("First?")) as events:
+            async for event in events:
+                if isinstance(event, TurnEnd):
+                    break  # the consumer stops at the turn's end: the turn is kept, its span ended already
+        async with aclosing(session.stream("Second?")) as events:
+            async for _ in events:
+                break  # abandoned at its first event
+    kept, abandoned = recorded.named("invoke_agent")
+    assert "error.type" not in dict(kept.attributes or {}) and dict(kept.attributes or {})["agentkv.steps"] == 1
+    assert dict(abandoned.attributes or {})["error.type"] == "cancelled"
+    assert len(session.stats.turns) == 1

@@ -80,11 +80,12 @@ class TurnSpan:
     """The ``invoke_agent`` span of a turn of `Session.run` (a child of the caller's current span), and the context
     its steps and tools hang under. Ended once: with the turn's result, or with the error that ended it."""
 
-    __slots__ = ("context", "span")
+    __slots__ = ("context", "ended", "span")
 
     def __init__(self, span: Span) -> None:
         self.span = span
         self.context: otel_context.Context = trace.set_span_in_context(span)
+        self.ended = False
 
     @classmethod
     def start(cls, info: TraceInfo | None, *, turn: int, mode: str) -> TurnSpan:
@@ -95,7 +96,11 @@ class TurnSpan:
         return cls(span)
 
     def end(self, result: TurnResult | None = None, *, error: BaseException | None = None) -> None:
-        """End it: its usage summed over the turn's steps, what the session did to its pin before the turn."""
+        """End it: its usage summed over the turn's steps, what the session did to its pin before the turn. Once: a
+        stream's consumer may stop at the turn's end, already ended."""
+        if self.ended:
+            return
+        self.ended = True
         span = self.span
         if not span.is_recording():
             span.end()
