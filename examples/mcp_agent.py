@@ -19,8 +19,9 @@ from agentkv.mcp import MCPServer
 SERVER = Path(__file__).with_name("mcp_server.py")
 
 
-def main(engine: Engine | None = None, *, url: str | None = None) -> list[TurnResult]:
-    """Run two turns; with ``engine=`` on an open engine (the tests pass theirs), else on a new pair."""
+def main(engine: Engine | None = None, *, url: str | None = None, cache_salt: str | None = None) -> list[TurnResult]:
+    """Run two turns; with ``engine=`` on an open engine (the tests pass theirs, and a ``cache_salt`` per run so
+    that a run's KV does not serve the next one's), else on a new pair."""
     server = MCPServer.http(url) if url else MCPServer.stdio(sys.executable, [str(SERVER)])
     with Session(
         engine=engine,
@@ -28,7 +29,8 @@ def main(engine: Engine | None = None, *, url: str | None = None) -> list[TurnRe
         tools=[server],  # opened with the session, closed with it (its process ends)
         tool_choice="read_file",  # each turn's first step reads a file; the second answers
         max_steps=2,
-        max_tokens=64,
+        max_tokens=96,
+        cache_salt=cache_salt,
     ) as session:
         results = [
             session.run_sync("Who is the release owner, according to notes.txt?"),

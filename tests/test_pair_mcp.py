@@ -22,7 +22,7 @@ def test_the_mcp_agent_calls_its_servers_tools_on_the_pair(
 ) -> None:
     served = mcp_server.http_process(script=str(EXAMPLES / "mcp_server.py"))
     with served if transport == "http" else contextlib.nullcontext() as url:
-        results = load_example("mcp_agent").main(engine=pair, url=url)
+        results = load_example("mcp_agent").main(engine=pair, url=url, cache_salt=f"mcp-{transport}")
     for result in results:  # each turn's first step called the server's tool, which answered
         (call,) = result.steps[0].tool_calls
         assert call.name == "read_file" and call.arguments["path"] in ("notes.txt", "todo.txt")
