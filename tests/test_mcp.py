@@ -171,3 +171,18 @@ async def test_tool_spans_of_an_mcp_call_and_the_servers_own_spans_under_them() 
     assert dict(tool_span.attributes or {})["gen_ai.tool.type"] == "extension"
     below = [span for span in recorded.spans if parent_of(span) == tool_span.context.span_id]
     assert below  # the mcp client's own span of the call hangs under agentkv's
+
+
+def test_a_server_that_cannot_start_is_refused_at_open_and_one_that_dies_gives_error_results() -> None:
+    with ScriptedEngine([]) as engine, pytest.raises(UserError, match="could not be opened"):
+        Session(engine=engine, tools=[MCPServer.stdio("/nonexistent/mcp-server")]).start()
+    script = [calls(("owner_of", {"project": "release"})), answer("It is gone.")]
+    with ScriptedEngine(script) as engine:
+        with Session(engine=engine, tools=[MCPServer.stdio(sys.executable, [SERVER], timeout_s=20)]) as session:
+            for pid in _children():
+                psutil.Process(pid).kill()
+            result = session.run_sync("Who owns the release?")  # the turn goes on: the model reads the error
+    (failed,) = result.steps[0].tool_results
+    assert failed.error in ("raised", "timeout"), failed
+    assert result.text == "It is gone."
+    assert not _children()
