@@ -30,9 +30,15 @@ def calls(*called: tuple[str, dict[str, Any]]) -> str:
 
 
 def _children() -> set[int]:
-    return {
-        child.pid for child in psutil.Process().children(recursive=True) if "mcp_server.py" in " ".join(child.cmdline())
-    }
+    """This process's live MCP server processes (tests/mcp_server.py)."""
+    found = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "mcp_server.py" in " ".join(child.cmdline()):
+                found.add(child.pid)
+        except psutil.Error:  # gone meanwhile
+            continue
+    return found
 
 
 def test_a_stdio_server_s_tools_are_listed_called_and_its_process_ends_with_the_session() -> None:

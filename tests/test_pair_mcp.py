@@ -23,11 +23,11 @@ def test_the_mcp_agent_calls_its_servers_tools_on_the_pair(
     served = mcp_server.http_process(script=str(EXAMPLES / "mcp_server.py"))
     with served if transport == "http" else contextlib.nullcontext() as url:
         results = load_example("mcp_agent").main(engine=pair, url=url, cache_salt=f"mcp-{transport}")
-    for result in results:  # each turn's first step called the server's tool, which answered
-        (call,) = result.steps[0].tool_calls
-        assert call.name == "read_file" and call.arguments["path"] in ("notes.txt", "todo.txt")
-        (answered,) = result.steps[0].tool_results
-        assert answered.error is None and answered.content
+    for result in results:  # each turn's first step called the server's tool (maybe twice), which answered
+        calls = result.steps[0].tool_calls
+        assert calls and all(c.name == "read_file" and c.arguments["path"] in ("notes.txt", "todo.txt") for c in calls)
+        answered = result.steps[0].tool_results
+        assert len(answered) == len(calls) and all(r.error is None and r.content for r in answered)
     assert any("Dana" in r.steps[0].tool_results[0].content for r in results)
     steps = [step for result in results for step in result.steps]
     for step in steps[1:]:  # from step 2 on, each step pulls the KV of the step before back from D
