@@ -75,8 +75,8 @@ def _toggled(blocks: int, steps: int) -> dict[str, list[float]]:
         async with HonestPairEngine(lambda request: "An answer.") as engine, Session(engine=engine, max_tokens=16) as s:
             for _ in range(20):
                 await s.step(HISTORY)
-            for _ in range(blocks):
-                for side in medians:
+            for block in range(blocks):
+                for side in list(medians)[:: 1 if block % 2 == 0 else -1]:  # ABBA: no side always goes first
                     off = side == "without"
                     with (
                         unittest.mock.patch.object(_turn, "start_step", nothing_started if off else _turn.start_step),
