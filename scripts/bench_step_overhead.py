@@ -1,6 +1,6 @@
 """What the OpenTelemetry spans and metrics cost on the step path when the application configures no SDK.
 
-    .venv/bin/python scripts/bench_step_overhead.py [--before /work/main/src --rounds 4] [--blocks 20 --steps 100]
+    .venv/bin/python scripts/bench_step_overhead.py [--before MAIN/src --rounds 4] [--blocks 20 --steps 100]
 
 Measured on `Session.step` on `HonestPairEngine` (no model: what is left is agentkv's own work per step, rendering
 and tokenizing included), the same messages every step; in one run:
