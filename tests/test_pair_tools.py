@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from agentkv import EmbeddedPair, Message, Session, tool
+from example_module import load_example
 
 pytestmark = pytest.mark.pair
 
@@ -45,17 +43,8 @@ def test_every_step_of_a_tool_turn_pulls_back_the_step_before(pair: EmbeddedPair
     assert after.steps[0].stats.pulled_tokens > 0
 
 
-def _example() -> ModuleType:
-    path = Path(__file__).parent.parent / "examples" / "tools_agent.py"
-    spec = importlib.util.spec_from_file_location("tools_agent", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_tools_example_runs_end_to_end(pair: EmbeddedPair, capsys: pytest.CaptureFixture[str]) -> None:
-    result = _example().main(engine=pair)
+    result = load_example("tools_agent").main(engine=pair)
     called = [step for step in result.steps if step.tool_calls]
     assert called and called[0].tool_calls[0].name == "read_file"  # forced: a call that parses, maybe after retries
     assert any("Dana" in r.content for step in called for r in step.tool_results)

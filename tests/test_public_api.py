@@ -2,7 +2,7 @@
 only, documented in the API reference; no private type in a public signature.
 
 The tiers: `agentkv` (agent code), `agentkv.engines` (the engine contract), `agentkv.serve` (the front
-door's parts), `agentkv.testing` (test doubles)."""
+door's parts), `agentkv.testing` (test doubles), `agentkv.mcp` (MCP servers as tool sources)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ import pytest
 
 import agentkv
 import agentkv.engines
+import agentkv.mcp
 import agentkv.serve
 import agentkv.testing
 
-PUBLIC_MODULES = (agentkv, agentkv.engines, agentkv.serve, agentkv.testing)
+PUBLIC_MODULES = (agentkv, agentkv.engines, agentkv.serve, agentkv.testing, agentkv.mcp)
 REFERENCE = Path(__file__).parent.parent / "docs" / "reference"
 
 
@@ -96,7 +97,7 @@ def test_errors_form_one_tree() -> None:
 
 
 def test_import_does_not_load_vllm() -> None:
-    code = "import sys, agentkv, agentkv.engines, agentkv.serve, agentkv.testing; print('vllm' in sys.modules)"
+    code = "import sys, agentkv, agentkv.engines, agentkv.serve, agentkv.testing, agentkv.mcp; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -1,7 +1,8 @@
 """agentkv: multi-turn agent sessions pinned to their KV on a disaggregated vLLM pair.
 
 This module holds what agent code needs. The engine contract, for those who implement or drive an
-engine, is `agentkv.engines`; the front door's parts, `agentkv.serve`; test doubles, `agentkv.testing`.
+engine, is `agentkv.engines`; the front door's parts, `agentkv.serve`; test doubles, `agentkv.testing`; MCP
+servers as tool sources, `agentkv.mcp`.
 
 from agentkv import Session
 

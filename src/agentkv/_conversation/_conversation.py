@@ -365,6 +365,16 @@ class Conversation:
         ]
         return conversation
 
+    def rerendered(self, renderer: ChatRenderer, system: Message | None) -> Conversation:
+        """This conversation under another renderer and system message (another tool list): its messages rendered
+        again, each output kept exactly as generated."""
+        twin = Conversation(renderer, system=system)
+        twin.tokens = list(self.tokens)
+        twin._segments = list(self._segments)
+        if twin._segments:
+            twin._replay(0, None)
+        return twin
+
     def copy(self) -> Conversation:
         """An independent copy (for forks)."""
         twin = Conversation(self._renderer, system=self.system)

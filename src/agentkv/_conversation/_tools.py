@@ -12,7 +12,8 @@ import inspect
 import json
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import anyio
@@ -27,11 +28,12 @@ __all__ = [
     "ToolCall",
     "ToolChoice",
     "ToolFormat",
+    "ToolOutput",
     "ToolResult",
     "ToolSpec",
     "check_tool_specs",
     "check_tools",
-    "run_tool_calls",
+    "run_tool_call",
     "tool",
 ]
 
@@ -96,7 +98,8 @@ class ToolResult(BaseModel):
     content: str
     """The result as the model sees it: JSON, or the error message."""
     error: str | None = None
-    """``invalid_arguments``, ``unknown_tool``, ``raised``, ``timeout`` or ``unserializable``."""
+    """``invalid_arguments``, ``unknown_tool``, ``raised``, ``timeout``, ``unserializable``, or ``error_result`` (the
+    tool said its call failed: an MCP tool's result with ``isError``)."""
     duration_s: float = 0.0
 
 
@@ -138,8 +141,25 @@ class ToolSpec(BaseModel):
         return f"{self.name}({arguments}): {self.description}"
 
 
+@dataclass(frozen=True)
+class ToolOutput:
+    """What a tool made from a schema returns (`Tool.of_schema`): the text the model reads, and whether it says
+    that the call failed."""
+
+    content: str
+    error: bool = False
+
+
 class Tool:
-    """A function the model can call, with its name, description and argument schema."""
+    """A function the model can call, with its name, description and argument schema.
+
+    Made from a typed Python function (``@tool``), or from a schema and a call another program serves
+    (`of_schema`: an MCP server's tools).
+    """
+
+    source: object | None = None
+    """Where a tool made from a schema comes from (an `agentkv.mcp.MCPServer`); None for a Python function."""
+    _remote: Callable[[dict[str, Any]], Awaitable[ToolOutput]] | None = None
 
     def __init__(
         self,
@@ -159,11 +179,36 @@ class Tool:
             raise UserError(f"tool {self.name!r} needs a description: a docstring or description=")
         self.timeout_s = timeout_s
         self.is_async = inspect.iscoroutinefunction(function)
-        self._arguments = _arguments_model(function, self.name, argument_docs)
+        self._arguments: type[BaseModel] | None = _arguments_model(function, self.name, argument_docs)
         self.parameters: dict[str, Any] = self._arguments.model_json_schema()
         """JSON schema of the arguments."""
         self.spec = ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
         """What the model is told about this tool."""
+
+    @classmethod
+    def of_schema(
+        cls,
+        spec: ToolSpec,
+        call: Callable[[dict[str, Any]], Awaitable[ToolOutput]],
+        *,
+        timeout_s: float,
+        source: object,
+    ) -> Tool:
+        """A tool whose arguments ``spec`` describes and ``call`` takes as they come (the program that serves it
+        checks them); its results are what ``call`` returns."""
+        made = cls.__new__(cls)
+
+        async def function(**arguments: Any) -> ToolOutput:
+            return await call(arguments)
+
+        made.function = function
+        made.name, made.description, made.timeout_s, made.is_async = spec.name, spec.description, timeout_s, True
+        made._arguments = None
+        made.parameters = spec.parameters
+        made.spec = spec
+        made.source = source
+        made._remote = call
+        return made
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.function(*args, **kwargs)
@@ -172,11 +217,15 @@ class Tool:
         return f"Tool({self.name!r})"
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        """Validated keyword arguments; raises pydantic's ValidationError."""
+        """Validated keyword arguments; raises pydantic's ValidationError (a tool made from a schema: as given)."""
+        if self._arguments is None:
+            return dict(arguments)
         return dict(self._arguments.model_validate(arguments))
 
     async def invoke(self, arguments: dict[str, Any]) -> Any:
         """Call the tool (a sync one in a worker thread, so the event loop keeps serving)."""
+        if self._remote is not None:
+            return await self._remote(arguments)
         if self.is_async:
             return await self.function(**arguments)
         return await anyio.to_thread.run_sync(lambda: self.function(**arguments), abandon_on_cancel=True)
@@ -338,20 +387,8 @@ def output_schema(tools: Mapping[str, ToolSpec], choice: ToolChoice) -> dict[str
     return {**schema, "$defs": definitions} if definitions else schema
 
 
-async def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool]) -> list[ToolResult]:
-    """Run the calls concurrently, each under its tool's timeout; failures become results."""
-    results: list[ToolResult | None] = [None] * len(calls)
-
-    async def run_one(index: int, call: ToolCall) -> None:
-        results[index] = await _run_one(call, tools)
-
-    async with anyio.create_task_group() as group:
-        for index, call in enumerate(calls):
-            group.start_soon(run_one, index, call)
-    return [result for result in results if result is not None]
-
-
-async def _run_one(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
+async def run_tool_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult:
+    """Run one call under its tool's timeout; every failure becomes a result (the model reads it)."""
     started = time.perf_counter()
 
     def result(content: str, error: str | None = None) -> ToolResult:
@@ -374,6 +411,8 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
         return result(f"error: {call.name} timed out after {found.timeout_s} s", "timeout")
     except Exception as exc:  # a failing tool is the model's problem to handle, not the turn's
         return result(f"error: {call.name} raised {type(exc).__name__}: {exc}", "raised")
+    if isinstance(value, ToolOutput):
+        return result(value.content, "error_result" if value.error else None)
     try:
         content = value if isinstance(value, str) else json.dumps(to_jsonable_python(value))
     except Exception as exc:

@@ -36,6 +36,7 @@ from ._session import Session
 from ._session_config import SessionConfig
 from ._session_core import make_engine
 from ._session_store import SessionStore, check_session_store, conversation_key, history_key, leased
+from ._tool_sources import ToolSources
 
 __all__ = ["SessionPool"]
 
@@ -99,6 +100,8 @@ class SessionPool(EngineUser):
         self._offered: dict[str, str] = {}
         """The pins this pool's saves offered (`SessionStore.offers_pins`) and not yet taken back: id -> key."""
         self._reaper: Background | None = None
+        self._sources = ToolSources()
+        """The MCP servers among the tools: those the pool opened close with it; its sessions share them."""
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
 
@@ -112,6 +115,7 @@ class SessionPool(EngineUser):
         if self.store is not None and self.store.offers_pins:
             self.engine.guard_releases(self._may_release)
         assert self.home is not None  # set by open, before the resources are
+        self._config = await self._sources.open(self._config, self.home)
         self._reaper = start_background(self.home, self._reap)
 
     async def _reap(self) -> None:
@@ -126,6 +130,7 @@ class SessionPool(EngineUser):
         members, self._members = self._members, []
         for member in members:
             await member.session.aclose()
+        await self._sources.close()
         if self.store is not None and self.store.offers_pins and self._engine is not None:
             self._engine.guard_releases(None)
         await self._close_engine()
@@ -259,6 +264,7 @@ class SessionPool(EngineUser):
         self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, options: StepOptions
     ) -> StepReply:
         await self._close_idle()
+        self._config = self._sources.newer(self._config) or self._config  # a changed MCP list, taken now
         request = MessageRequest.build(self._config, messages, options)
         async with leased(self.store, conversation_id) as lease:  # a store several doors share: one door at a time
             return await self._step_member(request, conversation_id, options, lease)
@@ -333,7 +339,8 @@ class SessionPool(EngineUser):
             answered = [i for i, m in enumerate(request.messages) if m.role == "assistant"]
             saved = self.store is not None and answered  # the digest only when there is a store to look in
             saved_key = history_key(request.messages[: answered[-1] + 1]) if saved else None
-        member = Member(Session._of_config(self._config, self.engine), conversation_id, busy=True)
+        session = Session._of_config(self._config, self.engine, conversation_id=conversation_id)
+        member = Member(session, conversation_id, busy=True)
         if self.store is not None and self.store.offers_pins and conversation_id is not None:
             key = conversation_key(conversation_id)
             member.session._pin_offers = Offers(member, self.store, key, offered=self._offered, members=self._members)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .._conversation._mcp import MCPServer
 from .._conversation._tools import Tool, ToolChoice, ToolFormat
 from .._engines import Engine
 from .._engines._sampling import SamplingOptions
@@ -44,7 +45,12 @@ class Session(TurnAPI, StepAPI, SessionEdits):
             (standard P/D, no push-back) or ``"colocated"`` (one engine, prefix caching).
             With ``engine=`` the default is what that engine supports.
         system: the system message.
-        tools: functions the model may call (`@tool`-decorated or plain typed functions).
+        tools: functions the model may call (`@tool`-decorated or plain typed functions), and MCP servers whose
+            tools it may call (`agentkv.mcp.MCPServer`: stdio or streamable HTTP). A server's tools are listed when
+            the session opens and stay the session's (the rendered prompt, and with it the pin, stays stable); a
+            list the server announces changed is taken at the start of the next turn or step, which then
+            recomputes the whole prompt (docs/mcp.md). A server given unopened opens and closes with the session;
+            one given open is shared.
         tool_choice: ``"auto"``, ``"required"`` (the first step of each turn must call a tool),
             ``"none"`` or a tool's name (the first step must call it).
         tool_format: ``"schema"`` (default; calls forced to JSON, works with any model) or
@@ -107,7 +113,7 @@ class Session(TurnAPI, StepAPI, SessionEdits):
         model: str | None = None,
         mode: Mode | None = None,
         system: str | None = None,
-        tools: Sequence[Tool | Callable[..., Any]] = (),
+        tools: Sequence[Tool | MCPServer | Callable[..., Any]] = (),
         tool_choice: ToolChoice = "auto",
         tool_format: ToolFormat = "schema",
         tool_call_parser: str | None = None,

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .._conversation._conversation import check_unicode
+from .._conversation._mcp import MCPServer
 from .._conversation._parsers import check_parser
 from .._conversation._tools import Tool, ToolChoice, ToolFormat, ToolSpec, check_tools, instructions
 from .._engines._sampling import SamplingOptions
@@ -40,6 +41,9 @@ class SessionConfig(BaseModel):
     system: str | None = None
     """The system message as given (without tool instructions)."""
     tools: dict[str, Tool] = Field(default_factory=dict[str, Tool])
+    """Every tool the model is told about: the functions given, and once the session opened, its MCP servers'."""
+    tool_sources: tuple[MCPServer, ...] = ()
+    """The MCP servers given among the tools (their tools join `tools` when the session opens: `with_source_tools`)."""
     tool_choice: str = "auto"
     tool_format: Literal["schema", "native"] = "schema"
     tool_call_parser: str | None = None
@@ -67,24 +71,53 @@ class SessionConfig(BaseModel):
 
     @classmethod
     def build(
-        cls, *, tools: Sequence[Tool | Callable[..., Any]], engine_options: Mapping[str, Any] | None, **fields: Any
+        cls,
+        *,
+        tools: Sequence[Tool | MCPServer | Callable[..., Any]],
+        engine_options: Mapping[str, Any] | None,
+        **fields: Any,
     ) -> SessionConfig:
         """Validate the constructor's arguments; every mistake is a `UserError`."""
         if fields.get("system") is not None:
             check_text(fields["system"], "the system message")
         if isinstance(tools, str | bytes) or not isinstance(tools, Sequence):
             raise UserError(f"tools must be a list of tools, not {type(tools).__name__}")
+        sources = tuple(item for item in tools if isinstance(item, MCPServer))
+        if len(set(map(id, sources))) != len(sources):
+            raise UserError("an MCP server is given twice among the tools")
+        functions = [item for item in tools if not isinstance(item, MCPServer)]
         if fields.get("sampling") is None:
             fields.pop("sampling", None)
         for kind in ("tool_call", "reasoning"):  # vLLM is imported only for a parser that is named
             if fields.get(f"{kind}_parser") is not None:
                 check_parser(kind, fields[f"{kind}_parser"])  # type: ignore[arg-type]
         try:
-            config = cls(tools=check_tools(tools), engine_options=dict(engine_options or {}), **fields)
+            config = cls(
+                tools=check_tools(functions), tool_sources=sources, engine_options=dict(engine_options or {}), **fields
+            )
         except ValidationError as exc:
             raise UserError(_describe(exc)) from None
-        check_structured(bool(config.tools), config.tool_format, config.sampling)
+        check_structured(config.has_tools, config.tool_format, config.sampling)
         return config
+
+    @property
+    def has_tools(self) -> bool:
+        """Whether the model is offered tools (functions, or MCP servers whose tools are listed at open)."""
+        return bool(self.tools or self.tool_sources)
+
+    def with_source_tools(self, listed: Mapping[str, Tool]) -> SessionConfig:
+        """This configuration with the tools its MCP servers list now (``listed``, by name) in place of those they
+        listed before; a name a function has too, or a ``tool_choice`` that names no tool, is a `UserError`."""
+        functions = {name: tool for name, tool in self.tools.items() if tool.source is None}
+        for name in functions.keys() & listed.keys():
+            raise UserError(f"a function and an MCP tool are both named {name!r}; give the server a prefix")
+        tools = {**functions, **dict(listed)}
+        choice = self.tool_choice
+        if choice not in ("auto", "required", "none") and choice not in tools:
+            raise UserError(f"tool_choice {choice!r} is neither auto, required, none nor one of the tools")
+        if choice == "required" and not tools:
+            raise UserError("tool_choice='required' needs tools; the MCP servers list none")
+        return self.model_copy(update={"tools": tools})
 
     @classmethod
     def of_options(cls, options: Mapping[str, Any], *, owner: str) -> SessionConfig:
@@ -124,9 +157,10 @@ class SessionConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> SessionConfig:
         choice = self.tool_choice
-        if choice not in ("auto", "required", "none") and choice not in self.tools:
+        listed_later = bool(self.tool_sources)  # MCP servers' tools are known once they open: checked then
+        if choice not in ("auto", "required", "none") and choice not in self.tools and not listed_later:
             raise UserError(f"tool_choice {choice!r} is neither auto, required, none nor one of the tools")
-        if choice == "required" and not self.tools:
+        if choice == "required" and not self.has_tools:
             raise UserError("tool_choice='required' needs tools")
         if self.tool_call_parser is not None and self.tool_format != "native":
             raise UserError("tool_call_parser= reads the model's own tool calls: it needs tool_format='native'")
@@ -164,8 +198,9 @@ class SessionConfig(BaseModel):
         return (system or "") + extra
 
 
-SESSION_OPTIONS = frozenset(SessionConfig.model_fields) - {"stop"}
-"""The keyword arguments of `Session` besides ``engine`` (a step's ``stop`` is no session option)."""
+SESSION_OPTIONS = frozenset(SessionConfig.model_fields) - {"stop", "tool_sources"}
+"""The keyword arguments of `Session` besides ``engine`` (a step's ``stop`` is no session option; MCP servers come
+among the ``tools``)."""
 
 
 def _describe(exc: ValidationError) -> str:

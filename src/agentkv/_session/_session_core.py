@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import threading
+import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any, Self
@@ -31,11 +32,14 @@ from .._engines._base import Pin, SavedPin
 from .._engines._pinning import HeldPin
 from .._errors import SessionClosedError, UserError
 from .._home import EventLoopHome
+from .._model import model_name
 from .._stats._stats import SessionStats, TurnStats
 from ._engine_user import EngineUser
 from ._modes import Mode, modes_of, natural_mode, off_reason, pushes_back
 from ._pin_upkeep import PinOffers, PinUpkeep
 from ._session_config import SessionConfig
+from ._tool_sources import ToolSources
+from ._tracing import TraceInfo
 from ._turn import StepContext, Turn
 
 __all__ = ["SessionCore", "load_tokenizer", "make_engine"]
@@ -47,15 +51,22 @@ class SessionCore(EngineUser):
     """A conversation on an engine with its pin and stats; `Session` adds the turn and the step APIs."""
 
     @classmethod
-    def _of_config(cls, config: SessionConfig, engine: Engine | None) -> Self:
+    def _of_config(cls, config: SessionConfig, engine: Engine | None, *, conversation_id: str | None = None) -> Self:
         """A session made from a configuration already checked (a pool's sessions, a fork)."""
         session = cls.__new__(cls)
-        session._setup(config, engine)
+        session._setup(config, engine, conversation_id=conversation_id)
         return session
 
-    def _setup(self, config: SessionConfig, engine: Engine | None) -> None:
+    def _setup(self, config: SessionConfig, engine: Engine | None, *, conversation_id: str | None = None) -> None:
         super().__init__()
         self._config = config
+        self._conversation_id = conversation_id or uuid.uuid4().hex
+        """The conversation's id in the session's spans (``gen_ai.conversation.id``): a pool's name for it, else
+        one of the session's own."""
+        self._trace: TraceInfo | None = None
+        """What the session's spans name (set when it opens: the model is the engine's)."""
+        self._sources = ToolSources()
+        """The MCP servers among its tools: those it opened close with it (`_take_new_tools`)."""
         self._use_engine(engine)
         self._conversation: Conversation | None = None
         self._pin: HeldPin | None = None
@@ -98,18 +109,43 @@ class SessionCore(EngineUser):
     async def _open_resources(self) -> None:
         engine = await self._open_engine()
         self.mode = self._resolve_mode(engine)
+        self._trace = TraceInfo(conversation_id=self._conversation_id, model=model_name(engine.info.model_path))
         tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(engine.info.model_path))
-        config = self._config
-        native_tools = template_tools(config.tool_specs) if config.tools and config.format == "native" else None
-        text = config.system_text(config.system)
-        system = Message(role="system", content=text) if text is not None else None
-        renderer = ChatRenderer(tokenizer, system=system, tools=native_tools)
+        assert self.home is not None
+        config = self._config = await self._sources.open(self._config, self.home)  # listed once: `_take_new_tools`
         self._tokenizer = tokenizer
+        system, renderer = self._rendering(config)
         self._parsers = OutputParsers(tokenizer, config.tool_call_parser, config.reasoning_parser)
         self._parsers.reasoning()  # a reasoning parser that does not fit the model's tokenizer is refused at open
         if config.format == "native":  # and so is a tool parser
             self._parsers.tools(config.tool_specs)
         self._conversation = Conversation(renderer, system=system)
+
+    def _rendering(self, config: SessionConfig) -> tuple[Message | None, ChatRenderer]:
+        """The system message and the renderer of the session's conversation under ``config`` (its tools)."""
+        native_tools = template_tools(config.tool_specs) if config.tools and config.format == "native" else None
+        text = config.system_text(config.system)
+        system = Message(role="system", content=text) if text is not None else None
+        return system, ChatRenderer(self._tokenizer, system=system, tools=native_tools)
+
+    def _take_new_tools(self) -> None:
+        """At the start of a turn or a step (the lock held, none running): if one of the session's MCP servers
+        announced a changed tool list since the session took it, take the new one. The tools are rendered at the
+        head of the prompt (the system message, or the template's tools), so the whole conversation is rendered
+        again (each output kept as generated) and the next step computes all of it: its pin does not extend the new
+        prompt (``prefix_mismatch``)."""
+        if self._active is not None or self._conversation is None:
+            return
+        try:
+            config = self._sources.newer(self._config)
+        except (UserError, SessionClosedError) as exc:  # the tools the session has stay
+            logger.warning("agentkv: an MCP server's new tools cannot be taken (%s); keeping the old ones", exc)
+            return
+        if config is None:
+            return
+        self._config = config
+        system, renderer = self._rendering(config)
+        self._conversation = self._conversation.rerendered(renderer, system)
 
     async def _close_resources(self) -> None:
         if self._owns_engine:  # the forks run on this session's engine, which closes now
@@ -121,6 +157,7 @@ class SessionCore(EngineUser):
                 self._releases.append(self._pin.pin)
                 self._pin = None
         await self._release_pins()
+        await self._sources.close()
         await self._close_engine()
 
     def _resolve_mode(self, engine: Engine) -> Mode:
@@ -197,6 +234,7 @@ class SessionCore(EngineUser):
             placement="auto" if self.mode == "auto" else "prefill",
             resumed=self._resumed,
             parsers=self._parsers,
+            trace=self._trace,
         )
 
     def _take(self, turn: Turn) -> None:

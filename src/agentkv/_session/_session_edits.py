@@ -108,6 +108,7 @@ class SessionEdits(SessionCore):
             twin._conversation = conversation.copy()
             twin._turns = list(self._turns)
             twin._tokenizer, twin._transcript, twin._parsers = self._tokenizer, self._transcript, self._parsers
+            twin._trace = self._trace.of_conversation(twin._conversation_id) if self._trace is not None else None
             twin._state = LifecycleState.OPEN
             twin._engine_owner = self if self._owns_engine else self._engine_owner
             if twin._engine_owner is not None:

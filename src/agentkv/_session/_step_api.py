@@ -87,6 +87,9 @@ class StepAPI(SessionCore):
         """
         options = StepOptions(tools=tools, tool_choice=tool_choice, max_tokens=max_tokens, temperature=temperature)
         options.update(StepOptions(seed=seed, stop=stop, sampling=sampling))
+        if tools is None:  # the session's own tools: a changed MCP list is taken now
+            with self._lock:
+                self._take_new_tools()
         request = MessageRequest.build(self._config, messages, options)
         return await self._step_request(
             request,

@@ -15,6 +15,8 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from opentelemetry.context import Context
+
 from .._conversation._conversation import Conversation, Message
 from .._conversation._parsers import OutputParsers
 from .._conversation._tools import (
@@ -23,7 +25,6 @@ from .._conversation._tools import (
     native_result,
     output_schema,
     result_message,
-    run_tool_calls,
 )
 from .._engines import Engine, Placement, Sampling, StepDone, StepRequest, TokenDelta
 from .._engines._base import Pin
@@ -33,6 +34,8 @@ from .._stats._stats import MissReason, StepStats, TurnStats
 from ._answer_text import OutputReader, OutputShape, stream_events
 from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
 from ._session_config import SessionConfig
+from ._tool_calls import ToolRunner
+from ._tracing import TraceInfo, end_step, start_step
 
 __all__ = ["Turn", "ended_at_stop_string", "model_step", "turn_events", "upkeep_counts"]
 
@@ -64,6 +67,11 @@ class Turn:
     repinnable: bool = False
     """The turn's last step ended at a stop string, so D pinned nothing although its cache holds the blocks: the
     session repins once it keeps the turn (`agentkv._session._pin_upkeep`)."""
+    trace_context: Context | None = None
+    """The context of the turn's ``invoke_agent`` span (`Session.run`), which its steps and tools hang under; None:
+    they hang under the caller's current span (`Session.step`)."""
+    upkeep_traced: bool = False
+    """Whether a step span already carries the upkeep counts (on the first step after them)."""
 
     def abandoned(self) -> bool:
         return self.consumer is not None and self.consumer() is None
@@ -84,6 +92,8 @@ class StepContext:
     """The session was restored from a snapshot and has not stepped since: no pin is the reason ``resumed``."""
     parsers: OutputParsers = field(default_factory=OutputParsers)
     """The vLLM parsers the model's output is read with (native tool calls, reasoning)."""
+    trace: TraceInfo | None = None
+    """What the session's spans name (its conversation and model)."""
 
 
 async def turn_events(turn: Turn, context: StepContext) -> AsyncGenerator[Event]:
@@ -101,25 +111,31 @@ async def turn_events(turn: Turn, context: StepContext) -> AsyncGenerator[Event]
         step: Step | None = None
         reader = step_reader(config, context.parsers, f"t{turn.number}s{number}")
         stream = reader.stream()
-        async with aclosing(model_step(turn, number, context, json_schema=schema)) as step_events:
-            async for step_event in step_events:
-                if isinstance(step_event, Step):
-                    step = step_event
-                else:
-                    yield step_event
-                    pieces = stream.feed(step_event.text, step_event.token_ids)
-                    for piece_event in stream_events(turn.number, number, pieces):
-                        yield piece_event
-        assert step is not None
-        calls, answer, error = read_step(config, reader, step.text, last=last)
-        if answer is not None:
-            turn.steps.append(step)
-            yield StepEnd(step=step)
-            yield TurnEnd(result=finish(turn, config, answer))
-            return
-        async with aclosing(tool_round(turn, number, config, step, calls, error)) as round_events:
-            async for event in round_events:
-                yield event
+        runner = ToolRunner(config.tools, parent=turn.trace_context, early=not last and choice != "none")
+        try:
+            async with aclosing(model_step(turn, number, context, json_schema=schema)) as step_events:
+                async for step_event in step_events:
+                    if isinstance(step_event, Step):
+                        step = step_event
+                    else:
+                        yield step_event
+                        pieces = stream.feed(step_event.text, step_event.token_ids)
+                        runner.feed(pieces.calls)
+                        for piece_event in stream_events(turn.number, number, pieces):
+                            yield piece_event
+            assert step is not None
+            calls, answer, error = read_step(config, reader, step.text, last=last)
+            if answer is not None:
+                await runner.close()
+                turn.steps.append(step)
+                yield StepEnd(step=step)
+                yield TurnEnd(result=finish(turn, config, answer))
+                return
+            async with aclosing(tool_round(turn, number, config, step, calls, error, runner)) as round_events:
+                async for event in round_events:
+                    yield event
+        finally:
+            await runner.close()  # calls started early that the turn never took (it failed or was abandoned)
         choice = "auto" if choice != "none" else choice  # a forced call is forced once per turn
 
 
@@ -162,20 +178,30 @@ async def model_step(
         cache_salt=config.cache_salt,
         placement=context.placement,
     )
+    span = start_step(context.trace, request, turn=turn.number, step=number, parent=turn.trace_context)
+    upkeep = None if turn.upkeep_traced else upkeep_counts(turn)
+    turn.upkeep_traced = True
+    started = time.perf_counter()
     done: StepDone | None = None
-    async with _closing(engine.step(request)) as events:
-        async for event in events:
-            if isinstance(event, TokenDelta):
-                yield TextDelta(
-                    turn=turn.number,
-                    step=number,
-                    text=event.text,
-                    token_ids=list(event.token_ids),
-                    logprobs=None if event.logprobs is None else list(event.logprobs),
-                )
-            else:
-                done = event
-    assert done is not None
+    try:
+        async with _closing(engine.step(request)) as events:
+            async for event in events:
+                if isinstance(event, TokenDelta):
+                    yield TextDelta(
+                        turn=turn.number,
+                        step=number,
+                        text=event.text,
+                        token_ids=list(event.token_ids),
+                        logprobs=None if event.logprobs is None else list(event.logprobs),
+                    )
+                else:
+                    done = event
+        assert done is not None
+        stats = _step_stats(turn.number, number, prompt, pin, reason, done, time.perf_counter() - started)
+    except BaseException as exc:
+        end_step(span, context.trace, stats=None, done=done, upkeep=None, error=exc)
+        raise
+    end_step(span, context.trace, stats=stats, done=done, upkeep=upkeep, error=None)
     conversation.add_output(done.token_ids, done.text)
     if done.pin is not None:
         turn.pin = HeldPin(done.pin, prompt + list(done.token_ids))
@@ -185,30 +211,35 @@ async def model_step(
         token_ids=list(done.token_ids),
         finish_reason=done.finish_reason,
         logprobs=None if done.logprobs is None else list(done.logprobs),
-        stats=_step_stats(turn.number, number, prompt, pin, reason, done),
+        stats=stats,
     )
 
 
 async def tool_round(
-    turn: Turn, number: int, config: SessionConfig, step: Step, calls: list[ToolCall], error: str | None
+    turn: Turn,
+    number: int,
+    config: SessionConfig,
+    step: Step,
+    calls: list[ToolCall],
+    error: str | None,
+    runner: ToolRunner,
 ) -> AsyncGenerator[Event]:
-    """Run a step's tool calls (or report its malformed output), then append the results."""
+    """Run a step's tool calls (those started while the step streamed give their results; see `ToolRunner`), or
+    report its malformed output, then append the results."""
     for call in calls:
         yield ToolCallEvent(turn=turn.number, step=number, call=call)
     started = time.perf_counter()
     if error is None:
-        results = await run_tool_calls(calls, config.tools)
+        results = await runner.results(calls)
     else:
+        await runner.close()
         call_id = f"t{turn.number}s{number}"
         results = [ToolResult(call_id=call_id, name="agentkv", content=f"error: {error}", error="malformed_output")]
     for result in results:
         yield ToolResultEvent(turn=turn.number, step=number, result=result)
+    tool_s = time.perf_counter() - min(started, runner.first_start or started)
     done = step.model_copy(
-        update={
-            "tool_calls": calls,
-            "tool_results": results,
-            "stats": step.stats.model_copy(update={"tool_s": time.perf_counter() - started}),
-        }
+        update={"tool_calls": calls, "tool_results": results, "stats": step.stats.model_copy(update={"tool_s": tool_s})}
     )
     turn.steps.append(done)
     yield StepEnd(step=done)
@@ -282,7 +313,13 @@ async def _closing(events: AsyncIterator[T]) -> AsyncGenerator[AsyncIterator[T]]
 
 
 def _step_stats(
-    turn: int, number: int, prompt: list[int], pin: Pin | None, reason: MissReason | None, done: StepDone
+    turn: int,
+    number: int,
+    prompt: list[int],
+    pin: Pin | None,
+    reason: MissReason | None,
+    done: StepDone,
+    duration_s: float,
 ) -> StepStats:
     timings = done.timings
     return StepStats(
@@ -301,5 +338,6 @@ def _step_stats(
             placed_on_decode=timings.prefill_engine == "decode",
             evicted=timings.pin_evicted,
         ),
+        duration_s=duration_s,
         **timings.stats_fields(),
     )

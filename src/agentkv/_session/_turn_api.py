@@ -17,6 +17,7 @@ from .._errors import SessionBusyError, UserError
 from ._results import Event, TurnEnd, TurnResult
 from ._session_config import check_message
 from ._session_core import SessionCore
+from ._tracing import TurnSpan
 from ._turn import Turn, turn_events
 
 __all__ = ["TurnAPI"]
@@ -53,39 +54,53 @@ class TurnAPI(SessionCore):
         return events
 
     async def _run(self, message: str, on_event: Callable[[Event], None] | None) -> TurnResult:
-        turn = await self._begin_turn(message)
+        span = TurnSpan.start(self._trace, turn=len(self._turns) + 1, mode=self.mode)
         try:
-            async with aclosing(turn_events(turn, self._step_context())) as events:
-                async for event in events:
-                    if on_event is not None:
-                        on_event(event)  # may raise, also at TurnEnd: then the turn is not kept
-            assert turn.result is not None
-            self._commit(turn)
-            return turn.result
-        finally:
-            self._end_turn(turn)
+            turn = await self._begin_turn(message, span=span)
+            try:
+                async with aclosing(turn_events(turn, self._step_context())) as events:
+                    async for event in events:
+                        if on_event is not None:
+                            on_event(event)  # may raise, also at TurnEnd: then the turn is not kept
+                assert turn.result is not None
+                self._commit(turn)
+            finally:
+                self._end_turn(turn)
+        except BaseException as exc:
+            span.end(error=exc)
+            raise
+        span.end(turn.result)
+        return turn.result
 
     async def _stream(self, message: str, consumer: list[weakref.ref[Any]]) -> AsyncGenerator[Event]:
         if not self._require_home().is_current():
             raise UserError("stream() runs on the session's own event loop; use run(on_event=...) here")
-        turn = await self._begin_turn(message, consumer=consumer[0] if consumer else None)
+        span = TurnSpan.start(self._trace, turn=len(self._turns) + 1, mode=self.mode)
         try:
-            async with aclosing(turn_events(turn, self._step_context())) as events:
-                async for event in events:
-                    if isinstance(event, TurnEnd):
-                        self._commit(turn)
-                    yield event
-        finally:
-            self._end_turn(turn)
+            turn = await self._begin_turn(message, consumer=consumer[0] if consumer else None, span=span)
+            try:
+                async with aclosing(turn_events(turn, self._step_context())) as events:
+                    async for event in events:
+                        if isinstance(event, TurnEnd):
+                            self._commit(turn)
+                            span.end(event.result)  # before the last yield: a consumer may stop at it
+                        yield event
+            finally:
+                self._end_turn(turn)
+        except BaseException as exc:
+            span.end(error=exc)
+            raise
 
-    async def _begin_turn(self, message: str, *, consumer: weakref.ref[Any] | None = None) -> Turn:
+    async def _begin_turn(self, message: str, *, span: TurnSpan, consumer: weakref.ref[Any] | None = None) -> Turn:
         """Prepare a turn: claim the session, copy the conversation, append the user message."""
         check_message(message)
         with self._lock:
             self._require_idle(
                 "a turn is already running in this session; sessions take one turn at a time", SessionBusyError
             )
+            self._take_new_tools()
             turn = self._claim(len(self._turns) + 1, consumer)
+            turn.trace_context = span.context
         await self._prepare(turn, lambda turn: turn.conversation.add_messages([Message(role="user", content=message)]))
         return turn
 

@@ -105,6 +105,8 @@ class StepStats(StepMeasurements):
     """Why no KV was pulled back from D, when none was (see `MissReason`)."""
     tool_s: float = 0.0
     """Wall time of the tools this step called (client clock)."""
+    duration_s: float | None = None
+    """Client clock: step submitted -> its end (the engine's last output token); None where not measured."""
 
     @model_validator(mode="after")
     def _tokens_add_up(self) -> StepStats:

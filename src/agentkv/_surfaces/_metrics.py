@@ -1,7 +1,8 @@
 """What ``agentkv serve`` reports at ``GET /metrics``, in the Prometheus text format (version 0.0.4).
 
 Written by ``prometheus_client``, into a registry of each door's own (not the process-wide one: a process may
-hold several doors, and each counts its own requests).
+hold several doors, and each counts its own requests). The metrics of each step are declared once, for this page and
+for OpenTelemetry (`agentkv._stats._telemetry.STEP_METRICS`); the requests, errors and gauges are the door's own.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .._stats._stats import StepStats
+from .._stats._telemetry import LATENCY_BUCKETS_S, STEP_METRICS, StepMetric
 
 __all__ = ["ServeMetrics"]
-
-_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 _GAUGE_HELP = {
     "sessions": "Sessions the door holds.",
@@ -45,29 +45,13 @@ class ServeMetrics:
         self.registry = CollectorRegistry()
         """This door's metrics alone."""
         at = self.registry
-        self._ttft = Histogram(
-            "agentkv_ttft_seconds",
-            "Time to first token of each model step (client clock).",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=at,
-        )
-        self._itl = Histogram(
-            "agentkv_itl_seconds",
-            "Mean inter-token latency of each model step (decode time / (tokens - 1)).",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=at,
-        )
-        self._prompt = Counter(
-            "agentkv_prompt_tokens_total", "Prompt tokens by where their KV came from.", ["source"], registry=at
-        )
-        self._output = Counter("agentkv_output_tokens_total", "Tokens generated.", registry=at)
-        self._kv_bytes = Counter("agentkv_kv_bytes_total", "NIXL bytes moved, both directions.", registry=at)
+        self._steps: list[tuple[StepMetric, Histogram | Counter]] = [
+            (metric, _instrument(metric, at)) for metric in STEP_METRICS
+        ]
         self._requests = Counter(
             "agentkv_requests_total", "Chat-completion requests by outcome.", ["outcome"], registry=at
         )
         self._errors = Counter("agentkv_errors_total", "Failed requests by kind.", ["kind"], registry=at)
-        for source in ("local", "pulled", "computed"):
-            self._prompt.labels(source)  # listed at 0 from the start
         for outcome in ("ok", "error"):
             self._requests.labels(outcome)
         at.register(_Gauges(gauges))
@@ -75,14 +59,13 @@ class ServeMetrics:
     def step(self, stats: StepStats) -> None:
         """A request that ran a model step."""
         self._requests.labels("ok").inc()
-        self._ttft.observe(stats.ttft_s)
-        if stats.decode_s is not None and stats.output_tokens > 1:
-            self._itl.observe(stats.decode_s / (stats.output_tokens - 1))
-        self._prompt.labels("local").inc(stats.local_hit_tokens)
-        self._prompt.labels("pulled").inc(stats.pulled_tokens)
-        self._prompt.labels("computed").inc(stats.computed_tokens)
-        self._output.inc(stats.output_tokens)
-        self._kv_bytes.inc(stats.kv_bytes or 0)
+        for metric, instrument in self._steps:
+            for value, source in metric.values(stats):
+                target = instrument if source is None else instrument.labels(source)
+                if isinstance(target, Histogram):
+                    target.observe(value)
+                else:
+                    target.inc(value)
 
     def error(self, kind: str) -> None:
         """A request that failed, by the error's kind (its class name, or ``unauthorized``, ...)."""
@@ -92,3 +75,17 @@ class ServeMetrics:
     def text(self) -> str:
         """The exposition, every metric with its help and type."""
         return generate_latest(self.registry).decode()
+
+
+def _instrument(metric: StepMetric, registry: CollectorRegistry) -> Histogram | Counter:
+    """``metric``'s Prometheus instrument, its label's values listed at 0 from the start."""
+    labels = [metric.label] if metric.label is not None else []
+    if metric.kind == "histogram":
+        made: Histogram | Counter = Histogram(
+            metric.prometheus_name, metric.description, labels, buckets=LATENCY_BUCKETS_S, registry=registry
+        )
+    else:
+        made = Counter(metric.prometheus_name, metric.description, labels, registry=registry)
+    for value in metric.label_values:
+        made.labels(value)
+    return made

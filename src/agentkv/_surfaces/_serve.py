@@ -26,6 +26,7 @@ from ._limits import HeaderLimit, parser_bound
 from ._response_store import MemoryResponseStore, ResponseStore
 from ._serve_routes import DoorRoutes, ServeSettings
 from ._signals import StopSignals
+from ._trace_context import TraceContext
 
 __all__ = ["FrontDoor", "ServeSettings", "create_app"]
 
@@ -47,9 +48,13 @@ def create_app(
         store if store is not None else MemoryResponseStore(),
         in_flight if in_flight is not None else InFlight(),
     )
+    table = routes.table()
     return Starlette(
-        routes=routes.table(),
-        middleware=[Middleware(HeaderLimit, max_bytes=settings.max_header_bytes, refuse=routes.refuse)],
+        routes=table,
+        middleware=[
+            Middleware(HeaderLimit, max_bytes=settings.max_header_bytes, refuse=routes.refuse),
+            Middleware(TraceContext, routes=table),  # each request a span continuing its caller's trace
+        ],
     )
 
 
