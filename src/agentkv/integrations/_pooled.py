@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import threading
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
@@ -10,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from .._conversation._conversation import Message
-from .._engines import Engine
+from .._engines import Engine, EngineState
 from .._engines._sampling import SamplingOptions
 from .._errors import SessionClosedError, UserError
 from .._session._pool import SessionPool
@@ -44,50 +47,114 @@ class PooledModel:
 
     Args:
         engine: an agentkv engine (`EmbeddedPair`, `LaunchedPair`, `RemotePair`, `Colocated`),
-            open or not. The adapter never closes an engine it was given open; one it was given
-            unopened, or the embedded pair it starts when given none, it closes in `close`.
+            open or not, opened any way (``with``, ``async with``, ``.start()``). The adapter never closes an
+            engine it was given open; one it was given unopened, or the embedded pair it starts when given none,
+            it closes in `close`.
         pool: a `SessionPool` to share between adapters (its owner closes it); not with ``engine``.
         session_options: keyword arguments of each `Session` (``max_tokens``, ``temperature``, ...).
+
+    The pool opens on the loop of an engine given open (the caller's loop, for one opened with ``async with``;
+    a blocking call from that loop's own thread is refused, an ``await`` works), else on a loop thread of its own
+    that it starts the engine on (frameworks run their own loops, and end them: ``run_sync``).
     """
 
     def __init__(self, *, engine: Engine | None = None, pool: SessionPool | None = None, **session_options: Any):
         if pool is not None and (engine is not None or session_options):
             raise UserError("pool= comes with its engine and session options; give either pool= or those")
         self._owns_pool = pool is None
+        self._engine = engine
         self._arguments: dict[str, Any] = {"engine": engine, **session_options}
         self._pool: SessionPool | None = pool if pool is not None else SessionPool(**self._arguments)
         """The pool; one the adapter makes (its options checked now, by `SessionPool`) opens at the first call."""
         self._started = not self._owns_pool
-        self._lock = threading.Lock()
+        self._opening: concurrent.futures.Future[None] | None = None
+        """The pool's open on an open engine's loop, while it runs (the calls that come meanwhile wait for it)."""
+        self._lock = threading.RLock()
+        """Reentrant: an open that finished at once runs its done-callback (`_opened`) in the thread that holds it."""
         self._closed = False
         self.last_reply: StepReply | None = None
         """The last model call's reply (its `StepReply.stats` say where each prompt token's KV came from)."""
 
+    def _usable(self) -> SessionPool:
+        """The pool, opened or not (under ``_lock``); `SessionClosedError` once the adapter is closed."""
+        if self._closed or self._pool is None:
+            raise SessionClosedError("this model was closed; make a new one")
+        return self._pool
+
+    def _open_on_engine(self, pool: SessionPool) -> concurrent.futures.Future[None] | None:
+        """Under ``_lock``: the pool's open on the loop of the open engine it was given (started once), or None when
+        the pool opens its own engine on a loop thread of its own."""
+        engine = self._engine
+        if engine is None or engine.state is not EngineState.OPEN or engine.home is None:
+            return None
+        opening = self._opening
+        if opening is None:
+            home = engine.home
+            opening = self._opening = home.submit(functools.partial(pool.open, home=home))
+            opening.add_done_callback(self._opened)  # may run now, here (an open that finished at once)
+        return opening
+
+    def _opened(self, opening: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            if self._opening is not opening:
+                return
+            self._opening = None
+            if not opening.cancelled() and opening.exception() is None:
+                self._started = True
+            elif not self._closed:  # an open that failed closed the pool: the next call retries with a new one
+                self._pool = SessionPool(**self._arguments)
+
     @property
     def pool(self) -> SessionPool:
-        """The pool the model calls go to (started on first use)."""
+        """The pool the model calls go to (started on first use; a blocking call: from async code, `opened_pool`)."""
         with self._lock:
-            if self._closed or self._pool is None:
-                raise SessionClosedError("this model was closed; make a new one")
-            if not self._started:
+            pool = self._usable()
+            if self._started:
+                return pool
+            opening = self._open_on_engine(pool)
+            if opening is None:
                 try:  # on an event loop thread of its own: frameworks run (and end) their own loops
-                    self._pool.__enter__()
+                    pool.__enter__()
                 except BaseException:
                     self._pool = SessionPool(**self._arguments)  # an open that failed closed it: the next call retries
                     raise
                 self._started = True
-            return self._pool
+                return pool
+        engine_home = self._engine.home if self._engine is not None else None
+        if engine_home is not None and engine_home.is_current():
+            raise UserError(
+                "this model's engine was opened with `async with` on this thread's event loop: call the model "
+                "with `await` (its async methods) here"
+            )
+        opening.result()
+        return pool
+
+    async def opened_pool(self) -> SessionPool:
+        """`pool`, from async code: on an open engine's loop (the caller's, for one opened with ``async with``)
+        without blocking it; else opened in a worker thread (it starts its engine on a loop thread of its own)."""
+        with self._lock:
+            pool = self._usable()
+            if self._started:
+                return pool
+            opening = self._open_on_engine(pool)
+        if opening is None:
+            return await anyio.to_thread.run_sync(lambda: self.pool)
+        await asyncio.wrap_future(opening)
+        return pool
 
     @property
     def stats(self) -> list[StepStats]:
         """Every model call's stats, over the pool's live sessions."""
-        return [step for session in self.pool.sessions for turn in session.stats.turns for step in turn.steps]
+        with self._lock:
+            pool = self._usable()
+        return [step for session in pool.sessions for turn in session.stats.turns for step in turn.steps]
 
     async def call(
         self, messages: Sequence[Message | Mapping[str, Any]], *, conversation_id: str | None = None, **options: Any
     ) -> StepReply:
         """One model call on the conversation's session (see `SessionPool.step`)."""
-        reply = await self.pool.step(messages, conversation_id=conversation_id, **options)
+        pool = await self.opened_pool()
+        reply = await pool.step(messages, conversation_id=conversation_id, **options)
         self.last_reply = reply
         return reply
 
@@ -101,7 +168,8 @@ class PooledModel:
     ) -> AsyncGenerator[str | ToolCallDelta | ReasoningDelta | StepReply]:
         """`call`, as the answer's text pieces while they are generated, then the `StepReply`
         (see `SessionPool.stream`; ``deltas``: tool-call and reasoning pieces too); closing it early cancels the step."""
-        stream = self.pool.stream(messages, conversation_id=conversation_id, deltas=deltas, **options)  # type: ignore[call-overload]
+        pool = await self.opened_pool()
+        stream = pool.stream(messages, conversation_id=conversation_id, deltas=deltas, **options)  # type: ignore[call-overload]
         async with aclosing(stream) as items:
             async for item in items:
                 if isinstance(item, StepReply):
@@ -117,16 +185,30 @@ class PooledModel:
         return reply
 
     async def aclose(self) -> None:
-        """`close`, from async code (the pool closes on its own loop; this loop keeps running)."""
+        """`close`, from async code: on the pool's loop when that is the caller's (an engine opened with ``async
+        with``), else in a worker thread (the pool closes on its own loop; this loop keeps running)."""
+        with self._lock:
+            pool = self._pool
+            home = pool.home if pool is not None and self._started else None
+        if home is not None and home.is_current():
+            with self._lock:
+                pool, self._pool, self._closed, self._started = self._pool, None, True, False
+            if pool is not None and self._owns_pool:
+                await pool.aclose()
+            return
         await anyio.to_thread.run_sync(self.close)
 
     def close(self) -> None:
         """Close the pool if this adapter started it (and with it an engine it started); later calls raise
-        `SessionClosedError`."""
+        `SessionClosedError`. A pool on a loop that has ended (an engine's ``async with`` left) has nothing left to
+        close."""
         with self._lock:
             pool, self._pool, self._closed = self._pool, None, True
             started, self._started = self._started, False
         if pool is not None and self._owns_pool and started:
+            home = pool.home
+            if home is not None and not home.owns_thread and (home.loop.is_closed() or not home.loop.is_running()):
+                return
             pool.close()
 
 
