@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from .._errors import InvalidMessageError
 from ._conversation import ChatRenderer, Conversation, Message, check_unicode
-from ._tools import ToolCall, ToolFormat, ToolResult, ToolSpec, result_message
+from ._tools import ToolCall, ToolFormat, ToolResult, ToolSpec, result_message, unwrapped_arguments
 
 __all__ = ["Transcript", "TranscriptKey", "append", "assistant_text", "model_messages", "read_messages", "rebuild"]
 
@@ -116,7 +116,7 @@ def _read_call(index: int, call: object) -> ToolCall:
     arguments = function.get("arguments") or {}
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = unwrapped_arguments(json.loads(arguments))  # a call handed out with an object as a string
         except json.JSONDecodeError:
             raise InvalidMessageError(
                 f"message {index}: tool call {call['id']!r} has arguments that are not JSON"
