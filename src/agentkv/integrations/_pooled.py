@@ -4,23 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import threading
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import anyio.to_thread
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from .._conversation._conversation import Message
 from .._engines import Engine, EngineState
 from .._engines._sampling import SamplingOptions
-from .._errors import SessionClosedError, UserError
+from .._errors import EngineUnavailableError, SessionClosedError, UserError
+from .._model import model_name
 from .._session._pool import SessionPool
 from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
+from .._session._session_config import SESSION_OPTIONS
 from .._stats._stats import StepStats
 
-__all__ = ["SAMPLING_NAMES", "PooledAccess", "PooledModel", "joined_text", "sampling_of"]
+__all__ = ["POOL_OPTIONS", "SAMPLING_NAMES", "CallLimits", "PooledAccess", "PooledModel", "joined_text", "sampling_of"]
 
 SAMPLING_NAMES = frozenset(SamplingOptions.model_fields)
 """The settings adapters pass on under vLLM's names (`SamplingOptions`' fields)."""
@@ -42,6 +48,42 @@ def joined_text(content: str | Sequence[Any], text_of: Callable[[Any], str | Non
     return sep.join(piece for piece in pieces if piece is not None)
 
 
+POOL_OPTIONS = frozenset({"max_sessions", "idle_ttl_s", "store"})
+"""`SessionPool`'s own keyword arguments besides ``engine`` (an adapter passes them on with the session options)."""
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """A framework's standard limits of one model call: ``timeout_s`` (the call is cancelled past it, changing
+    nothing in its session, and raises `TimeoutError`) and ``max_retries`` (a call that failed because a server of a
+    launched or remote pair could not be reached, `EngineUnavailableError`, which changed nothing, is made again,
+    with exponential back-off). In-process engines fail in no way a retry mends: nothing else is retried."""
+
+    timeout_s: float | None = None
+    max_retries: int = 0
+
+    def attempts(self) -> AsyncRetrying:
+        return AsyncRetrying(
+            stop=stop_after_attempt(self.max_retries + 1),
+            retry=retry_if_exception_type(EngineUnavailableError),
+            wait=wait_exponential(multiplier=0.5, max=8.0),
+            reraise=True,
+        )
+
+    @contextlib.contextmanager
+    def deadline(self) -> Iterator[None]:
+        if self.timeout_s is None:
+            yield
+            return
+        try:
+            with anyio.fail_after(self.timeout_s):
+                yield
+        except TimeoutError:
+            raise TimeoutError(
+                f"the model call took longer than its timeout ({self.timeout_s} s) and was cancelled"
+            ) from None
+
+
 class PooledModel:
     """The engine side of an adapter: a `SessionPool`, started at the first model call.
 
@@ -58,7 +100,17 @@ class PooledModel:
     that it starts the engine on (frameworks run their own loops, and end them: ``run_sync``).
     """
 
-    def __init__(self, *, engine: Engine | None = None, pool: SessionPool | None = None, **session_options: Any):
+    def __init__(
+        self,
+        *,
+        engine: Engine | None = None,
+        pool: SessionPool | None = None,
+        owner: str = "SessionPool",
+        **session_options: Any,
+    ):
+        unknown = sorted(set(session_options) - SESSION_OPTIONS - POOL_OPTIONS)
+        if unknown:  # named as the adapter's own call (its user never called SessionPool)
+            raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
         if pool is not None and (engine is not None or session_options):
             raise UserError("pool= comes with its engine and session options; give either pool= or those")
         self._owns_pool = pool is None
@@ -142,6 +194,16 @@ class PooledModel:
         await asyncio.wrap_future(opening)
         return pool
 
+    def model_name(self) -> str | None:
+        """The name of the model the pool serves (its engine's model folder), once its engine is open; else None."""
+        with self._lock:
+            pool = self._pool
+            started = self._started
+        engine = self._engine if self._engine is not None else (pool.engine if pool is not None and started else None)
+        if engine is None or engine.state is not EngineState.OPEN:
+            return None
+        return model_name(engine.info.model_path)
+
     @property
     def stats(self) -> list[StepStats]:
         """Every model call's stats, over the pool's live sessions."""
@@ -150,11 +212,20 @@ class PooledModel:
         return [step for session in pool.sessions for turn in session.stats.turns for step in turn.steps]
 
     async def call(
-        self, messages: Sequence[Message | Mapping[str, Any]], *, conversation_id: str | None = None, **options: Any
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        *,
+        conversation_id: str | None = None,
+        limits: CallLimits | None = None,
+        **options: Any,
     ) -> StepReply:
-        """One model call on the conversation's session (see `SessionPool.step`)."""
+        """One model call on the conversation's session (see `SessionPool.step`), within ``limits``."""
+        limits = limits or CallLimits()
         pool = await self.opened_pool()
-        reply = await pool.step(messages, conversation_id=conversation_id, **options)
+        async for attempt in limits.attempts():
+            with attempt:
+                with limits.deadline():
+                    reply = await pool.step(messages, conversation_id=conversation_id, **options)
         self.last_reply = reply
         return reply
 
@@ -164,25 +235,50 @@ class PooledModel:
         *,
         conversation_id: str | None = None,
         deltas: bool = False,
+        limits: CallLimits | None = None,
         **options: Any,
     ) -> AsyncGenerator[str | ToolCallDelta | ReasoningDelta | StepReply]:
         """`call`, as the answer's text pieces while they are generated, then the `StepReply`
-        (see `SessionPool.stream`; ``deltas``: tool-call and reasoning pieces too); closing it early cancels the step."""
+        (see `SessionPool.stream`; ``deltas``: tool-call and reasoning pieces too); closing it early cancels the step.
+        ``limits``: the timeout bounds the wait for each piece; a retry happens only before the first."""
+        limits = limits or CallLimits()
         pool = await self.opened_pool()
-        stream = pool.stream(messages, conversation_id=conversation_id, deltas=deltas, **options)  # type: ignore[call-overload]
+        first: Any = None
+        stream: AsyncGenerator[Any] | None = None
+        async for attempt in limits.attempts():
+            with attempt:
+                stream = pool.stream(messages, conversation_id=conversation_id, deltas=deltas, **options)  # type: ignore[call-overload]
+                try:
+                    with limits.deadline():
+                        first = await anext(stream)
+                except BaseException:
+                    await stream.aclose()
+                    raise
+        assert stream is not None
         async with aclosing(stream) as items:
-            async for item in items:
+            item = first
+            while True:
                 if isinstance(item, StepReply):
                     self.last_reply = item
                 yield item
+                if isinstance(item, StepReply):
+                    return
+                with limits.deadline():
+                    item = await anext(items)
 
     def call_sync(
-        self, messages: Sequence[Message | Mapping[str, Any]], *, conversation_id: str | None = None, **options: Any
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        *,
+        conversation_id: str | None = None,
+        limits: CallLimits | None = None,
+        **options: Any,
     ) -> StepReply:
-        """Blocking `call`."""
-        reply = self.pool.step_sync(messages, conversation_id=conversation_id, **options)
-        self.last_reply = reply
-        return reply
+        """Blocking `call` (on the pool's loop)."""
+        pool = self.pool
+        assert pool.home is not None  # set when the pool opened
+        call = functools.partial(self.call, messages, conversation_id=conversation_id, limits=limits, **options)
+        return pool.home.call(call)
 
     async def aclose(self) -> None:
         """`close`, from async code: on the pool's loop when that is the caller's (an engine opened with ``async
