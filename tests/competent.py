@@ -40,7 +40,9 @@ def respond(request: StepRequest) -> str:
     if forced is not None:
         if "json" in forced:
             return json.dumps(_value(forced["json"], question, "", forced["json"]))
-        return json.dumps({"setup": "Why did the cat sit on the computer?", "punchline": "To keep an eye on the mouse."})
+        return json.dumps(
+            {"setup": "Why did the cat sit on the computer?", "punchline": "To keep an eye on the mouse."}
+        )
     if last_role == "tool":
         return f"The tool says: {_result_text(messages[-1][1])}."
     return _answer(question)
@@ -79,7 +81,9 @@ def _tool_output(schema: dict[str, Any], question: str, *, tool_result: bool, la
     return {"tool_calls": [{"name": chosen["properties"]["name"]["const"], "arguments": arguments}]}
 
 
-def _value(schema: dict[str, Any], question: str, key: str, root: dict[str, Any], numbers: list[int] | None = None) -> Any:
+def _value(
+    schema: dict[str, Any], question: str, key: str, root: dict[str, Any], numbers: list[int] | None = None
+) -> Any:
     """A value the schema allows, taken from the question where it says one (numbers in order, a quoted name)."""
     if numbers is None:
         numbers = [int(n) for n in re.findall(r"-?\d+", question)]
