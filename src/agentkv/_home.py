@@ -119,9 +119,11 @@ class EventLoopHome:
 
         future = self.submit(call_and_signal)
         try:
-            while True:  # short waits, so an interrupt is seen however it is delivered
-                with contextlib.suppress(concurrent.futures.TimeoutError):
-                    return future.result(timeout=0.25)
+            # short waits, so an interrupt is seen however it is delivered; waited on, not `result(timeout=...)`: its
+            # TimeoutError is the builtin one, which a call that raised TimeoutError itself must not be taken for
+            while not concurrent.futures.wait([future], timeout=0.25).done:
+                pass
+            return future.result()
         except KeyboardInterrupt:
             future.cancel()
             finished.wait(timeout=_CANCEL_GRACE_S)  # the task has unwound (turn rolled back)

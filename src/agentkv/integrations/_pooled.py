@@ -18,12 +18,13 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from .._conversation._conversation import Message
 from .._engines import Engine, EngineState
+from .._engines._pair_config import PairConfig
 from .._engines._sampling import SamplingOptions
 from .._errors import EngineUnavailableError, SessionClosedError, UserError
 from .._model import model_name
 from .._session._pool import SessionPool
 from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
-from .._session._session_config import SESSION_OPTIONS
+from .._session._session_config import SESSION_OPTIONS, SessionConfig
 from .._stats._stats import StepStats
 
 __all__ = ["POOL_OPTIONS", "SAMPLING_NAMES", "CallLimits", "PooledAccess", "PooledModel", "joined_text", "sampling_of"]
@@ -47,6 +48,10 @@ def joined_text(content: str | Sequence[Any], text_of: Callable[[Any], str | Non
     pieces = (part if isinstance(part, str) else text_of(part) for part in content)
     return sep.join(piece for piece in pieces if piece is not None)
 
+
+DEFAULT_PIN_TTL_S = PairConfig().pin_ttl_s
+RENEWS_BY_DEFAULT = bool(SessionConfig.model_fields["renew_pins"].default)
+RENEWS_FOR_S = float(SessionConfig.model_fields["renew_pins_for_s"].default)
 
 POOL_OPTIONS = frozenset({"max_sessions", "idle_ttl_s", "store"})
 """`SessionPool`'s own keyword arguments besides ``engine`` (an adapter passes them on with the session options)."""
@@ -121,6 +126,8 @@ class PooledModel:
         self._started = not self._owns_pool
         self._opening: concurrent.futures.Future[None] | None = None
         """The pool's open on an open engine's loop, while it runs (the calls that come meanwhile wait for it)."""
+        self._running: set[str] = set()
+        """Named conversations with a call of this model running (`claimed`)."""
         self._lock = threading.RLock()
         """Reentrant: an open that finished at once runs its done-callback (`_opened`) in the thread that holds it."""
         self._closed = False
@@ -193,6 +200,34 @@ class PooledModel:
             return await anyio.to_thread.run_sync(lambda: self.pool)
         await asyncio.wrap_future(opening)
         return pool
+
+    @contextlib.contextmanager
+    def claimed(self, conversation_id: str | None) -> Iterator[str | None]:
+        """``conversation_id`` for a call, while no other call of this model runs on it; else None, and the call is
+        matched by its messages instead (a framework's parallel branches of one thread, two runs of one group)."""
+        with self._lock:
+            if conversation_id is not None and conversation_id in self._running:
+                conversation_id = None
+            elif conversation_id is not None:
+                self._running.add(conversation_id)
+        try:
+            yield conversation_id
+        finally:
+            if conversation_id is not None:
+                with self._lock:
+                    self._running.discard(conversation_id)
+
+    def cache_retention_s(self) -> float:
+        """How long a conversation's KV is expected to stay on D after its last call: the pin's TTL (the engine's
+        ``pin_ttl_s``; a pair's default, 480 s, until the engine is open and says), after the renewals that keep it
+        while the session is idle (``renew_pins``, for ``renew_pins_for_s``; on by default)."""
+        engine = self._engine
+        ttl = DEFAULT_PIN_TTL_S
+        if engine is not None and engine.state is EngineState.OPEN:
+            ttl = float(engine.info.details.get("pin_ttl_s", ttl))
+        if not self._arguments.get("renew_pins", RENEWS_BY_DEFAULT):
+            return ttl
+        return ttl + float(self._arguments.get("renew_pins_for_s", RENEWS_FOR_S))
 
     def model_name(self) -> str | None:
         """The name of the model the pool serves (its engine's model folder), once its engine is open; else None."""

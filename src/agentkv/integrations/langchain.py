@@ -6,7 +6,6 @@ Needs ``langchain-core`` (``pip install "agentkv[langchain]"``); LangGraph is op
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any, Literal
@@ -121,8 +120,6 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
     model_config = ConfigDict(populate_by_name=True)
 
     _pooled: PooledModel = PrivateAttr()
-    _running: set[str] = PrivateAttr(default_factory=set)
-    _running_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
     def __init__(self, *, engine: Engine | None = None, pool: SessionPool | None = None, **options: Any) -> None:
         names = set(type(self).model_fields) | {"stop_sequences"}
@@ -316,18 +313,8 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
         A second call on a conversation that is mid-call (parallel branches of one thread) is
         matched by its messages instead, as calls outside a thread are.
         """
-        conversation_id = _thread_conversation(run_manager)
-        with self._running_lock:
-            if conversation_id in self._running:
-                conversation_id = None
-            elif conversation_id is not None:
-                self._running.add(conversation_id)
-        try:
+        with self._pooled.claimed(_thread_conversation(run_manager)) as conversation_id:
             yield conversation_id
-        finally:
-            if conversation_id is not None:
-                with self._running_lock:
-                    self._running.discard(conversation_id)
 
 
 def _thread_conversation(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None) -> str | None:
