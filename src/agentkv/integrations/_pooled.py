@@ -163,22 +163,37 @@ class PooledModel:
             elif not self._closed:  # an open that failed closed the pool: the next call retries with a new one
                 self._pool = SessionPool(**self._arguments)
 
-    @property
-    def pool(self) -> SessionPool:
-        """The pool the model calls go to (started on first use; a blocking call: from async code, `opened_pool`)."""
+    def _state(self) -> tuple[SessionPool, bool, concurrent.futures.Future[None] | None]:
+        """The pool, whether it is open, and its open on an open engine's loop (started now if need be; None when
+        the pool opens an engine of its own)."""
         with self._lock:
             pool = self._usable()
             if self._started:
-                return pool
-            opening = self._open_on_engine(pool)
-            if opening is None:
-                try:  # on an event loop thread of its own: frameworks run (and end) their own loops
+                return pool, True, None
+            return pool, False, self._open_on_engine(pool)
+
+    def _open_own_engine(self) -> SessionPool:
+        """Open the pool, and the engine it starts, on an event loop thread of its own: frameworks run (and end)
+        their own loops."""
+        with self._lock:
+            pool = self._usable()
+            if not self._started:
+                try:
                     pool.__enter__()
                 except BaseException:
                     self._pool = SessionPool(**self._arguments)  # an open that failed closed it: the next call retries
                     raise
                 self._started = True
-                return pool
+            return pool
+
+    @property
+    def pool(self) -> SessionPool:
+        """The pool the model calls go to (started on first use; a blocking call: from async code, `opened_pool`)."""
+        pool, started, opening = self._state()
+        if started:
+            return pool
+        if opening is None:
+            return self._open_own_engine()
         engine_home = self._engine.home if self._engine is not None else None
         if engine_home is not None and engine_home.is_current():
             raise UserError(
@@ -191,13 +206,11 @@ class PooledModel:
     async def opened_pool(self) -> SessionPool:
         """`pool`, from async code: on an open engine's loop (the caller's, for one opened with ``async with``)
         without blocking it; else opened in a worker thread (it starts its engine on a loop thread of its own)."""
-        with self._lock:
-            pool = self._usable()
-            if self._started:
-                return pool
-            opening = self._open_on_engine(pool)
+        pool, started, opening = self._state()
+        if started:
+            return pool
         if opening is None:
-            return await anyio.to_thread.run_sync(lambda: self.pool)
+            return await anyio.to_thread.run_sync(self._open_own_engine)
         await asyncio.wrap_future(opening)
         return pool
 
