@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from langchain_core.exceptions import ContextOverflowError, ModelInvalidRequestError
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.exceptions import ContextOverflowError, ModelConnectionError, ModelInvalidRequestError
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -24,7 +25,7 @@ from langchain_core.messages import (
 )
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_core.tools import tool
-from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from pydantic import BaseModel
 
 from agentkv import ContextLengthError, EmbeddedPair, InvalidMessageError, Session, SessionPool
@@ -239,10 +240,142 @@ def test_structured_output_by_tool_calling(engine: HonestPairEngine, script: Scr
     try:
         assert model.with_structured_output(Sum).invoke("One plus two, as a sum.") == Sum(a=1, b=2)
         assert script.requests[0].sampling.json_schema is not None  # the call was forced
-        with pytest.raises(NotImplementedError, match="tool calling only"):
-            model.with_structured_output(Sum, method="json_schema")
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("method", ["json_schema", "json_mode"])
+def test_structured_output_by_forcing_the_output_itself(engine: HonestPairEngine, script: Script, method: str) -> None:
+    """``json_schema`` forces the output to the schema, ``json_mode`` to a JSON object (vLLM's structured outputs);
+    with ``include_raw`` an output that does not parse is the parsing error, not an exception."""
+    script.outputs = [json.dumps({"a": 1, "b": 2}), "not JSON"]
+    model = ChatAgentKV(engine=engine)
+    try:
+        if method == "json_schema":
+            assert model.with_structured_output(Sum, method="json_schema").invoke("One plus two.") == Sum(a=1, b=2)
+        else:
+            assert model.with_structured_output(None, method="json_mode").invoke("1 + 2 as JSON.") == {"a": 1, "b": 2}
+        forced = script.requests[0].sampling.options.structured_outputs
+        assert forced == ({"json": convert_to_json_schema(Sum)} if method == "json_schema" else {"json_object": True})
+        assert script.requests[0].sampling.json_schema is None  # no tools: the output itself is forced
+        raw = model.with_structured_output(Sum, method=method, include_raw=True).invoke("Again.")  # type: ignore[arg-type]
+        assert raw["parsed"] is None and raw["parsing_error"] is not None and raw["raw"].content == "not JSON"
+    finally:
+        model.close()
+
+
+def test_the_model_name_is_the_model_the_pool_serves(script: Script, model: ChatAgentKV) -> None:
+    """LangChain's usage callback and LangSmith key usage by it: in every reply, streamed or not, and in the trace's
+    standard parameters (a call's own ``model`` there, which the call itself then refuses: one engine, one model)."""
+    from langchain_core.callbacks import get_usage_metadata_callback
+
+    script.outputs[:] = ["One.", "Two."]
+    with get_usage_metadata_callback() as usage:
+        reply = model.invoke("Hi")
+        streamed = merged(list(model.stream("Hi")))
+    name = "test_model"  # the doubles' model folder
+    assert reply.response_metadata["model_name"] == streamed.response_metadata["model_name"] == name
+    assert model._get_ls_params()["ls_model_name"] == name and model._get_ls_params(model="x")["ls_model_name"] == "x"
+    assert list(usage.usage_metadata) == [name] and usage.usage_metadata[name]["input_tokens"] > 0
+    with pytest.raises(NotImplementedError, match="serves one model"):
+        model.invoke("Hi", model="another-model")
+
+
+def test_langchains_standard_init_parameters_are_honoured(engine: HonestPairEngine, script: Script) -> None:
+    """``stop``, ``streaming``, ``timeout``, ``max_retries`` mean what they mean; ``api_key`` is accepted, unused.
+    An unknown option is a TypeError naming ChatAgentKV (never the SessionPool its user did not make)."""
+    script.outputs[:] = ["First line.\nSecond line.", "Streamed."]
+    model = ChatAgentKV(engine=engine, stop=["\n"], streaming=False, timeout=30, max_retries=2, api_key="unused")
+    try:
+        assert model.invoke("Two lines.").content == "First line."
+        assert script.requests[0].sampling.stop == ("\n",)
+        assert model._get_ls_params()["ls_stop"] == ["\n"]
+    finally:
+        model.close()
+    streaming = ChatAgentKV(engine=engine, streaming=True)
+    try:
+        seen: list[str] = []
+
+        class Tokens(BaseCallbackHandler):
+            def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+                seen.append(token)
+
+        assert streaming.invoke("Hi", config={"callbacks": [Tokens()]}).content == "Streamed."
+        assert "".join(seen) == "Streamed."  # invoke streamed from the engine
+    finally:
+        streaming.close()
+    with pytest.raises(TypeError, match=r"ChatAgentKV\(\) got an unexpected keyword argument 'tempreature'"):
+        ChatAgentKV(engine=engine, tempreature=0.5)
+
+
+def test_a_timeout_cancels_the_call_and_leaves_the_session_as_it_was() -> None:
+    with HonestPairEngine(lambda request: "late") as engine:
+        engine.inject("stall")
+        model = ChatAgentKV(engine=engine, timeout=0.2)
+        try:
+            with pytest.raises(TimeoutError, match="timeout"):
+                model.invoke("Hi")
+            assert engine.steps[-1].outcome == "cancelled" and model.stats == []
+            assert model.invoke("Hi").content == "late"  # the next call runs as if nothing happened
+        finally:
+            model.close()
+
+
+def test_max_retries_makes_a_call_again_only_when_its_server_could_not_be_reached() -> None:
+    from agentkv import EngineUnavailableError
+
+    failures = [EngineUnavailableError("the decode server could not be reached")]
+
+    def respond(request: Any) -> str:
+        if failures:
+            raise failures.pop()
+        return "Reached."
+
+    with HonestPairEngine(respond) as engine:
+        model = ChatAgentKV(engine=engine, max_retries=1)
+        try:
+            assert model.invoke("Hi").content == "Reached."
+            failures.append(EngineUnavailableError("again"))
+            failures.append(EngineUnavailableError("and again"))
+            with pytest.raises(ModelConnectionError):  # two failures, one retry
+                model.invoke("Hi")
+        finally:
+            model.close()
+
+
+def test_content_blocks_of_the_common_providers_are_read(script: Script, model: ChatAgentKV) -> None:
+    """A history another provider wrote continues here: Anthropic's ``tool_use`` blocks (repeating ``tool_calls``),
+    ``thinking`` blocks and ``tool_result`` blocks in a human message; LangChain v1's ``reasoning`` and ``tool_call``
+    blocks. The reasoning is not part of the message the model reads back, as chat templates drop it."""
+    script.outputs[:] = ["Noted."] * 3
+    anthropic = [
+        HumanMessage("Pick a colour."),
+        AIMessage(
+            [
+                {"type": "thinking", "thinking": "Green.", "signature": "x"},
+                {"type": "text", "text": "Let me pick."},
+                {"type": "tool_use", "id": "foo", "name": "add", "input": {"a": 1, "b": 2}},
+            ],
+            tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "foo", "type": "tool_call"}],
+        ),
+        HumanMessage(
+            [
+                {"type": "tool_result", "tool_use_id": "foo", "content": [{"type": "text", "text": "3"}]},
+                {"type": "text", "text": "And now?"},
+            ]
+        ),
+    ]
+    assert model.bind_tools([add]).invoke(anthropic).content == "Noted."
+    v1 = [
+        HumanMessage("Hi"),
+        AIMessage([{"type": "reasoning", "reasoning": "A greeting."}, {"type": "text", "text": "Hello."}]),
+        HumanMessage("Again"),
+    ]
+    assert model.invoke(v1).content == "Noted."
+    prompt = script.requests[1].prompt_token_ids
+    with pytest.raises(NotImplementedError, match="'image'"):
+        model.invoke([HumanMessage([{"type": "image", "url": "https://example.com/x.png"}])])
+    assert prompt  # the v1 history was rendered
 
 
 def test_stop_sequences_end_the_answer_before_the_first(script: Script, model: ChatAgentKV) -> None:

@@ -318,3 +318,23 @@ async def test_blocking_close_of_an_async_opened_engine_is_a_user_error() -> Non
             engine.close()
         with pytest.raises(UserError, match="async with"), Session(engine=engine):
             pass
+
+
+def test_a_blocking_call_whose_work_raises_timeout_error_raises_it() -> None:
+    """`EventLoopHome.call` waits in short slices: a TimeoutError of the call itself (a deadline inside it) is the
+    call's result, not a slice that ran out (it once was: the call then waited forever, growing its memory)."""
+    import anyio
+
+    from agentkv._home import EventLoopHome
+
+    home = EventLoopHome.start_thread()
+
+    async def late() -> None:
+        with anyio.fail_after(0.05):
+            await anyio.sleep(5)
+
+    try:
+        with pytest.raises(TimeoutError):
+            home.call(late)
+    finally:
+        home.stop()

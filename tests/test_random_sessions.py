@@ -108,6 +108,12 @@ class Twin:
     name: str
     pin: str = "none"
     """What the next step's handle must be: "clean" (must be forwarded), "none" (must not), "any"."""
+    restored: bool = False
+    """Restored since its last accepted turn: that turn's first step (only) says ``resumed``."""
+    caller: bool = False
+    """Driven by `Session.step` with the messages kept here (the caller runs the tools), echoed back as handed out."""
+    kept: list[dict[str, Any]] = field(default_factory=list[dict[str, Any]])
+    shadow_kept: list[dict[str, Any]] = field(default_factory=list[dict[str, Any]])
 
 
 @dataclass
@@ -168,7 +174,7 @@ class Episode:
         if schema is None:
             if self.tool_format == "native" and r.random() < 0.5:
                 return "".join(
-                    f"<tool_call>\n{json.dumps(_call(r, ['add', 'echo', 'broken', 'nope']))}\n</tool_call>"
+                    f"<tool_call>\n{json.dumps(_call(r, ['add', 'echo', 'broken', 'nope'], stringify=0.3))}\n</tool_call>"
                     for _ in range(r.randint(1, 2))
                 )
             return words
@@ -189,6 +195,16 @@ class Episode:
                 self.empty = (live.snapshot(), shadow.snapshot())
                 """Before any turn: what an empty session's restore starts from."""
                 self.twins.append(Twin(live, shadow, "s0"))
+                if self.tool_format == "native":  # a caller runs the tools: its calls come back as handed out
+                    caller = Twin(
+                        Session(engine=self.engine, **self.options),
+                        Session(engine=self.shadow_engine, **self.options),
+                        "c0",
+                        caller=True,
+                    )
+                    await caller.live.open()
+                    await caller.shadow.open()
+                    self.twins.append(caller)
                 self.log.append(f"options {self.options | {'tools': [t.name for t in self.tools]}}")
                 for _ in range(self.rng.randint(6, 16)):
                     await self._operation(self.rng.choice(self.twins))
@@ -207,6 +223,12 @@ class Episode:
 
     async def _operation(self, twin: Twin) -> None:
         roll = self.rng.random()
+        if twin.caller:  # its kept messages are the conversation: no edits, forks or closes
+            if roll < 0.85 or not twin.live.stats.turns:
+                await self._caller_turn(twin)
+            else:
+                self._restore(twin, source="own")
+            return
         if roll < 0.52 or (roll < 0.81 and not twin.live.stats.turns):
             await self._turn(twin)
         elif roll < 0.62:
@@ -266,6 +288,7 @@ class Episode:
         if result is not None:
             self.log.append(f"  accepted: {len(result.steps)} step(s), {result.text[:40]!r}")
             self._check_accepted(twin, result, records, first_handle)
+            twin.restored = False
             shadow_result = await twin.shadow.run(message)
             self._expect(shadow_result.text == result.text, "the replay answered differently")
             twin.pin = first_handle if len(result.steps) == 1 else "clean"
@@ -296,6 +319,44 @@ class Episode:
         if how == "stall" or how == "cancel" or abandoned:
             return
         self._fail(f"the turn ({how}) neither returned nor raised")
+
+    async def _caller_turn(self, twin: Twin) -> None:
+        """A turn the caller runs with `Session.step`: each reply appended exactly as handed out (a native call's
+        ``function.arguments`` as given, also when the model wrote them as a JSON string), each call answered."""
+        message = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(1, 6)))
+        self.log.append(f"{twin.name}: caller-run turn {message!r}")
+        await self._settle()
+        for kept in (twin.kept, twin.shadow_kept):
+            kept.append({"role": "user", "content": message})
+        for number in range(1, 4):
+            try:
+                reply = await twin.live.step(twin.kept)
+            except AgentKVError as exc:
+                self._fail(
+                    f"caller-run step {number}, its history echoed back as handed out, raised {type(exc).__name__}: "
+                    f"{exc} (issue 54: a call whose arguments the model wrote as a JSON string)"
+                )
+                return
+            shadow = await twin.shadow.step(twin.shadow_kept)
+            reason = reply.stats.miss_reason
+            self.log.append(f"  step {number}: {len(reply.tool_calls)} call(s), miss {reason}")
+            self._expect(reply.text == shadow.text, "the replay of a caller-run step answered differently")
+            if number == 1 and twin.restored:
+                self._expect(reason == "resumed", f"the first step after a restore says {reason}, not resumed")
+            else:
+                self._expect(reason != "resumed", "a step after the first since a restore says resumed (issue 54)")
+            if number > 1:
+                self._expect(
+                    reason != "prefix_mismatch",
+                    "a caller-run step extending the reply as handed out missed the pin (issue 54: prefix_mismatch)",
+                )
+            twin.restored = False
+            twin.kept.append(reply.message.chat_dict())
+            twin.shadow_kept.append(shadow.message.chat_dict())
+            if not reply.tool_calls:
+                return
+            for kept, calls in ((twin.kept, reply.tool_calls), (twin.shadow_kept, shadow.tool_calls)):
+                kept += [{"role": "tool", "tool_call_id": call.id, "content": "ok"} for call in calls]
 
     async def _settle(self) -> None:
         """Let the sessions' upkeep steps due now (a repin, an early transfer after a kept turn) run to their end."""
@@ -369,6 +430,15 @@ class Episode:
             if record.forwarded:
                 expected = "declined" if record.declined else None
                 self._expect(stats.miss_reason == expected, f"{where}: miss_reason {stats.miss_reason}, not {expected}")
+            elif index == 0 and twin.restored:
+                self._expect(
+                    stats.miss_reason == "resumed", f"{where}: the first step after a restore says {stats.miss_reason}"
+                )
+            else:
+                self._expect(
+                    stats.miss_reason != "resumed",
+                    f"{where}: a step without a pin says resumed though it is not the first since a restore (issue 54)",
+                )
             expected_pin = twin.pin if index == 0 else (first_handle if index == 1 else "clean")
             if expected_pin == "clean":
                 self._expect(record.forwarded, f"{where}: a clean pin extended by the prompt was not pushed back")
@@ -419,9 +489,9 @@ class Episode:
         twin.shadow.replace_message(index, content)
         twin.pin = "any"
 
-    def _restore(self, twin: Twin) -> None:
+    def _restore(self, twin: Twin, *, source: str | None = None) -> None:
         """restore() of the session's own snapshot (through JSON: nothing changes) or of the empty one (emptied)."""
-        source = self.rng.choice(["own", "own", "empty"])
+        source = source or self.rng.choice(["own", "own", "empty"])
         self.log.append(f"{twin.name}: restore({source} snapshot) of {_user_turns(twin.live)} turn(s)")
         live, shadow = (twin.live.snapshot(), twin.shadow.snapshot()) if source == "own" else self.empty
         emptied = ([], [live.system] if live.system is not None else [], 0)
@@ -433,6 +503,7 @@ class Episode:
         self._expect(_snapshot(twin.live) == expected, f"restoring the {source} snapshot gave another session")
         twin.shadow.restore(shadow)
         twin.pin = "none"  # a restored session has no pin: its next step computes the prompt ("resumed")
+        twin.restored = True
 
     def _fork(self, twin: Twin) -> None:
         name = f"s{len(self.twins)}"
@@ -476,6 +547,8 @@ class Episode:
                 UserError,
                 lambda: session.restore(self.empty[0].model_copy(update={"model": "elsewhere"})),
             ),
+            "restore(a dict)": (UserError, lambda: session.restore(self.empty[0].model_dump())),  # type: ignore[arg-type]
+            "restore(its JSON text)": (UserError, lambda: session.restore(self.empty[0].model_dump_json())),  # type: ignore[arg-type]
             "restore(tokens without segments)": (
                 UserError,
                 lambda: session.restore(self.empty[0].model_copy(update={"tokens": [1, 2, 3]})),
@@ -586,7 +659,9 @@ def _tool_names(schema: Any) -> set[str]:
     return found
 
 
-def _call(r: random.Random, names: list[str]) -> dict[str, Any]:
+def _call(r: random.Random, names: list[str], *, stringify: float = 0.0) -> dict[str, Any]:
+    """A call of one of ``names``; with probability ``stringify`` its arguments written as a JSON *string* (as some
+    models write them: vLLM's parser hands them out as that string's text)."""
     name = r.choice(names)
     if name == "add":
         arguments: dict[str, Any] = {"a": r.randint(0, 9), "b": r.randint(0, 9)}
@@ -596,6 +671,8 @@ def _call(r: random.Random, names: list[str]) -> dict[str, Any]:
         arguments = {"text": r.choice(WORDS)}
     else:
         arguments = {"key": r.choice(WORDS)}
+    if r.random() < stringify:
+        return {"name": name, "arguments": json.dumps(arguments)}
     return {"name": name, "arguments": arguments}
 
 

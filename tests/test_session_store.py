@@ -26,6 +26,7 @@ from agentkv import (
     SessionStore,
     SqliteSessionStore,
     UserError,
+    tool,
 )
 from agentkv._surfaces._cli import main
 from agentkv.serve import SqliteResponseStore
@@ -35,6 +36,12 @@ from postgres_server import PostgresServer, postgres_server
 
 def answer(request: Any) -> str:
     return "Sure: forty-two, as far as I can tell."
+
+
+@tool
+def add_numbers(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +132,34 @@ def test_restore_refuses_another_models_snapshot_and_a_running_session() -> None
         with pytest.raises(UserError, match="do not fit"):
             session.restore(broken)
         assert session.token_ids == snapshot.tokens  # a refused restore changed nothing
+
+
+def test_restore_of_what_is_not_a_snapshot_is_a_user_error_naming_what_it_takes() -> None:
+    with HonestPairEngine(answer) as engine, Session(engine=engine) as session:
+        session.step_sync([user("Hi")])
+        snapshot, tokens = session.snapshot(), session.token_ids
+        for wrong in (snapshot.model_dump(), snapshot.model_dump_json(), None):
+            with pytest.raises(UserError, match="restore takes a SessionSnapshot"):
+                session.restore(wrong)  # type: ignore[arg-type]
+        assert session.token_ids == tokens  # nothing changed
+        session.restore(SessionSnapshot.model_validate_json(snapshot.model_dump_json()))  # how a saved one comes back
+
+
+def test_only_the_first_step_after_a_restore_says_resumed() -> None:
+    """A turn of `Session.run` after a restore: its first step has no pin (``resumed``); a later step of that turn
+    that has none (the first step's pin came back malformed and was dropped) says ``no_handle``, as anywhere."""
+    outputs = iter(['{"tool_calls": [{"name": "add_numbers", "arguments": {"a": 1, "b": 2}}]}', '{"answer": "3"}'] * 2)
+    with (
+        HonestPairEngine(lambda request: next(outputs)) as engine,
+        Session(engine=engine, tools=[add_numbers], tool_choice="required") as session,
+    ):
+        session.run_sync("1 + 2?")
+        snapshot = session.snapshot()
+        session.restore(snapshot)
+        engine.inject("malformed_handle")  # the first step's pin never reaches the session
+        result = session.run_sync("Again: 1 + 2?")
+    assert [s.stats.miss_reason for s in result.steps] == ["resumed", "no_handle"]
+    engine.assert_honest()
 
 
 def test_an_empty_sessions_snapshot_restores_an_empty_session() -> None:

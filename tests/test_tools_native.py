@@ -215,3 +215,33 @@ def as_message(reply: Any) -> dict[str, Any]:
             for c in reply.tool_calls
         ]
     return message
+
+
+def test_a_call_whose_arguments_the_model_wrote_as_a_json_string_comes_back_as_handed_out_and_keeps_the_pin() -> None:
+    """vLLM's parser hands such a call's ``function.arguments`` out as the string's text; agentkv reads the object.
+    Echoed back as handed out, or re-serialized from the object, the call extends the session: the pin is pushed
+    back and the prompt extends the tokens the model generated."""
+    from agentkv import ToolSpec
+    from agentkv.testing import HonestPairEngine
+
+    echo = ToolSpec(
+        name="echo", description="Repeat.", parameters={"type": "object", "properties": {"text": {"type": "string"}}}
+    )
+    written = '<tool_call>\n{"name": "echo", "arguments": "{\\"text\\": \\"hi\\"}"}\n</tool_call>'
+    for how in ("as handed out", "re-serialized"):
+        outputs = iter([written, "Done."])
+        with (
+            HonestPairEngine(lambda request, outputs=outputs: next(outputs)) as engine,
+            Session(engine=engine, tool_format="native") as s,
+        ):
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "Echo hi."}]
+            reply = s.step_sync(messages, tools=[echo])
+            assert [call.arguments for call in reply.tool_calls] == [{"text": "hi"}]
+            message = reply.message.chat_dict()
+            assert message["tool_calls"][0]["function"]["arguments"] == '"{\\"text\\": \\"hi\\"}"'  # vLLM's text
+            if how == "re-serialized":
+                message["tool_calls"][0]["function"]["arguments"] = json.dumps(reply.tool_calls[0].arguments)
+            messages += [message, {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "hi"}]
+            second = s.step_sync(messages, tools=[echo])
+        assert second.stats.handle_forwarded and second.stats.miss_reason is None, how
+        engine.assert_honest()

@@ -1,7 +1,7 @@
 """The event loop that engines and sessions live on.
 
 vLLM's ``AsyncLLM`` binds to the asyncio loop it first runs on. Opened with ``async with``,
-an engine lives on the caller's loop. Opened with plain ``with`` (scripts, notebooks), it
+an engine lives on the caller's loop (other threads reach it while that loop runs; the loop's own thread awaits). Opened with plain ``with`` (scripts, notebooks), it
 gets a loop of its own in a portal thread, so blocking calls work even where the calling
 thread already runs a loop (Jupyter). Ctrl-C during a blocking call cancels the task on the
 portal and waits for it to unwind before re-raising, so nothing keeps running behind the user.
@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from ._errors import UserError
+from ._errors import SessionClosedError, UserError
 
 __all__ = ["Background", "EventLoopHome", "start_background"]
 
@@ -87,14 +87,27 @@ class EventLoopHome:
         except RuntimeError:
             return False
 
+    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
+        """Start ``fn(*args)`` on this loop from any thread; its future (cancelling it cancels the task).
+
+        Through the portal of a loop thread of agentkv's own, else (a loop borrowed from ``async with``) through
+        asyncio's ``run_coroutine_threadsafe``, while that loop runs."""
+        if self._portal is not None:
+            return self._portal.start_task_soon(_awaited, fn, *args)
+        if self.loop.is_closed() or not self.loop.is_running():
+            raise SessionClosedError(
+                "the event loop this object was opened on (with `async with`) has ended; open a new one"
+            )
+        return asyncio.run_coroutine_threadsafe(_awaited(fn, *args), self.loop)
+
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``fn(*args)`` on this loop and block until it is done (from any other thread)."""
-        if self._portal is None:
-            raise UserError(
-                "this object was opened with `async with` and lives on that event loop: "
-                "use `await` on it instead of the blocking call"
-            )
         if self.is_current():
+            if self._portal is None:
+                raise UserError(
+                    "this object was opened with `async with` and lives on this event loop: "
+                    "use `await` on it instead of the blocking call (which would block the loop it runs on)"
+                )
             raise UserError("a blocking agentkv call was made from inside agentkv's own event loop")
         finished = threading.Event()
 
@@ -104,11 +117,13 @@ class EventLoopHome:
             finally:
                 finished.set()
 
-        future: concurrent.futures.Future[T] = self._portal.start_task_soon(call_and_signal)
+        future = self.submit(call_and_signal)
         try:
-            while True:  # short waits, so an interrupt is seen however it is delivered
-                with contextlib.suppress(concurrent.futures.TimeoutError):
-                    return future.result(timeout=0.25)
+            # short waits, so an interrupt is seen however it is delivered; waited on, not `result(timeout=...)`: its
+            # TimeoutError is the builtin one, which a call that raised TimeoutError itself must not be taken for
+            while not concurrent.futures.wait([future], timeout=0.25).done:
+                pass
+            return future.result()
         except KeyboardInterrupt:
             future.cancel()
             finished.wait(timeout=_CANCEL_GRACE_S)  # the task has unwound (turn rolled back)
@@ -130,9 +145,6 @@ class EventLoopHome:
         """
         if self.is_current():
             return await fn(*args)
-        if self._portal is None:
-            raise UserError("this object lives on another event loop; call it from that loop")
-        portal = self._portal
         caller = asyncio.get_running_loop()
         unwound = asyncio.Event()
 
@@ -143,7 +155,7 @@ class EventLoopHome:
                 with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
                     caller.call_soon_threadsafe(unwound.set)
 
-        future: concurrent.futures.Future[T] = portal.start_task_soon(call_and_signal)
+        future = self.submit(call_and_signal)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

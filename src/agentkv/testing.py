@@ -7,6 +7,10 @@
         assert (await s.run("Capital of France?")).text == "Paris."
     engine.assert_complete()
 
+The doubles need nothing prepared: they report the model folder that ships with agentkv
+(src/agentkv/_doubles/test_model/: the bundled model's tokenizer and chat template, no weights), read without
+importing transformers. Writing tests with them: docs/integrations.md, "Testing your agent".
+
 A scripted engine never claims anything about KV reuse: it reports every prompt token as
 computed and returns no handle. Tests that claim the pair works use the real pair.
 

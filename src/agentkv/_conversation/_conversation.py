@@ -27,6 +27,7 @@ Role = Literal["system", "user", "assistant", "tool"]
 # Placeholder contents for the fixed rendering context; never sent to a model.
 _USER_PLACEHOLDER = "\x00agentkv-user\x00"
 _ASSISTANT_PLACEHOLDER = "\x00agentkv-assistant\x00"
+_NEXT_PLACEHOLDER = "\x00agentkv-next-assistant\x00"
 _CONTENT_MARKER = re.compile("\x00agentkv-content-(\\d+)\x00")
 
 _TOKENIZER_LOCK = threading.Lock()
@@ -121,10 +122,18 @@ class ChatRenderer:
         return ChatRenderer(self._tokenizer, system=system, tools=self._tools)
 
     def _render(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
+        """The template's text of ``messages``; what the template itself refuses (its ``raise_exception``: a system
+        message where it takes none, roles out of the order it allows) is an `InvalidMessageError` naming it."""
+        from jinja2.exceptions import TemplateError as JinjaTemplateError
+
         extra = {"tools": self._tools} if self._tools is not None else {}
-        text = self._tokenizer.apply_chat_template(
-            [m.template_dict() for m in messages], tokenize=False, add_generation_prompt=generation_prompt, **extra
-        )
+        try:
+            text = self._tokenizer.apply_chat_template(
+                [m.template_dict() for m in messages], tokenize=False, add_generation_prompt=generation_prompt, **extra
+            )
+        except JinjaTemplateError as exc:
+            roles = ", ".join(m.role for m in messages if m.content not in (_USER_PLACEHOLDER, _ASSISTANT_PLACEHOLDER))
+            raise InvalidMessageError(f"the model's chat template refuses these messages ({roles}): {exc}") from exc
         return str(text)
 
     def encode(self, text: str) -> list[int]:
@@ -162,6 +171,40 @@ class ChatRenderer:
             return tail + full[len(self._base) :]
 
         return self._encode_messages(render, messages)
+
+    def opening(self, head: Sequence[Message]) -> list[int]:
+        """Tokens before an assistant message that opens a conversation (after the system message ``head``, if any):
+        what the template writes up to that message's content."""
+
+        def render(shown: Sequence[Message]) -> str:
+            full = self._render([*shown, Message(role="assistant", content=_NEXT_PLACEHOLDER)], generation_prompt=False)
+            return self._before_next(full, 0)
+
+        return self._encode_messages(render, head)
+
+    def between_outputs(self, generated: Sequence[int]) -> list[int]:
+        """Tokens between an assistant output ``generated`` and another assistant message right after it: the first
+        one's closing tail and the second one's opening, as the template writes two assistant messages in a row."""
+        full = self._render(
+            [*self._after_assistant, Message(role="assistant", content=_NEXT_PLACEHOLDER)], generation_prompt=False
+        )
+        if not full.startswith(self._base):
+            raise TemplateError(
+                "the chat template renders an assistant message differently once another one follows; "
+                "token-exact deltas are impossible with it"
+            )
+        return self.encode(self._closing_tail(generated) + self._before_next(full, len(self._base)))
+
+    def _before_next(self, full: str, start: int) -> str:
+        """The text of ``full`` from ``start`` to the placeholder content of its last (assistant) message, checked
+        to end that message as every assistant message ends (`assistant_suffix`)."""
+        at = full.find(_NEXT_PLACEHOLDER, start)
+        if at < 0 or full[at + len(_NEXT_PLACEHOLDER) :] != self.assistant_suffix:
+            raise TemplateError(
+                "the chat template does not render this assistant message as its opening, its content and the "
+                "usual ending; token-exact deltas are impossible with it"
+            )
+        return full[start:at]
 
     def _encode_messages(self, render: Callable[[Sequence[Message]], str], messages: Sequence[Message]) -> list[int]:
         """Tokens of ``render(messages)``, with message contents as plain text (never control tokens).
@@ -270,9 +313,19 @@ class Conversation:
         self._segments.append(_Segment(start, tuple(messages)))
 
     def add_output(self, token_ids: Sequence[int], text: str) -> None:
-        """Append an assistant output exactly as generated."""
-        if not self._segments or self._segments[-1].generated is not None:
-            raise UserError("an assistant output must follow appended messages")
+        """Append an assistant output exactly as generated.
+
+        After appended messages it follows their generation prompt. First in the conversation, or right after
+        another output (a caller's history may hold two assistant messages in a row), it is opened as the chat
+        template opens an assistant message there: those tokens are a segment of no message of their own."""
+        if not self._segments:
+            head = [self.system] if self.system is not None else []
+            self.tokens = self._renderer.opening(head)
+            self._segments.append(_Segment(0, ()))
+        elif self._segments[-1].generated is not None:
+            start = len(self.tokens)
+            self.tokens.extend(self._renderer.between_outputs(self._segments[-1].generated or ()))
+            self._segments.append(_Segment(start, ()))
         self._segments.append(_Segment(len(self.tokens), (Message(role="assistant", content=text),), tuple(token_ids)))
         self.tokens.extend(token_ids)
 
@@ -289,7 +342,9 @@ class Conversation:
 
     def turn_starts(self) -> list[int]:
         """Indexes of the segments where a turn (a user message) begins."""
-        return [i for i, s in enumerate(self._segments) if s.generated is None and s.messages[0].role == "user"]
+        return [
+            i for i, s in enumerate(self._segments) if s.generated is None and any(m.role == "user" for m in s.messages)
+        ]
 
     def rewind(self, turns: int = 1) -> None:
         """Drop the last ``turns`` turns (their user messages and everything after)."""
@@ -329,7 +384,7 @@ class Conversation:
                     generated = tuple(self._renderer.encode_text(change[1]))
             if generated is not None:
                 self.add_output(generated, messages[0].content)
-            else:
+            elif messages:  # an output's opening (no message of its own) is added again by the output
                 self.add_messages(messages)
 
     def saved(self) -> list[SavedSegment]:

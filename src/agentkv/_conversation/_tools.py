@@ -35,6 +35,7 @@ __all__ = [
     "check_tools",
     "run_tool_call",
     "tool",
+    "unwrapped_arguments",
 ]
 
 ToolChoice = Literal["auto", "required", "none"] | str
@@ -78,7 +79,7 @@ class ToolCall(BaseModel):
         if self.raw_arguments is None:
             return self.arguments
         try:
-            return json.loads(self.raw_arguments)
+            return unwrapped_arguments(json.loads(self.raw_arguments))
         except json.JSONDecodeError:
             return self.raw_arguments
 
@@ -86,6 +87,19 @@ class ToolCall(BaseModel):
     def arguments_json(self) -> str:
         """The arguments as OpenAI's ``function.arguments`` carries them (JSON text)."""
         return self.raw_arguments if self.raw_arguments is not None else json.dumps(self.arguments)
+
+
+def unwrapped_arguments(value: object) -> object:
+    """A call's arguments as a value: an object the model wrote as a JSON *string* (``"{\\"a\\": 1}"``, which vLLM's
+    parsers hand out as the string's text) is that object, as agentkv reads the call (`ToolCall.arguments`)."""
+    if isinstance(value, str):
+        try:
+            inner = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+        if isinstance(inner, dict):
+            return inner
+    return value
 
 
 class ToolResult(BaseModel):

@@ -24,9 +24,9 @@ from pydantic import ValidationError
 
 from .._errors import InvalidMessageError
 from ._conversation import ChatRenderer, Conversation, Message, check_unicode
-from ._tools import ToolCall, ToolFormat, ToolResult, ToolSpec, result_message
+from ._tools import ToolCall, ToolFormat, ToolResult, ToolSpec, result_message, unwrapped_arguments
 
-__all__ = ["Transcript", "TranscriptKey", "assistant_text", "read_messages", "rebuild", "model_messages"]
+__all__ = ["Transcript", "TranscriptKey", "append", "assistant_text", "model_messages", "read_messages", "rebuild"]
 
 MessageLike = Message | Mapping[str, Any]
 
@@ -41,9 +41,7 @@ def read_messages(messages: Sequence[MessageLike]) -> list[Message]:
         _check_unicode(index, message)
     calls: dict[str, ToolCall] = {}
     checked: list[Message] = []
-    for index, message in enumerate(read):
-        if message.role == "system" and index > 0:
-            raise InvalidMessageError(f"message {index}: a system message may only come first")
+    for index, message in enumerate(read):  # any order of roles: the chat template decides what it renders
         if message.role == "assistant":
             calls = {call.id: call for call in message.tool_calls}
         elif message.role == "tool":
@@ -118,7 +116,7 @@ def _read_call(index: int, call: object) -> ToolCall:
     arguments = function.get("arguments") or {}
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = unwrapped_arguments(json.loads(arguments))  # a call handed out with an object as a string
         except json.JSONDecodeError:
             raise InvalidMessageError(
                 f"message {index}: tool call {call['id']!r} has arguments that are not JSON"
@@ -150,8 +148,7 @@ class Transcript:
         held = len(self.messages)
         if key != self.key or len(messages) <= held or tuple(messages[:held]) != self.messages:
             return None
-        new = list(messages[held:])
-        return None if any(m.role == "assistant" for m in new) else new
+        return list(messages[held:])
 
 
 def model_messages(messages: Sequence[Message], format: ToolFormat) -> list[Message]:
@@ -179,21 +176,27 @@ def assistant_text(message: Message, format: ToolFormat, *, tools: bool) -> str:
 
 
 def rebuild(renderer: ChatRenderer, key: TranscriptKey, messages: Sequence[Message]) -> Conversation:
-    """The conversation of ``messages`` (the system message, if any, is the key's), re-tokenized."""
+    """The conversation of ``messages`` (a first system message is the key's), re-tokenized."""
     system = Message(role="system", content=key.system) if key.system is not None else None
     conversation = Conversation(renderer, system=system)
+    append(conversation, messages[1:] if messages and messages[0].role == "system" else messages, key)
+    return conversation
+
+
+def append(conversation: Conversation, messages: Sequence[Message], key: TranscriptKey) -> None:
+    """Append the caller's messages in their order, as the chat template renders them: each run of user, tool and
+    system messages through the template (with the next generation prompt), each assistant message as the text the
+    model would have written for it (two in a row, or one first, opened as the template opens it). The model's own
+    earlier outputs already in ``conversation`` keep their token ids."""
     pending: list[Message] = []
     for message in messages:
-        if message.role == "system":
-            continue
         if message.role != "assistant":
             pending.append(message)
             continue
-        if not pending:
-            raise InvalidMessageError("an assistant message must follow a user or tool message")
-        conversation.add_messages(model_messages(pending, key.format))
-        pending = []
+        if pending:
+            conversation.add_messages(model_messages(pending, key.format))
+            pending = []
         text = assistant_text(message, key.format, tools=bool(key.tools))
-        conversation.add_output(renderer.encode_text(text), text)
-    conversation.add_messages(model_messages(pending, key.format))
-    return conversation
+        conversation.add_output(conversation.renderer.encode_text(text), text)
+    if pending:
+        conversation.add_messages(model_messages(pending, key.format))

@@ -20,7 +20,7 @@ from .._engines._base import Pin, ReleaseGuard, SavedPin
 from .._engines._handle import KVHandle, handle_of, parse_handle, pin_of
 from .._errors import EngineDeadError, EngineError, UserError
 from ._honest_faults import Fault, Malformation, malformed
-from ._scripted import BundledModelDouble, cut_at_stop, refuse_unhonoured
+from ._scripted import ModelFolderDouble, cut_at_stop, refuse_unhonoured
 
 __all__ = ["HonestPairEngine", "PushBackViolationError", "StepRecord"]
 
@@ -78,10 +78,10 @@ class _Decode:
     issued: int = 0
 
 
-class HonestPairEngine(BundledModelDouble):
+class HonestPairEngine(ModelFolderDouble):
     """A test double of a pair whose decode engine D holds KV honestly and checks every pin given back.
 
-    Each step answers with ``respond(request)`` (tokenized by the model's tokenizer, an end-of-sequence
+    Each step answers with ``respond(request)`` (tokenized by its model folder's tokenizer, an end-of-sequence
     token appended, cut at ``max_tokens`` and at the first stop string), issues a `Pin` for the prompt
     and output (a D handle inside, as a real pair's; none when a stop string ended it, as on a real pair),
     and remembers the tokens that pin holds. A pin given back must be one it issued, unaltered, unspent
@@ -93,7 +93,8 @@ class HonestPairEngine(BundledModelDouble):
 
     Args:
         respond: the output text for a request (default: a short text derived from the prompt).
-        model_path: the HF folder whose tokenizer sessions use (default: the bundled model).
+        model_path: the HF folder whose tokenizer sessions use (default: the doubles' byte-level test model, which
+            needs nothing prepared; ``agentkv.prepare_model()`` gives the bundled model's, for its real template).
         max_model_len: the context length to report.
         pin_ttl_s: how long an issued pin says D keeps its blocks.
         forward_margin_s: a pin given back with less than this left before its deadline is a violation.
@@ -384,11 +385,6 @@ class HonestPairEngine(BundledModelDouble):
 
     def _decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer().decode(token_ids, skip_special_tokens=True))
-
-    def _tokenizer(self) -> Any:
-        from .._session._session import load_tokenizer
-
-        return load_tokenizer(str(self.info.model_path))
 
 
 def _default_response(request: StepRequest) -> str:

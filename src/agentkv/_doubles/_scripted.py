@@ -19,10 +19,10 @@ from .._engines._base import Sampling
 from .._engines._server_process import ServerProcess
 from .._engines._vllm import AsyncLLMRunner
 from .._errors import AgentKVError, UserError
-from .._model import DEFAULT_MODEL, cache_dir, prepare_model_off_loop
 
 __all__ = [
-    "BundledModelDouble",
+    "TEST_MODEL",
+    "ModelFolderDouble",
     "ScriptedEngine",
     "UnconsumedScriptError",
     "block_real_engines",
@@ -56,8 +56,15 @@ class UnconsumedScriptError(AgentKVError):
     """`ScriptedEngine.assert_complete` found outputs the code under test never asked for."""
 
 
-class BundledModelDouble(Engine):
-    """A test double serving no model: it reports the bundled model (or ``model_path``) for its tokenizer."""
+TEST_MODEL = Path(__file__).resolve().parent / "test_model"
+"""The doubles' model folder: a byte-level tokenizer and a ChatML template, no weights, shipped with agentkv (written
+by scripts/make_test_model.py). Sessions read it without transformers (`agentkv._conversation._light_tokenizer`), so
+agent code runs on the doubles on a machine with nothing prepared."""
+
+
+class ModelFolderDouble(Engine):
+    """A test double serving no model: it reports a model folder for its tokenizer and chat template, by default
+    `TEST_MODEL` (``model_path``: another, such as the bundled model's prepared folder, for its real template)."""
 
     push_back = False
     """Whether the double issues pins that sessions give back (`EngineInfo.pins`)."""
@@ -70,7 +77,7 @@ class BundledModelDouble(Engine):
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(
-            model_path=self._model_path or cache_dir() / DEFAULT_MODEL,
+            model_path=self._model_path or TEST_MODEL,
             max_model_len=self._max_model_len,
             pins=self.push_back,
             disaggregated=None,  # it stands in for a pair and for a single engine: sessions run it in any mode
@@ -78,16 +85,21 @@ class BundledModelDouble(Engine):
         )
 
     async def _start(self) -> None:
-        if self._model_path is None:  # the bundled model's tokenizer; prepared once per machine
-            self._model_path = await prepare_model_off_loop()
+        pass
+
+    def _tokenizer(self) -> Any:
+        from .._session._session import load_tokenizer
+
+        return load_tokenizer(str(self.info.model_path))
 
 
-class ScriptedEngine(BundledModelDouble):
-    """Answers each step with the next scripted output, tokenized by the bundled model's tokenizer.
+class ScriptedEngine(ModelFolderDouble):
+    """Answers each step with the next scripted output, tokenized by its model folder's tokenizer.
 
     Args:
         outputs: texts (or callables taking the request and returning text), one per step.
-        model_path: the HF folder whose tokenizer the session uses (default: the bundled model).
+        model_path: the HF folder whose tokenizer the session uses (default: `TEST_MODEL`, which needs nothing
+            prepared; ``agentkv.prepare_model()`` gives the bundled model's folder, for its real template).
         max_model_len: the context length to report.
         delay_s: how long each step takes before its output (for cancellation and timeout tests).
     """
@@ -105,7 +117,6 @@ class ScriptedEngine(BundledModelDouble):
         self._delay_s = delay_s
         self.requests: list[StepRequest] = []
         """Every step request received, in order."""
-        self._tokenizer: Any = None
 
     async def step(self, request: StepRequest) -> AsyncIterator[StepEvent]:
         self.check_open()
@@ -138,16 +149,12 @@ class ScriptedEngine(BundledModelDouble):
         )
 
     def _encode(self, text: str) -> list[int]:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.info.model_path))
-        tokenizer = self._tokenizer
+        tokenizer = self._tokenizer()
         ids = list(tokenizer.encode(text, add_special_tokens=False))
         return [*ids, int(tokenizer.eos_token_id)]
 
     def _decode(self, token_ids: list[int]) -> str:
-        return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
+        return str(self._tokenizer().decode(token_ids, skip_special_tokens=True))
 
     def assert_complete(self) -> None:
         """Raise `UnconsumedScriptError` if scripted outputs were left unused."""

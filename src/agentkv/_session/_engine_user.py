@@ -40,11 +40,14 @@ class EngineUser(Lifecycle):
 
     def _blocking_home(self) -> tuple[EventLoopHome, bool]:
         engine = self._given_engine
-        if engine is not None and engine.state is EngineState.OPEN:
-            if engine.home is None or not engine.home.owns_thread:
+        if engine is not None and engine.state is EngineState.OPEN and engine.home is not None:
+            if engine.home.is_current():  # a blocking open would block the loop the engine runs on
                 name = type(self).__name__
-                raise UserError(f"this engine was opened with `async with`: use `async with {name}(...)` too")
-            return engine.home, False  # a shared engine's loop, which its owner stops
+                raise UserError(
+                    f"this engine was opened with `async with` on this thread's event loop: "
+                    f"use `async with {name}(...)` (or `await ....open()`) here too"
+                )
+            return engine.home, False  # a shared engine's loop (its own thread, or one borrowed from `async with`)
         return super()._blocking_home()
 
     async def _open_engine(self) -> Engine:

@@ -24,6 +24,7 @@ from typing import Any, Self
 import anyio.to_thread
 
 from .._conversation._conversation import ChatRenderer, Conversation, Message
+from .._conversation._light_tokenizer import LightTokenizer, is_light
 from .._conversation._parsers import OutputParsers
 from .._conversation._tools import template_tools
 from .._conversation._transcript import Transcript, TranscriptKey
@@ -408,6 +409,8 @@ def load_tokenizer(model_path: str) -> Any:
 
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer(model_path: str) -> Any:
+    if is_light(model_path):  # the test doubles' model: no transformers import (seconds) for it
+        return LightTokenizer(model_path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)

@@ -72,8 +72,14 @@ class SessionEdits(SessionCore):
         """Replace the conversation with a saved one (`snapshot`); the next step extends its tokens exactly.
 
         No KV comes with it: the next step computes the prompt once (its ``miss_reason`` is
-        ``"resumed"``), later steps push back as usual. A snapshot of another model raises `UserError`.
+        ``"resumed"``), later steps push back as usual. A snapshot of another model, or anything that is not a
+        `SessionSnapshot` (a saved one's JSON: ``SessionSnapshot.model_validate_json(text)``), raises `UserError`.
         """
+        if not isinstance(snapshot, SessionSnapshot):
+            raise UserError(
+                f"restore takes a SessionSnapshot (from Session.snapshot(), or SessionSnapshot.model_validate_json() "
+                f"of a saved one), not {type(snapshot).__name__}"
+            )
         model = self.engine.info.model_path.name
         if snapshot.model != model:
             raise UserError(f"this snapshot was made on model {snapshot.model!r}; the session runs {model!r}")

@@ -16,7 +16,7 @@ from typing import Any, Unpack
 
 from .._conversation._conversation import Message
 from .._conversation._tools import ToolChoice
-from .._conversation._transcript import Transcript, model_messages, rebuild
+from .._conversation._transcript import Transcript, append, rebuild
 from .._engines._sampling import SamplingOptions, TokenLogprob
 from .._errors import SessionBusyError
 from .._stats._stats import TurnStats
@@ -203,7 +203,7 @@ class StepAPI(SessionCore):
 
         def change(turn: Turn) -> None:
             if new is not None:
-                turn.conversation.add_messages(model_messages(new, request.key.format))
+                append(turn.conversation, new, request.key)
             else:
                 turn.conversation = rebuild(self._renderer_for(request.key), request.key, request.messages)
 

@@ -89,7 +89,8 @@ class StepContext:
     placement: Placement = "prefill"
     """Where a pair prefills each step (``"auto"`` in the session mode of the same name)."""
     resumed: bool = False
-    """The session was restored from a snapshot and has not stepped since: no pin is the reason ``resumed``."""
+    """The session was restored from a snapshot and has not stepped since: its first step's missing pin is the reason
+    ``resumed`` (a later step of the same turn without a pin says ``no_handle``, as anywhere else)."""
     parsers: OutputParsers = field(default_factory=OutputParsers)
     """The vLLM parsers the model's output is read with (native tool calls, reasoning)."""
     trace: TraceInfo | None = None
@@ -165,7 +166,7 @@ async def model_step(
         options=config.sampling,
     )
     pin, reason = choose_pin(turn.pin, prompt, push_back=context.push_back, expiry_margin_s=config.expiry_margin_s)
-    if reason == "no_handle" and context.resumed:
+    if reason == "no_handle" and context.resumed and not turn.steps:  # the first engine call since the restore only
         reason = "resumed"
     if turn.pin is not None and pin is None:
         context.discard_pin(turn.pin)

@@ -6,9 +6,9 @@ Needs ``langchain-core`` (``pip install "agentkv[langchain]"``); LangGraph is op
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.exceptions import (
@@ -18,16 +18,16 @@ from langchain_core.exceptions import (
     ModelError,
     ModelInvalidRequestError,
 )
-from langchain_core.language_models import BaseChatModel, LanguageModelInput
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
-from langchain_core.messages.ai import UsageMetadata
-from langchain_core.messages.tool import tool_call, tool_call_chunk
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import BaseModel, PrivateAttr
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 from .._engines import Engine
 from .._engines._sampling import SamplingOptions
@@ -40,15 +40,11 @@ from .._errors import (
     UserError,
 )
 from .._session._pool import SessionPool
-from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
-from .._stats._stats import StepStats
-from .._surfaces._openai_chat import StreamedCalls
-from ._pooled import SAMPLING_NAMES, PooledAccess, PooledModel, joined_text, sampling_of
+from ._langchain_messages import Streamed, chunk_of, chunks_of, openai_messages, result_of
+from ._pooled import SAMPLING_NAMES, CallLimits, PooledAccess, PooledModel, sampling_of
 
 __all__ = ["ChatAgentKV"]
 
-_Item = str | ToolCallDelta | ReasoningDelta | StepReply
-"""What the pool streams (``deltas=True``): answer text, tool-call and reasoning pieces, then the reply."""
 
 _CALL_OPTIONS = ("tools", "tool_choice", "max_tokens", "temperature", "seed", "sampling")
 _SAMPLING_OPTIONS = SAMPLING_NAMES - {"logprobs"}
@@ -109,15 +105,27 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
     max_tokens: int | None = None
     temperature: float | None = None
     seed: int | None = None
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    """Stop sequences of every call (a call's own ``stop`` replaces them)."""
+    streaming: bool = False
+    """Whether ``invoke`` streams from the engine (LangChain's callbacks then see each token)."""
+    timeout: float | None = None
+    """Seconds a call may take: past it the step is cancelled (its session unchanged) and `TimeoutError` raised."""
+    max_retries: int = 0
+    """How often a call whose server could not be reached (`agentkv.EngineUnavailableError`: a launched or remote
+    pair) is made again; such a failed call changed nothing. In-process engines fail in no way a retry mends."""
+    api_key: SecretStr | None = None
+    """Accepted for code written for hosted models; unused (the engine runs in this process)."""
+
+    model_config = ConfigDict(populate_by_name=True)
 
     _pooled: PooledModel = PrivateAttr()
-    _running: set[str] = PrivateAttr(default_factory=set)
-    _running_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
     def __init__(self, *, engine: Engine | None = None, pool: SessionPool | None = None, **options: Any) -> None:
-        fields = {name: options.pop(name) for name in list(options) if name in type(self).model_fields}
+        names = set(type(self).model_fields) | {"stop_sequences"}
+        fields = {name: options.pop(name) for name in list(options) if name in names}
         super().__init__(**fields)
-        self._pooled = PooledModel(engine=engine, pool=pool, **options)
+        self._pooled = PooledModel(engine=engine, pool=pool, owner=type(self).__name__, **options)
 
     # ----------------------------------------------------------------- agentkv side
 
@@ -133,7 +141,26 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed}
+        return {"model_name": self._model_name(), "max_tokens": self.max_tokens, "temperature": self.temperature}
+
+    def _model_name(self) -> str:
+        """The model the pool serves (its engine's model folder's name); ``agentkv`` until its engine is open."""
+        return self._pooled.model_name() or "agentkv"
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        """LangSmith's standard parameters: the provider, the model (a call's ``model`` if given), sampling."""
+        params = LangSmithParams(
+            ls_provider="agentkv", ls_model_name=str(kwargs.get("model") or self._model_name()), ls_model_type="chat"
+        )
+        temperature = kwargs.get("temperature", self.temperature)
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if temperature is not None:
+            params["ls_temperature"] = temperature
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
 
     def bind_tools(
         self,
@@ -152,15 +179,36 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
         return self.bind(tools=[convert_to_openai_tool(tool) for tool in tools], **kwargs)
 
     def with_structured_output(
-        self, schema: dict[str, Any] | type, *, include_raw: bool = False, **kwargs: Any
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        include_raw: bool = False,
+        **kwargs: Any,
     ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
-        """Structured output by tool calling (``method="function_calling"``, the default), the only method."""
-        method = kwargs.get("method") or "function_calling"
-        if method != "function_calling":
-            raise NotImplementedError(
-                f"ChatAgentKV gives structured output by tool calling only, not method={method!r}"
-            )
-        return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+        """Structured output: by tool calling (``"function_calling"``, the default: a forced call of a tool with the
+        schema), or with the output itself forced (vLLM's structured outputs): to the JSON schema (``"json_schema"``)
+        or to any JSON object (``"json_mode"``: say in the prompt what it should hold; ``schema`` may be None then)."""
+        if kwargs.pop("strict", None) not in (None, True, False):
+            raise NotImplementedError("ChatAgentKV's with_structured_output takes strict=True/False/None")
+        if kwargs:
+            raise NotImplementedError(f"ChatAgentKV's with_structured_output does not take {', '.join(sorted(kwargs))}")
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw)
+        if method not in ("json_schema", "json_mode"):
+            raise NotImplementedError(f"ChatAgentKV has no structured output method {method!r}")
+        if method == "json_schema" and schema is None:
+            raise ValueError("method='json_schema' needs a schema")
+        forced = {"json": convert_to_json_schema(schema)} if method == "json_schema" else {"json_object": True}
+        traced = {"kwargs": {"method": method}, "schema": schema}
+        bound = self.bind(structured_outputs=forced, ls_structured_output_format=traced)
+        pydantic = isinstance(schema, type) and issubclass(schema, BaseModel)
+        parser: Runnable[Any, Any] = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        if not include_raw:
+            return bound | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=bound) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
     def _generate(
         self,
@@ -169,10 +217,12 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        chat, options = _openai_messages(messages), self._call_options(stop, kwargs)
+        if self.streaming:  # `streaming=True` without LangChain's stream switch (a subclass's own invoke): stream here
+            return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+        chat, options = openai_messages(messages), self._call_options(stop, kwargs)
         with self._conversation(run_manager) as conversation_id, _langchain_errors():
-            reply = self._pooled.call_sync(chat, conversation_id=conversation_id, **options)
-        return _result(reply)
+            reply = self._pooled.call_sync(chat, conversation_id=conversation_id, limits=self._limits(), **options)
+        return result_of(reply, self._model_name())
 
     async def _agenerate(
         self,
@@ -181,10 +231,12 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        chat, options = _openai_messages(messages), self._call_options(stop, kwargs)
+        if self.streaming:
+            return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
+        chat, options = openai_messages(messages), self._call_options(stop, kwargs)
         with self._conversation(run_manager) as conversation_id, _langchain_errors():
-            reply = await self._pooled.call(chat, conversation_id=conversation_id, **options)
-        return _result(reply)
+            reply = await self._pooled.call(chat, conversation_id=conversation_id, limits=self._limits(), **options)
+        return result_of(reply, self._model_name())
 
     def _stream(
         self,
@@ -193,12 +245,14 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        chat, options = _openai_messages(messages), self._call_options(stop, kwargs)
+        chat, options = openai_messages(messages), self._call_options(stop, kwargs)
         with self._conversation(run_manager) as conversation_id, _langchain_errors():
             home = self.pool.home  # the pool's loop thread: the stream runs there; closed early, it cancels the step
             assert home is not None  # set when the pool opened
-            items = self._pooled.stream(chat, conversation_id=conversation_id, deltas=True, **options)
-            yield from _chunks(home.iterate(items))
+            items = self._pooled.stream(
+                chat, conversation_id=conversation_id, deltas=True, limits=self._limits(), **options
+            )
+            yield from chunks_of(home.iterate(items), self._model_name())
 
     async def _astream(
         self,
@@ -207,17 +261,32 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        chat, options = _openai_messages(messages), self._call_options(stop, kwargs)
+        chat, options = openai_messages(messages), self._call_options(stop, kwargs)
         with self._conversation(run_manager) as conversation_id, _langchain_errors():
-            streamed = _Streamed()
-            async for item in self._pooled.stream(chat, conversation_id=conversation_id, deltas=True, **options):
-                yield _chunk(item, streamed)
+            streamed = Streamed(self._model_name())
+            items = self._pooled.stream(
+                chat, conversation_id=conversation_id, deltas=True, limits=self._limits(), **options
+            )
+            async for item in items:
+                yield chunk_of(item, streamed)
 
     # ----------------------------------------------------------------- helpers
+
+    def _limits(self) -> CallLimits:
+        return CallLimits(timeout_s=self.timeout, max_retries=self.max_retries)
 
     def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The pool's step options from the model's fields and the call's (bound) options."""
         kwargs.pop("stream", None)  # LangChain's own switch, already acted on
+        kwargs.pop("ls_structured_output_format", None)  # for tracing, read by LangChain's callbacks
+        model = kwargs.pop("model", None)
+        if model is not None and model != self._model_name():
+            raise NotImplementedError(
+                f"ChatAgentKV serves one model ({self._model_name()!r}); a call cannot ask for model={model!r}"
+            )
+        forced = kwargs.pop("structured_outputs", None)  # with_structured_output's json_schema and json_mode
+        if forced is not None:
+            kwargs["sampling"] = {**_sampling_dict(kwargs.get("sampling")), "structured_outputs": forced}
         unknown = sorted(set(kwargs) - set(_CALL_OPTIONS) - _SAMPLING_OPTIONS)
         if unknown:
             raise NotImplementedError(f"ChatAgentKV does not support the call options {', '.join(unknown)}")
@@ -225,11 +294,9 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
         options: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed}
         options.update(kwargs)
         if sampling:  # over a bound sampling=, field by field
-            given = options.get("sampling")
-            base = given.model_dump(exclude_unset=True) if isinstance(given, SamplingOptions) else dict(given or {})
-            options["sampling"] = base | sampling
-        if stop:
-            options["stop"] = stop
+            options["sampling"] = _sampling_dict(options.get("sampling")) | sampling
+        if stop or self.stop:
+            options["stop"] = stop or self.stop
         choice = options.get("tool_choice")
         if choice is None:
             options.pop("tool_choice", None)
@@ -246,18 +313,8 @@ class ChatAgentKV(PooledAccess, BaseChatModel):
         A second call on a conversation that is mid-call (parallel branches of one thread) is
         matched by its messages instead, as calls outside a thread are.
         """
-        conversation_id = _thread_conversation(run_manager)
-        with self._running_lock:
-            if conversation_id in self._running:
-                conversation_id = None
-            elif conversation_id is not None:
-                self._running.add(conversation_id)
-        try:
+        with self._pooled.claimed(_thread_conversation(run_manager)) as conversation_id:
             yield conversation_id
-        finally:
-            if conversation_id is not None:
-                with self._running_lock:
-                    self._running.discard(conversation_id)
 
 
 def _thread_conversation(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None) -> str | None:
@@ -275,118 +332,9 @@ def _thread_conversation(run_manager: CallbackManagerForLLMRun | AsyncCallbackMa
     return f"{thread_id}|{node_path}" if node_path else str(thread_id)
 
 
-def _openai_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """LangChain messages as the OpenAI chat dicts a pool step reads."""
-    converted: list[dict[str, Any]] = []
-    for index, message in enumerate(messages):
-        content = _text(index, message)
-        if isinstance(message, SystemMessage):
-            converted.append({"role": "system", "content": content})
-        elif isinstance(message, HumanMessage):
-            converted.append({"role": "user", "content": content})
-        elif isinstance(message, AIMessage):
-            calls = [
-                {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["args"]}}
-                for call in message.tool_calls
-            ]
-            converted.append({"role": "assistant", "content": content, "tool_calls": calls})
-        elif isinstance(message, ToolMessage):
-            converted.append({"role": "tool", "content": content, "tool_call_id": message.tool_call_id})
-        else:
-            raise NotImplementedError(
-                f"message {index}: ChatAgentKV reads system, human, AI and tool messages, not {type(message).__name__}"
-            )
-    return converted
-
-
-def _text(index: int, message: BaseMessage) -> str:
-    def block_text(block: dict[str, Any]) -> str | None:
-        if block.get("type") == "text":
-            return str(block.get("text", ""))
-        if block.get("type") == "tool_call":  # output_version="v1" repeats the tool calls as blocks
-            return None
-        raise NotImplementedError(
-            f"message {index}: ChatAgentKV reads text only, not {block.get('type')!r} content "
-            "(images, audio and files are not supported)"
-        )
-
-    return joined_text(message.content, block_text)
-
-
-def _result(reply: StepReply) -> ChatResult:
-    message = AIMessage(
-        content=reply.text,
-        additional_kwargs={"reasoning_content": reply.reasoning} if reply.reasoning is not None else {},
-        tool_calls=[tool_call(name=call.name, args=call.arguments, id=call.id) for call in reply.tool_calls],
-        usage_metadata=_usage(reply.stats),
-        response_metadata=_response_metadata(reply),
-    )
-    return ChatResult(generations=[ChatGeneration(message=message)])
-
-
-class _Streamed:
-    """What a stream gave so far: the answer's pieces, and the tool calls' (LangChain joins chunks by call index)."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.calls = StreamedCalls()
-
-
-def _chunks(items: Iterator[_Item]) -> Iterator[ChatGenerationChunk]:
-    streamed = _Streamed()
-    for item in items:
-        yield _chunk(item, streamed)
-
-
-def _chunk(item: _Item, streamed: _Streamed) -> ChatGenerationChunk:
-    """A text, reasoning (``additional_kwargs["reasoning_content"]``) or tool-call piece (its id and name first,
-    then its arguments), or the last chunk: the rest of the text and of the tool calls, usage and stats."""
-    if isinstance(item, ToolCallDelta):
-        streamed.calls.add(item)
-        piece = tool_call_chunk(
-            name=item.name, args=item.arguments, id=item.id if item.name else None, index=item.index
-        )
-        return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[piece]))
-    if isinstance(item, ReasoningDelta):
-        return ChatGenerationChunk(
-            message=AIMessageChunk(content="", additional_kwargs={"reasoning_content": item.text})
-        )
-    if isinstance(item, str):
-        streamed.text.append(item)
-        return ChatGenerationChunk(message=AIMessageChunk(content=item))
-    so_far = "".join(streamed.text)
-    rest = item.text[len(so_far) :] if item.text.startswith(so_far) else ""
-    calls = []
-    for index, call in enumerate(item.tool_calls):
-        arguments = streamed.calls.rest(index, call)
-        if index not in streamed.calls.announced:
-            calls.append(tool_call_chunk(name=call.name, args=arguments, id=call.id, index=index))
-        elif arguments:
-            calls.append(tool_call_chunk(name=None, args=arguments, id=None, index=index))
-    message = AIMessageChunk(
-        content=rest,
-        tool_call_chunks=calls,
-        usage_metadata=_usage(item.stats),
-        response_metadata=_response_metadata(item),
-        chunk_position="last",
-    )
-    return ChatGenerationChunk(message=message)
-
-
-def _usage(stats: StepStats) -> UsageMetadata:
-    return UsageMetadata(
-        input_tokens=stats.prompt_tokens,
-        output_tokens=stats.output_tokens,
-        total_tokens=stats.prompt_tokens + stats.output_tokens,
-        input_token_details={"cache_read": stats.prompt_tokens - stats.computed_tokens},
-    )
-
-
-def _response_metadata(reply: StepReply) -> dict[str, Any]:
-    metadata: dict[str, Any] = {"finish_reason": reply.finish_reason, "agentkv": reply.stats.model_dump()}
-    if reply.error is not None:
-        metadata["agentkv_error"] = reply.error  # the output could not be read; it is the message's text
-    return metadata
+def _sampling_dict(given: SamplingOptions | Mapping[str, Any] | None) -> dict[str, Any]:
+    """A bound ``sampling=`` as a dict of the fields it sets."""
+    return given.model_dump(exclude_unset=True) if isinstance(given, SamplingOptions) else dict(given or {})
 
 
 @contextlib.contextmanager

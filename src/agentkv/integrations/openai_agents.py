@@ -66,9 +66,9 @@ listed, no parallel calls."""
 _SAMPLING_SETTINGS = ("top_p", "frequency_penalty", "presence_penalty")
 """`ModelSettings` fields that are `SamplingOptions` fields of the same name (``top_logprobs`` is ``logprobs``)."""
 _ACCEPTED_EXTRA_ARGS = ("seed", "stop", "prompt_cache_key", *sorted(SAMPLING_NAMES - {"logprobs"}))
-"""``extra_args`` read (``seed``, ``stop``: as the chat-completions ``stop``; every `SamplingOptions` field under
-vLLM's name but ``logprobs``, which is ``top_logprobs``) or harmless to ignore (``prompt_cache_key``: agentkv pins
-conversations itself)."""
+"""``extra_args`` read: ``seed``, ``stop`` (as the chat-completions ``stop``), every `SamplingOptions` field under
+vLLM's name but ``logprobs`` (which is ``top_logprobs``), and ``prompt_cache_key`` (the conversation's identity:
+`_identity`)."""
 
 
 class AgentKVModel(PooledAccess, Model):
@@ -172,12 +172,10 @@ class AgentKVModel(PooledAccess, Model):
     ) -> ModelResponse:
         call = _Call.build(system_instructions, input, model_settings, tools, output_schema, handoffs, prompt)
         history = self._history(previous_response_id, conversation_id)
-        with _generation(tracing) as span:
-            reply = await self._pooled.call(
-                [*call.system, *history, *call.new], conversation_id=conversation_id, **call.options
-            )
+        with _generation(tracing) as span, self._pooled.claimed(_identity(conversation_id, model_settings)) as named:
+            reply = await self._pooled.call([*call.system, *history, *call.new], conversation_id=named, **call.options)
             usage = Usage(requests=1, **response_usage(reply))
-            _record_usage(span, usage)
+            _record_usage(span, usage, reply)
         _check_readable(reply)
         response_id = self._remember([*history, *call.new, reply.message], conversation_id)
         # the door's message without its reasoning: get_response has given no reasoning item (stream_response does)
@@ -215,7 +213,12 @@ class AgentKVModel(PooledAccess, Model):
         async def chunks() -> AsyncGenerator[ChatCompletionChunk]:
             """The door's chunks of the step (`agentkv._surfaces._openai_chat.chunk`), the usage in one of its own."""
             messages = [*call.system, *history, *call.new]
-            stream = self._pooled.stream(messages, conversation_id=conversation_id, deltas=True, **call.options)
+            with self._pooled.claimed(_identity(conversation_id, model_settings)) as named:
+                async for piece in step_chunks(messages, named):
+                    yield piece
+
+        async def step_chunks(messages: list[MessageLike], named: str | None) -> AsyncGenerator[ChatCompletionChunk]:
+            stream = self._pooled.stream(messages, conversation_id=named, deltas=True, **call.options)
             streamed = StreamedCalls()
             async with contextlib.aclosing(stream) as items:
                 async for item in items:
@@ -243,8 +246,13 @@ class AgentKVModel(PooledAccess, Model):
                     if event.type == "response.completed":  # the handler's copy of the opened response, finished
                         event.response.status = status_of(finished[-1])
                         if event.response.usage is not None:
-                            _record_usage(span, event.response.usage)
+                            _record_usage(span, event.response.usage, finished[-1])
                     yield event
+
+    def _supports_default_prompt_cache_key(self) -> bool:
+        """The runner gives this model its ``prompt_cache_key`` (openai-agents asks models for it by this name): a
+        key of the run's conversation, SDK session or trace group routes the call to that conversation's session."""
+        return True
 
     def get_retry_advice(self, request: ModelRetryAdviceRequest) -> ModelRetryAdvice | None:
         """An unreachable server of a launched or remote pair may be retried: the failed call changed nothing."""
@@ -409,8 +417,35 @@ def _generation(tracing: ModelTracing) -> Iterator[Span[GenerationSpanData]]:
             raise AgentsUserError(str(exc)) from exc
 
 
-def _record_usage(span: Span[GenerationSpanData], usage: Usage | ResponseUsage) -> None:
-    span.span_data.usage = {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens}
+def _identity(conversation_id: str | None, settings: ModelSettings) -> str | None:
+    """The pool's name for the call's conversation: the runner's ``conversation_id``, else a ``prompt_cache_key``
+    that outlives one run (the runner's key of an SDK session or a trace group, or the caller's own); a key of one
+    run only (``agents-sdk:run:...``) names nothing the messages do not already find."""
+    if conversation_id is not None:
+        return conversation_id
+    key = (settings.extra_args or {}).get("prompt_cache_key")
+    if not isinstance(key, str) or not key or key.startswith("agents-sdk:run:"):
+        return None
+    return f"prompt_cache_key:{key}"
+
+
+def _record_usage(span: Span[GenerationSpanData], usage: Usage | ResponseUsage, reply: StepReply) -> None:
+    """The call's usage on its trace span: tokens, the cached ones, and agentkv's facts of the step (exporters keep
+    keys they do not know under ``details``): whether the pin was pushed back, why not, where the KV came from."""
+    stats = reply.stats
+    span.span_data.usage = {
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "cached_tokens": stats.prompt_tokens - stats.computed_tokens,
+        "details": {
+            "agentkv_handle_forwarded": stats.handle_forwarded,
+            "agentkv_miss_reason": stats.miss_reason,
+            "agentkv_pulled_tokens": stats.pulled_tokens,
+            "agentkv_local_hit_tokens": stats.local_hit_tokens,
+            "agentkv_computed_tokens": stats.computed_tokens,
+            "agentkv_ttft_s": stats.ttft_s,
+        },
+    }
 
 
 def _check_readable(reply: StepReply) -> None:

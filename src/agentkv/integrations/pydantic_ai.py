@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Self
 
 from pydantic_ai.exceptions import (
@@ -131,10 +131,14 @@ class AgentKVModel(_Named, PooledAccess, Model):
         with _pydantic_ai_errors(model_name):
             self._pooled = PooledModel(engine=engine, pool=pool, **session_options)
         self._model_name = model_name
-        # agentkv nests each tool's schema in the output schema it forces: ``$ref``s must be inlined.
-        super().__init__(
-            settings=settings, profile=ModelProfile(json_schema_transformer=InlineDefsJsonSchemaTransformer)
+        profile = ModelProfile(
+            # agentkv nests each tool's schema in the output schema it forces: ``$ref``s must be inlined.
+            json_schema_transformer=InlineDefsJsonSchemaTransformer,
+            # how long a conversation's KV stays after its last call (the pin's TTL after its renewals): pydantic-ai
+            # tells a cache collapse within it ("unexpected") from one past it ("ttl_expired")
+            default_cache_retention=timedelta(seconds=self._pooled.cache_retention_s()),
         )
+        super().__init__(settings=settings, profile=profile)
 
     @property
     def system(self) -> str:
@@ -290,8 +294,9 @@ class AgentKVStreamedResponse(_Named, StreamedResponse):
 def _chat_messages(messages: Sequence[ModelMessage], instructions: str | None) -> list[Message]:
     """The conversation as agentkv messages: the same history always gives the same messages.
 
-    The first request's leading system prompts and the instructions make the system message;
-    each request's tool results come before its user text (tool messages follow their calls).
+    The first request's leading system prompts and the instructions make the system message; a system prompt
+    later in the conversation is a system message where it stands (the chat template renders it, or refuses it by
+    name); each request's tool results come before its user text (tool messages follow their calls).
     """
     system: list[str] = []
     chat: list[Message] = []
@@ -304,8 +309,9 @@ def _chat_messages(messages: Sequence[ModelMessage], instructions: str | None) -
         for part in message.parts:
             if isinstance(part, SystemPromptPart):
                 if chat or tool_messages or user_messages:
-                    raise PydanticAIUserError("AgentKVModel takes system prompts only at the conversation's start")
-                system.append(part.content)
+                    user_messages.append(Message(role="system", content=part.content))
+                else:
+                    system.append(part.content)
             elif isinstance(part, UserPromptPart):
                 user_messages.append(Message(role="user", content=_user_text(part)))
             elif isinstance(part, ToolReturnPart):
@@ -408,16 +414,29 @@ def _response_parts(reply: StepReply) -> list[ModelResponsePart]:
 
 
 def _usage(stats: StepStats) -> RequestUsage:
+    """Tokens, the cached ones (pulled back from D or found in P's cache), and where the prompt's KV came from."""
     return RequestUsage(
         input_tokens=stats.prompt_tokens,
         output_tokens=stats.output_tokens,
         cache_read_tokens=stats.prompt_tokens - stats.computed_tokens,
+        details={
+            "agentkv_pulled_tokens": stats.pulled_tokens,
+            "agentkv_local_hit_tokens": stats.local_hit_tokens,
+            "agentkv_computed_tokens": stats.computed_tokens,
+        },
     )
 
 
-def _details(reply: StepReply) -> dict[str, Any] | None:
-    """Why the output could not be read as an answer or tool calls (its raw text is then the answer)."""
-    return {"output_error": reply.error} if reply.error is not None else None
+def _details(reply: StepReply) -> dict[str, Any]:
+    """agentkv's facts of the step: whether the pin was pushed back and why not (``agentkv_miss_reason``); and why
+    the output could not be read as an answer or tool calls, when it could not (its raw text is then the answer)."""
+    details: dict[str, Any] = {
+        "agentkv_handle_forwarded": reply.stats.handle_forwarded,
+        "agentkv_miss_reason": reply.stats.miss_reason,
+    }
+    if reply.error is not None:
+        details["output_error"] = reply.error
+    return details
 
 
 @contextlib.contextmanager
