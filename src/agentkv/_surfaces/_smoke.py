@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from .._conversation._tools import ToolCall, tool
 from .._engines import EmbeddedPair, Engine, LaunchedPair
+from .._engines._platforms import current_platform
 from .._errors import AgentKVError
 from .._session._modes import modes_of, off_reason
 from .._session._session import Session
@@ -361,6 +362,7 @@ def smoke_command(
     exit status: 0 when every check passed, 1 otherwise. A pair that does not open raises (the command line
     reports it).
     """
+    current_platform()  # first: on a host vLLM finds no platform on, say so in seconds (`no_platform_message`)
     kind = LaunchedPair if engine == "launched" else EmbeddedPair
     options: dict[str, Any] = {"engine_args": dict(engine_args)} if engine_args else {}
     if prefill_devices is not None or decode_devices is not None:
