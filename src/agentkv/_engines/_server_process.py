@@ -124,6 +124,9 @@ def parse_vllm_flags(words: Sequence[str]) -> dict[str, Any]:
     """
     if not words:
         return {}
+    from ._platforms import current_platform
+
+    current_platform()  # vLLM's parser needs a platform: where vLLM finds none, say so (not "Failed to infer ...")
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -134,9 +137,6 @@ def parse_vllm_flags(words: Sequence[str]) -> dict[str, Any]:
         def error(self, message: str) -> NoReturn:
             raise UserError(f"the vLLM engine arguments after --: {message}")
 
-    from ._platforms import current_platform
-
-    current_platform()  # vLLM's parser needs a platform: where vLLM finds none, say so (not "Failed to infer ...")
     try:
         parser = AsyncEngineArgs.add_cli_args(Parser(prog="vllm", add_help=False))
         given: dict[str, str] = {}
