@@ -257,6 +257,7 @@ def test_the_cpu_builds_triton_notice_stays_out_of_the_terminal_unless_vllms_log
 # ----------------------------------------------------------------- CUDA: vLLM's defaults, GPUs per engine
 
 
+@pytest.mark.compat
 def test_cuda_settings_are_vllms_defaults_on_each_engines_gpus() -> None:
     platform = cuda(4)
     assert not platform.pins_cores and platform.kv_buffer_device == "cuda"
@@ -278,6 +279,7 @@ def test_cuda_settings_are_vllms_defaults_on_each_engines_gpus() -> None:
         assert server_env(ServerSpec(role=role, launch=launch, port=8000))["CUDA_VISIBLE_DEVICES"] == devices
 
 
+@pytest.mark.compat
 def test_cuda_keeps_the_dtype_asked_for_and_refuses_cores() -> None:
     launch = launch_of(PairConfig(dtype="bfloat16"), "decode", cuda(2))
     assert launch.engine_args["dtype"] == "bfloat16" and launch.engine_args["tensor_parallel_size"] == 1
@@ -305,6 +307,7 @@ def test_a_runner_without_cores_leaves_threads_where_vllm_put_them(monkeypatch: 
         (8, ("0", "1", "2", "3"), ("4", "5", "6", "7")),
     ],
 )
+@pytest.mark.compat
 def test_the_visible_gpus_are_split_in_two_halves(
     count: int, prefill: tuple[str, ...], decode: tuple[str, ...]
 ) -> None:
@@ -314,6 +317,7 @@ def test_the_visible_gpus_are_split_in_two_halves(
         assert launch_of(PairConfig(), role, cuda(count)).engine_args["tensor_parallel_size"] == len(own)
 
 
+@pytest.mark.compat
 def test_one_visible_gpu_is_a_clear_error() -> None:
     with pytest.raises(UserError) as caught:
         pair_devices(cuda(1))
@@ -325,6 +329,7 @@ def test_one_visible_gpu_is_a_clear_error() -> None:
         pair_devices(cuda(8, "3"))
 
 
+@pytest.mark.compat
 def test_an_odd_count_leaves_the_last_gpu_unused(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="agentkv"):
         devices = pair_devices(cuda(3))
@@ -332,6 +337,7 @@ def test_an_odd_count_leaves_the_last_gpu_unused(caplog: pytest.LogCaptureFixtur
     assert "GPU 2 is left unused" in caplog.text
 
 
+@pytest.mark.compat
 def test_cuda_visible_devices_restricts_and_names_the_gpus() -> None:
     assert visible_devices({}, 2) == (("0", "1"), False)
     assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}, 8) == ((), True)
@@ -340,6 +346,7 @@ def test_cuda_visible_devices_restricts_and_names_the_gpus() -> None:
     assert launch_of(PairConfig(), "decode", platform).env["CUDA_VISIBLE_DEVICES"] == "6,7"
 
 
+@pytest.mark.compat
 def test_explicit_devices() -> None:
     platform = cuda(8, "4,5,6,7")
     config = PairConfig(prefill_devices=[0, 1, 2], decode_devices=["GPU-1f2e"])  # ints index the visible ones
@@ -364,6 +371,7 @@ def test_explicit_devices() -> None:
         launch_of(PairConfig(prefill_devices=[0], decode_devices=[1]), "prefill", CPU_PLATFORM)
 
 
+@pytest.mark.compat
 def test_p_and_d_on_one_gpu_split_its_memory_explicitly() -> None:
     shared = PairConfig(prefill_devices=[0], decode_devices=[0])
     for role in ("prefill", "decode"):
@@ -382,6 +390,7 @@ def test_p_and_d_on_one_gpu_split_its_memory_explicitly() -> None:
         launch_of(too_much, "decode", cuda(1))
 
 
+@pytest.mark.compat
 def test_pairs_of_a_serve_get_their_own_gpus() -> None:
     assert split_devices_among_pairs(2, cuda(8)) == [
         PairDevices(("0", "1"), ("2", "3")),
@@ -396,6 +405,7 @@ def test_pairs_of_a_serve_get_their_own_gpus() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.compat
 async def test_an_embedded_pair_on_a_gpu_host_starts_each_engine_on_its_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[EngineLaunch] = []
 
@@ -423,6 +433,7 @@ async def test_an_embedded_pair_on_a_gpu_host_starts_each_engine_on_its_gpus(mon
             pass
 
 
+@pytest.mark.compat
 def test_a_launched_pair_gives_each_server_its_gpus(tmp_path: Path) -> None:
     pair = LaunchedPair(prefill_engine_args={"max_num_seqs": 8}, log_dir=tmp_path)
     pair._platform = cuda(2)
@@ -680,6 +691,7 @@ def test_agentkv_bench_takes_the_model_devices_and_vllm_arguments_as_serve_does(
     assert asked["prefill_devices"] == [0] and asked["decode_devices"] == [1]
 
 
+@pytest.mark.compat
 def test_the_cuda_build_on_a_host_without_a_gpu_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     from agentkv._engines import _platforms
 
@@ -702,6 +714,7 @@ def test_the_cuda_build_on_a_host_without_a_gpu_says_what_to_install(monkeypatch
     ],
     ids=["cuda-build-no-gpu", "cuda-build-gpu", "wsl", "cpu-build", "rocm-build"],
 )
+@pytest.mark.compat
 def test_the_cuda_build_without_a_gpu_is_refused_before_vllm_is_imported(
     monkeypatch: pytest.MonkeyPatch, versions: dict[str, str], device_files: tuple[str, ...], refused: bool
 ) -> None:

@@ -100,6 +100,7 @@ def test_agents_get_the_delay_and_everything_else_is_nixls() -> None:
     assert made == [("a", 20_000)] and bindings.OTHER == "untouched"
 
 
+@pytest.mark.compat
 def test_vllm_loads_the_plugin() -> None:
     names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert "_agentkv_vllm._patches:install" in names
@@ -189,6 +190,7 @@ def test_every_feature_probes_every_target_its_patch_replaces() -> None:
     assert found["by_name"]
 
 
+@pytest.mark.compat
 def test_the_push_connector_touches_only_what_its_feature_probes() -> None:
     """Every vLLM name `AgentKVPushConnector` imports, every attribute it reads of one, and every attribute of
     ``self`` it does not define itself (NIXL's private ``_reqs_in_batch``, ``_push_registration_deadlines``, ...)
@@ -284,6 +286,7 @@ def test_a_moved_target_turns_its_feature_off_with_one_warning(feature: str, rem
         assert found["shutdown"] is None  # nothing was put in the deleted method's place
 
 
+@pytest.mark.compat
 def test_install_without_the_environment_changes_nothing() -> None:
     script = """
         import nixl._api as a
