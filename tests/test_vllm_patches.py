@@ -56,13 +56,15 @@ def test_an_untested_vllm_is_warned_of_once_not_refused(
         assert untested_vllm(version) is None
     check_vllm_version()  # the installed one (0.32.0 here)
     assert not caplog.records
-    for version in ("0.31.2", "0.33.0", "1.0.0", "0.3.2"):
+    for version in ("0.33.0", "0.34.1+cu130"):  # checked by the compatibility tier (scripts/compat.py)
+        assert untested_vllm(version) is None
+    for version in ("0.31.2", "0.35.0", "1.0.0", "0.3.2"):
         message = untested_vllm(version) or ""
         assert f"tested on vLLM {TESTED_VLLM}.x" in message and f"vLLM {version} is installed" in message
-    check_vllm_version("0.33.0")  # no EngineStartError: a warning, and each feature is probed
-    check_vllm_version("0.33.0")
+    check_vllm_version("0.35.0")  # no EngineStartError: a warning, and each feature is probed
+    check_vllm_version("0.35.0")
     warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 1 and "vLLM 0.33.0 is installed" in warned[0], warned
+    assert len(warned) == 1 and "vLLM 0.35.0 is installed" in warned[0], warned
     assert "vllm version" in os.environ[WARNED_ENV].split("|")  # an engine started now would not say it again
 
 

@@ -61,6 +61,7 @@ from ._elastic_worker import follow_core_table
 
 __all__ = [
     "AUTO_PLACEMENT",
+    "CHECKED_VLLM",
     "CLEAN_SHUTDOWN",
     "ELASTIC_CORES",
     "FEATURES",
@@ -91,7 +92,11 @@ __all__ = [
 ]
 
 TESTED_VLLM = "0.32"
-"""The vLLM release series these patches are tested on (any 0.32.x); on another, each feature is probed."""
+"""The vLLM release series these patches are tested on with engines (any 0.32.x, vLLM's CPU build)."""
+CHECKED_VLLM = ("0.33", "0.34")
+"""Later series the compatibility tier checks without an engine (scripts/compat.py: the plugin, every probe, the
+connector's tests on their CUDA wheels). Neither these nor `TESTED_VLLM` is warned of; on another, each feature is
+probed all the same."""
 
 ENGINE_ENV = "AGENTKV_ENGINE"
 NIXL_DELAY_ENV = "AGENTKV_NIXL_PROGRESS_DELAY_US"
@@ -561,12 +566,15 @@ def warn_feature_off(feature: str, problem: str) -> bool:
 
 
 def untested_vllm(version: str | None = None) -> str | None:
-    """The warning for vLLM ``version`` (default: the installed one), or None for the tested series (0.32.x)."""
+    """The warning for vLLM ``version`` (default: the installed one), or None for the tested and checked series
+    (0.32.x; 0.33.x and 0.34.x)."""
     version = version or installed_vllm()
-    if version.split("+")[0].split(".")[:2] == TESTED_VLLM.split("."):
+    if ".".join(version.split("+")[0].split(".")[:2]) in (TESTED_VLLM, *CHECKED_VLLM):
         return None
+    checked = ", ".join(f"{series}.x" for series in CHECKED_VLLM)
     return (
-        f"agentkv: tested on vLLM {TESTED_VLLM}.x, and vLLM {version} is installed: each of agentkv's features "
+        f"agentkv: tested on vLLM {TESTED_VLLM}.x (and checked without an engine on {checked}), and vLLM {version} "
+        "is installed: each of agentkv's features "
         "that patch vLLM internals checks its targets first, and one whose targets moved is turned off with a "
         "warning (docs/vllm-patches.md)"
     )
