@@ -18,7 +18,7 @@ from .._engines._platform_settings import resolve_dtype
 from .._errors import AgentKVError, UserError
 from ._after_pause import after_pause, after_pause_lines, early_ratio_line
 from ._goodput import DEFAULT_SLO_ITL, DEFAULT_SLO_TTFT, load_rows, measure_slo
-from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, EARLY_MODE, MODES, PAIR_MODES, Placement
+from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, EARLY_MODE, MODES, PAIR_MODES, StartedEngines
 from ._population import AGENTIC_THINK_S, ARRIVALS, Arrivals, Plan, parse_loads
 from ._probes import probe_lines
 from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, TurnRecord, first_prompt_divergence, summarize
@@ -155,7 +155,7 @@ async def run_bench(
         raise UserError("compiled applies to the engines the bench starts; the given engines run as they were started")
     if block_size is not None and engines is not None:
         raise UserError("block_size applies to the engines the bench starts; the given engines keep their own")
-    placement = Placement(model=model, prefill_devices=prefill_devices, decode_devices=decode_devices)
+    placement = StartedEngines(model=model, prefill_devices=prefill_devices, decode_devices=decode_devices)
     started = {"model": model, "devices": prefill_devices or decode_devices, "engine_args": engine_args}
     given = [name for name, value in started.items() if value]
     if given and engines is not None:

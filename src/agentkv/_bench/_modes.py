@@ -39,7 +39,7 @@ __all__ = [
     "DTYPES",
     "EARLY_MODE",
     "MODES",
-    "Placement",
+    "StartedEngines",
     "PAIR_MODES",
     "PROBE_MODES",
     "SESSION_MODES",
@@ -137,7 +137,7 @@ def started_engine_args(
 
 
 @dataclass(frozen=True)
-class Placement:
+class StartedEngines:
     """The model and the GPUs of every engine the bench starts (``agentkv bench --model ... --prefill-devices ...``).
 
     ``model``: a bundled name, an HF folder or an HF id, as ``--model`` takes one (None: the bundled model).
@@ -159,12 +159,12 @@ def _starts(
     progress: Callable[[str], None],
     pin_ttl_s: float | None = None,
     engine_args: Mapping[str, Any] | None = None,
-    placement: Placement | None = None,
+    placement: StartedEngines | None = None,
 ) -> list[tuple[frozenset[str], _Start]]:
     """Each engine the bench may start, in the order it starts them, with the modes it serves; every pair with
     ``pin_ttl_s`` when given; every engine with ``engine_args`` (`started_engine_args`) on ``placement``'s model,
     every pair on its GPUs."""
-    placement = placement or Placement()
+    placement = placement or StartedEngines()
     single: dict[str, Any] = {"max_model_len": max_model_len, "dtype": dtype, "progress": progress}
     if placement.model is not None:
         single["model"] = placement.model
@@ -201,7 +201,7 @@ async def open_engines(
     progress: Callable[[str], None],
     pin_ttl_s: float | None = None,
     engine_args: Mapping[str, Any] | None = None,
-    placement: Placement | None = None,
+    placement: StartedEngines | None = None,
 ) -> AsyncIterator[dict[str, Engine]]:
     """The engines the modes need (given, or started one after another, all in ``dtype``, every pair with
     ``pin_ttl_s`` when given, every engine with ``engine_args`` (`started_engine_args`) on ``placement``, and closed

@@ -38,7 +38,7 @@ from .._surfaces._serve import FrontDoor
 from ._conversations import BenchConversation, Clock, RawConversation, ServedConversation, SessionConversation, drain
 from ._fits import check_fits
 from ._goodput import busy_s, pair_slo
-from ._modes import PROBE_MODES, SESSION_MODES, Placement, open_engines, session_options, started_engine_args
+from ._modes import PROBE_MODES, SESSION_MODES, StartedEngines, open_engines, session_options, started_engine_args
 from ._population import Plan
 from ._probes import run_probes
 from ._records import FloorFit, FloorPoint, TurnRecord
@@ -176,7 +176,7 @@ async def run_modes(
     pin_ttl_s: float | None = None,
     compiled: bool = False,
     block_size: int | None = None,
-    placement: Placement | None = None,
+    placement: StartedEngines | None = None,
     engine_args: Mapping[str, Any] | None = None,
 ) -> tuple[list[TurnRecord], dict[int, dict[str, float]], FloorFit | None, Plan, list[ModeProbes]]:
     """Replay the workload in every mode at every load of ``plan``; return the records, each mode's wall time
@@ -188,7 +188,7 @@ async def run_modes(
     ``block_size``: every engine it starts, stock ``vllm serve`` included, keeps KV in blocks of that many tokens;
     ``placement``: the model of every engine it starts, stock ``vllm serve``'s included, and each pair's GPUs;
     ``engine_args``: vLLM engine arguments of every engine it starts, stock ``vllm serve``'s included."""
-    placement = placement or Placement()
+    placement = placement or StartedEngines()
     await _check_fits(workload, engines, max_model_len=max_model_len, model=placement.model)
     vllm_args = started_engine_args(compiled=compiled, block_size=block_size, engine_args=engine_args)
     engine_modes = [mode for mode in modes if mode != STOCK_MODE]
