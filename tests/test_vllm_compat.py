@@ -164,3 +164,13 @@ def test_the_handshake_version_assumed_for_a_stock_server_is_this_releases() -> 
     version = installed_vllm()
     assert ServerVersions.of(version, None).handshake == metadata.NIXL_CONNECTOR_VERSION
     assert ".".join(version.split(".")[:2]) in NIXL_HANDSHAKES
+
+
+def test_agentkvs_server_says_what_it_runs() -> None:
+    """Every completion of agentkv's server carries its versions (``_server.py``); a client reads them back."""
+    from agentkv._engines._server import _versions
+
+    said = _versions()
+    assert said["vllm"] == installed_vllm() and said["nixl"]
+    read = ServerVersions.of(None, {"versions": said})
+    assert read.handshake == ServerVersions.of(installed_vllm(), None).handshake == said["nixl_handshake"]
