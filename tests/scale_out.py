@@ -159,7 +159,7 @@ class ScaleOut:
         """vllm-router over ``door_urls`` with `ROUTER_FLAGS` (and ``flags`` after them); returns when it answers
         ``/health`` (every door healthy). Its own Prometheus page is on a port of its own (``ports[1]``)."""
         router = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
-        assert router is not None, "vllm-router is not installed: pip install 'agentkv[dev]'"
+        assert router is not None, "vllm-router is not installed: pip install 'agentkv-vllm[dev]'"
         port, prometheus = free_port(), free_port()
         argv = [router, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prometheus)]
         argv += ["--worker-urls", *door_urls, *ROUTER_FLAGS, *flags]

@@ -17,6 +17,8 @@ from agentkv._engines._handle import (
     release_params,
 )
 
+pytestmark = pytest.mark.compat  # also the compatibility tier's (make compat: scripts/compat.py)
+
 
 def d_reply(**changes: Any) -> dict[str, Any]:
     """A dict as vLLM 0.32's D returns it after a step (NixlPullConnectorScheduler.request_finished)."""

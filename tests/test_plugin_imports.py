@@ -16,6 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import _agentkv_vllm
 
 PLUGIN = Path(_agentkv_vllm.__file__).parent
@@ -34,6 +36,8 @@ _LOAD_AS_VLLM_DOES = """
     plugin.load()()  # vLLM's load_general_plugins: load, then call
     print(json.dumps({"entry_point": plugin.value, "new": sorted(set(sys.modules) - before)}))
 """
+
+pytestmark = pytest.mark.compat  # also the compatibility tier's (make compat: scripts/compat.py)
 
 
 def _load_in_a_fresh_interpreter(env: dict[str, str]) -> dict[str, object]:

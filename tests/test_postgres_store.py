@@ -278,13 +278,13 @@ def test_without_psycopg_a_url_says_how_to_install_it(
     url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "psycopg", None)  # import psycopg fails, as where it is not installed
-    install = "needs psycopg: pip install 'agentkv\\[postgresql\\]'"
+    install = "needs psycopg: pip install 'agentkv-vllm\\[postgresql\\]'"
     for make in (PostgresSessionStore, PostgresResponseStore, lambda store: SessionPool(store=store)):
         with pytest.raises(UserError, match=install):
             make(url)
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     assert main(["serve", "--store", url]) == 2
-    assert "needs psycopg: pip install 'agentkv[postgresql]'" in capsys.readouterr().err
+    assert "needs psycopg: pip install 'agentkv-vllm[postgresql]'" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ one owner at a time

@@ -29,7 +29,7 @@ from scale_out import Chat, ScaleOut, placement
 pytestmark = pytest.mark.pair
 
 if shutil.which("vllm-router", path=str(Path(sys.executable).parent)) is None and not shutil.which("vllm-router"):
-    pytest.skip("vllm-router is not installed here: pip install 'agentkv[dev]'", allow_module_level=True)
+    pytest.skip("vllm-router is not installed here: pip install 'agentkv-vllm[dev]'", allow_module_level=True)
 
 NAMED = [f"conversation-{n}" for n in range(8)]
 TURNS = 4

@@ -362,7 +362,7 @@ def test_serve_gives_its_engines_the_context_length_asked_for(
     assert main(["serve", "--store", "memory", "--max-model-len", "2048"]) == 130  # the shell's code for SIGINT
     assert made[0]["engine_options"] == {"max_model_len": 2048}
     assert main(["serve", "--max-model-len", "2048", "--remote", "http://p:1", "http://d:2"]) == 2
-    assert "--remote take their vLLM arguments where they start" in capsys.readouterr().err
+    assert "--remote take their vLLM arguments and devices where they start" in capsys.readouterr().err
 
 
 def test_serve_gives_its_pairs_the_objective_asked_for(

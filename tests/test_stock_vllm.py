@@ -25,13 +25,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agentkv import RemotePair, Session, TurnResult, UserError
+from agentkv import ModelPreparationError, RemotePair, Session, TurnResult, UserError
 from agentkv._bench._stock import vllm_server_command
 from agentkv._engines._start_log import record_engine_start
 from agentkv._engines._system import descendants, free_port, repin_threads, split_cores
 from agentkv._model import prepare_model
 from freed import running_pids
-from stock_server import healthy, stop_servers
+from stock_server import healthy, stock_vllm_server, stop_servers
 
 pytestmark = [pytest.mark.pair, pytest.mark.nightly]
 
@@ -178,3 +178,48 @@ def test_stock_decode_server_is_refused_for_streaming(stock_servers: tuple[str, 
         assert not pair.is_open
 
     anyio.run(run)
+
+
+def test_without_a_model_the_pair_tokenizes_with_the_servers(stock_servers: tuple[str, str], model: Path) -> None:
+    """The servers serve the bundled model's folder: a pair given no model reads it from them and uses it."""
+
+    async def run() -> None:
+        pair = RemotePair(*stock_servers, decode_streaming=False, warmup=False)
+        with anyio.fail_after(OPEN_BOUND_S):
+            await pair.open()
+        try:
+            assert pair.info.model_path == model
+            assert pair.info.details["versions"]["decode"]["vllm"] == pair.info.details["versions"]["prefill"]["vllm"]
+        finally:
+            await pair.aclose()
+
+    anyio.run(run)
+
+
+def test_a_server_serving_under_another_models_name_is_refused_at_open(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stock server started with the bundled weights under a Qwen's name (``--served-model-name``): a session that
+    names the bundled model is refused at open, by name, before any request; one that names none takes the
+    servers' word (a Qwen), which this host's HF cache lacks, and says so. Before, both sent SmolLM2's ids."""
+    qwen = "Qwen/Qwen3-0.6B"
+    args = ["--enforce-eager", "--max-model-len", "2048", "--served-model-name", qwen]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with stock_vllm_server(model, free_port(), args, tmp_path / "alias.log") as url:
+
+        async def run() -> None:
+            named = RemotePair(url, url, model="smollm2-135m-instruct", decode_streaming=False, warmup=False)
+            with (
+                anyio.fail_after(OPEN_BOUND_S),
+                pytest.raises(UserError, match=f"is not the one the servers serve: '{qwen}'"),
+            ):
+                await named.open()
+            theirs = RemotePair(url, url, decode_streaming=False, warmup=False)
+            with (
+                anyio.fail_after(OPEN_BOUND_S),
+                pytest.raises(ModelPreparationError, match=f"the servers serve '{qwen}'"),
+            ):
+                await theirs.open()
+            assert not named.is_open and not theirs.is_open
+
+        anyio.run(run)

@@ -56,13 +56,15 @@ def test_an_untested_vllm_is_warned_of_once_not_refused(
         assert untested_vllm(version) is None
     check_vllm_version()  # the installed one (0.32.0 here)
     assert not caplog.records
-    for version in ("0.31.2", "0.33.0", "1.0.0", "0.3.2"):
+    for version in ("0.33.0", "0.34.1+cu130"):  # checked by the compatibility tier (scripts/compat.py)
+        assert untested_vllm(version) is None
+    for version in ("0.31.2", "0.35.0", "1.0.0", "0.3.2"):
         message = untested_vllm(version) or ""
         assert f"tested on vLLM {TESTED_VLLM}.x" in message and f"vLLM {version} is installed" in message
-    check_vllm_version("0.33.0")  # no EngineStartError: a warning, and each feature is probed
-    check_vllm_version("0.33.0")
+    check_vllm_version("0.35.0")  # no EngineStartError: a warning, and each feature is probed
+    check_vllm_version("0.35.0")
     warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 1 and "vLLM 0.33.0 is installed" in warned[0], warned
+    assert len(warned) == 1 and "vLLM 0.35.0 is installed" in warned[0], warned
     assert "vllm version" in os.environ[WARNED_ENV].split("|")  # an engine started now would not say it again
 
 
@@ -100,6 +102,7 @@ def test_agents_get_the_delay_and_everything_else_is_nixls() -> None:
     assert made == [("a", 20_000)] and bindings.OTHER == "untouched"
 
 
+@pytest.mark.compat
 def test_vllm_loads_the_plugin() -> None:
     names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert "_agentkv_vllm._patches:install" in names
@@ -189,6 +192,7 @@ def test_every_feature_probes_every_target_its_patch_replaces() -> None:
     assert found["by_name"]
 
 
+@pytest.mark.compat
 def test_the_push_connector_touches_only_what_its_feature_probes() -> None:
     """Every vLLM name `AgentKVPushConnector` imports, every attribute it reads of one, and every attribute of
     ``self`` it does not define itself (NIXL's private ``_reqs_in_batch``, ``_push_registration_deadlines``, ...)
@@ -284,6 +288,7 @@ def test_a_moved_target_turns_its_feature_off_with_one_warning(feature: str, rem
         assert found["shutdown"] is None  # nothing was put in the deleted method's place
 
 
+@pytest.mark.compat
 def test_install_without_the_environment_changes_nothing() -> None:
     script = """
         import nixl._api as a

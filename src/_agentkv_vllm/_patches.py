@@ -61,6 +61,7 @@ from ._elastic_worker import follow_core_table
 
 __all__ = [
     "AUTO_PLACEMENT",
+    "CHECKED_VLLM",
     "CLEAN_SHUTDOWN",
     "ELASTIC_CORES",
     "FEATURES",
@@ -91,7 +92,11 @@ __all__ = [
 ]
 
 TESTED_VLLM = "0.32"
-"""The vLLM release series these patches are tested on (any 0.32.x); on another, each feature is probed."""
+"""The vLLM release series these patches are tested on with engines (any 0.32.x, vLLM's CPU build)."""
+CHECKED_VLLM = ("0.33", "0.34")
+"""Later series the compatibility tier checks without an engine (scripts/compat.py: the plugin, every probe, the
+connector's tests on their CUDA wheels). Neither these nor `TESTED_VLLM` is warned of; on another, each feature is
+probed all the same."""
 
 ENGINE_ENV = "AGENTKV_ENGINE"
 NIXL_DELAY_ENV = "AGENTKV_NIXL_PROGRESS_DELAY_US"
@@ -163,6 +168,9 @@ class Feature(NamedTuple):
     serves: str
     when_off: str
     targets: tuple[Target, ...]
+    behaviour: str = ""
+    """``"module:function"``: where the feature relies on what vLLM's code *does*, not only on its names, a check
+    that runs that code without an engine and returns what is wrong (None: nothing); run once its targets pass."""
 
 
 _CORE = "vllm.v1.engine.core"
@@ -384,6 +392,17 @@ FEATURES: dict[str, Feature] = {
                     f"{_NIXL}.push_worker:NixlPushConnectorWorker",
                     __init__=_CONNECTOR_INIT,
                     start_load_kv=("self", "metadata"),
+                    _get_new_notifs=("self",),
+                ),
+                Target(
+                    f"{_NIXL}.push_worker:NixlPushConnectorWorker",
+                    attrs=(
+                        "_pending_completion_notifs",
+                        "_reqs_to_send",
+                        "_reqs_to_process",
+                        "consumer_notification_counts_by_req",
+                        "expected_consumer_notifications_by_req",
+                    ),
                 ),
                 Target(f"{_NIXL}.pull_worker:NixlPullConnectorWorker.start_load_kv", params=("self", "metadata")),
                 Target(f"{_NIXL}.metadata:NixlConnectorMetadata", attrs=("reqs_to_recv",)),
@@ -395,6 +414,7 @@ FEATURES: dict[str, Feature] = {
                 Target("vllm.config:ParallelConfig", attrs=("decode_context_parallel_size",)),
                 Target("_agentkv_vllm._push_connector:AgentKVPushConnector"),  # the subclass itself (its MRO) loads
             ),
+            behaviour="_agentkv_vllm._push_connector:pin_release_problem",
         ),
     )
 }
@@ -402,7 +422,8 @@ FEATURES: dict[str, Feature] = {
 
 
 def probe(feature: str) -> str | None:
-    """What the installed vLLM lacks for ``feature``: its first failing target, in words; None when all are there.
+    """What the installed vLLM lacks for ``feature``: its first failing target, in words, or what its behaviour
+    check found (`Feature.behaviour`); None when all is there.
 
     Imports the targets' modules (vLLM's: call it where vLLM may be imported); never raises for a missing target.
     """
@@ -413,7 +434,21 @@ def probe(feature: str) -> str | None:
             problem = f"could not be probed ({exc!r})"
         if problem is not None:
             return f"{target.where}: {problem}"
-    return None
+    return _check_behaviour(FEATURES[feature].behaviour)
+
+
+def _check_behaviour(path: str) -> str | None:
+    """Run the behaviour check ``"module:function"`` (none: nothing to check); its problem, in words."""
+    if not path:
+        return None
+    import importlib
+
+    module_name, _, name = path.partition(":")
+    try:
+        problem = getattr(importlib.import_module(module_name), name)()
+    except Exception as exc:
+        problem = f"could not be run ({exc!r})"
+    return None if problem is None else f"behaviour ({name}): {problem}"
 
 
 def available_features(names: Iterable[str] | None = None) -> frozenset[str]:
@@ -531,12 +566,15 @@ def warn_feature_off(feature: str, problem: str) -> bool:
 
 
 def untested_vllm(version: str | None = None) -> str | None:
-    """The warning for vLLM ``version`` (default: the installed one), or None for the tested series (0.32.x)."""
+    """The warning for vLLM ``version`` (default: the installed one), or None for the tested and checked series
+    (0.32.x; 0.33.x and 0.34.x)."""
     version = version or installed_vllm()
-    if version.split("+")[0].split(".")[:2] == TESTED_VLLM.split("."):
+    if ".".join(version.split("+")[0].split(".")[:2]) in (TESTED_VLLM, *CHECKED_VLLM):
         return None
+    checked = ", ".join(f"{series}.x" for series in CHECKED_VLLM)
     return (
-        f"agentkv: tested on vLLM {TESTED_VLLM}.x, and vLLM {version} is installed: each of agentkv's features "
+        f"agentkv: tested on vLLM {TESTED_VLLM}.x (and checked without an engine on {checked}), and vLLM {version} "
+        "is installed: each of agentkv's features "
         "that patch vLLM internals checks its targets first, and one whose targets moved is turned off with a "
         "warning (docs/vllm-patches.md)"
     )

@@ -11,6 +11,8 @@ with Session(system="You are terse.") as s:
     print(r.text, r.steps[-1].stats.ttft_s, r.steps[-1].stats.pulled_tokens)
 """
 
+# First: refuses an environment where another project's `agentkv` shadows this one (src/agentkv/_distribution.py).
+from . import _distribution as _distribution
 from ._conversation._conversation import Message
 from ._conversation._tools import Tool, ToolCall, ToolChoice, ToolFormat, ToolResult, ToolSpec, tool
 from ._engines import Colocated, CorePolicy, EmbeddedPair, EngineGroup, LaunchedPair, PairConfig, RemotePair
@@ -55,7 +57,7 @@ from ._session._session_store import PostgresSessionStore, SessionStore, SqliteS
 from ._session._snapshot import SessionSnapshot
 from ._stats._stats import MissReason, SessionStats, StepStats, TurnStats, plot_stats
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
     "DEFAULT_MODEL",

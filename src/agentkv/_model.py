@@ -27,7 +27,15 @@ from pathlib import Path
 
 from ._errors import ModelPreparationError
 
-__all__ = ["BUNDLED_MODELS", "DEFAULT_MODEL", "BundledModel", "list_models", "prepare_model"]
+__all__ = [
+    "BUNDLED_MODELS",
+    "DEFAULT_MODEL",
+    "BundledModel",
+    "is_model_reference",
+    "list_models",
+    "model_identity",
+    "prepare_model",
+]
 
 logger = logging.getLogger("agentkv")
 
@@ -125,6 +133,36 @@ def model_name(model_path: Path) -> str:
     if model_path.parent.name == "snapshots" and repo.startswith("models--"):
         return repo.removeprefix("models--").replace("--", "/")  # hub ids cannot contain "--": exact
     return model_path.name
+
+
+def is_model_reference(name: str) -> bool:
+    """Whether ``name`` names a model as `prepare_model` reads one: a bundled name, an HF id, an absolute folder path
+    (a server's served name may be any label: ``agentkv``, ``my-llm``)."""
+    return name in BUNDLED_MODELS or os.path.isabs(name) or _hub_id_of_text(name) is not None
+
+
+def model_identity(model: str | os.PathLike[str]) -> str:
+    """What two names of one model have in common: a bundled name; an HF id without its revision, lower-cased;
+    a hub snapshot folder as its id, a bundled model's prepared folder as its name (on any host); another folder
+    as its absolute path."""
+    text = os.fspath(model)
+    if text in BUNDLED_MODELS:
+        return text
+    hub = _hub_id_of_text(text)
+    if hub is not None:
+        return hub[0].lower()
+    path = Path(os.path.abspath(Path(text).expanduser()))
+    if path.parent.name == "models" and path.name in BUNDLED_MODELS:
+        return path.name
+    name = model_name(path)
+    return name.lower() if name != path.name else str(path)
+
+
+def _hub_id_of_text(text: str) -> tuple[str, str | None] | None:
+    """`_hub_id` of a name that is not written as a path (``./org/name``, ``/x/y``, ``~/m`` are paths)."""
+    if text.startswith(("/", ".", "~")) or os.path.exists(text):
+        return None
+    return _hub_id(text)
 
 
 async def prepare_model_off_loop(

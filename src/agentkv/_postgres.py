@@ -3,7 +3,7 @@
 file's stores (src/agentkv/_sqlite.py): bounded, safe across threads, a failing server a `StoreUnavailableError`
 within a bounded time, nothing of a failed call kept.
 
-**Driver.** psycopg 3, its sync API (the extra ``agentkv[postgresql]``): the stores are called from worker threads
+**Driver.** psycopg 3, its sync API (the extra ``agentkv-vllm[postgresql]``): the stores are called from worker threads
 (the pool's ``anyio.to_thread``, the front door's), not from an event loop, and psycopg is the kept driver with a
 sync API (asyncpg is asyncio only). Each store object holds one connection behind one lock: a call waits for the
 calls ahead of it, as the SQLite stores' do; every call is one statement, so one round trip.
@@ -146,7 +146,7 @@ def _psycopg(url: str) -> ModuleType:
     except ImportError as exc:
         raise UserError(
             f"the store {shown_url(url)} is a PostgreSQL database, which needs psycopg: "
-            f"pip install 'agentkv[postgresql]'"
+            f"pip install 'agentkv-vllm[postgresql]'"
         ) from exc
     return psycopg
 

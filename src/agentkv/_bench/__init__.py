@@ -13,11 +13,12 @@ from typing import Any
 import anyio
 
 from .._engines import Engine
+from .._engines._pair_config import check_engine_args
 from .._engines._platform_settings import resolve_dtype
 from .._errors import AgentKVError, UserError
 from ._after_pause import after_pause, after_pause_lines, early_ratio_line
 from ._goodput import DEFAULT_SLO_ITL, DEFAULT_SLO_TTFT, load_rows, measure_slo
-from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, EARLY_MODE, MODES, PAIR_MODES
+from ._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, EARLY_MODE, MODES, PAIR_MODES, StartedEngines
 from ._population import AGENTIC_THINK_S, ARRIVALS, Arrivals, Plan, parse_loads
 from ._probes import probe_lines
 from ._records import SERVED_TTFT_TARGET, BenchReport, ModeSummary, TurnRecord, first_prompt_divergence, summarize
@@ -91,6 +92,10 @@ async def run_bench(
     pin_ttl_s: float | None = None,
     compiled: bool = False,
     block_size: int | None = None,
+    model: str | None = None,
+    prefill_devices: Sequence[int | str] | None = None,
+    decode_devices: Sequence[int | str] | None = None,
+    engine_args: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
     log: Callable[[str], None] | None = None,
 ) -> BenchReport:
@@ -115,7 +120,10 @@ async def run_bench(
     pin TTL of every pair the bench starts; above 10 s) and ``engines``, and ``compiled`` (every engine the bench
     starts compiles its model as stock vLLM does, instead of agentkv's eager mode on a CPU) and ``engines``, and
     ``block_size`` (every engine the bench starts, stock ``vllm serve`` included, keeps KV in blocks of that many
-    tokens; default vLLM's: 128 on a CPU) and ``engines``. ``probes``: after the workload, each pair
+    tokens; default vLLM's: 128 on a CPU) and ``engines``. ``model`` (a bundled name, an HF folder or an HF id, as
+    ``--model`` takes one), ``prefill_devices`` and ``decode_devices`` (each pair's GPUs on a CUDA host) and
+    ``engine_args`` (vLLM engine arguments over agentkv's, stock ``vllm serve``'s flags too) apply to the engines
+    the bench starts, and exclude ``engines``. ``probes``: after the workload, each pair
     mode that pushes back runs the probes on its engine (src/agentkv/_bench/_probes.py). Mode ``served``
     puts a front door in a thread before its sessions: a given engine for it must be open on a loop that
     thread can call (opened with ``with``).
@@ -147,6 +155,13 @@ async def run_bench(
         raise UserError("compiled applies to the engines the bench starts; the given engines run as they were started")
     if block_size is not None and engines is not None:
         raise UserError("block_size applies to the engines the bench starts; the given engines keep their own")
+    placement = StartedEngines(model=model, prefill_devices=prefill_devices, decode_devices=decode_devices)
+    started = {"model": model, "devices": prefill_devices or decode_devices, "engine_args": engine_args}
+    given = [name for name, value in started.items() if value]
+    if given and engines is not None:
+        raise UserError(f"{', '.join(given)} apply to the engines the bench starts; the given engines keep their own")
+    if engine_args:
+        engine_args = check_engine_args(engine_args, "engine_args")
     if block_size is not None and not (isinstance(block_size, int) and block_size > 0):
         raise UserError(f"the KV block size is a number of tokens above 0, not {block_size!r}")
     if pin_ttl_s is not None and not (math.isfinite(pin_ttl_s) and pin_ttl_s > 10):
@@ -170,6 +185,8 @@ async def run_bench(
         pin_ttl_s=pin_ttl_s,
         compiled=compiled,
         block_size=block_size,
+        placement=placement,
+        engine_args=engine_args,
         progress=progress or (lambda *_: None),
         log=log or (lambda line: logger.info("%s", line)),
         slo_factors=(slo_ttft, slo_itl),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from anyio.from_thread import BlockingPortal
@@ -38,6 +39,7 @@ __all__ = [
     "DTYPES",
     "EARLY_MODE",
     "MODES",
+    "StartedEngines",
     "PAIR_MODES",
     "PROBE_MODES",
     "SESSION_MODES",
@@ -121,11 +123,34 @@ _Start = Callable[[contextlib.AsyncExitStack], Engine]
 """Makes an engine (not yet open); what it needs besides (network namespaces) goes on the stack."""
 
 
-def started_engine_args(*, compiled: bool, block_size: int | None) -> dict[str, Any]:
+def started_engine_args(
+    *, compiled: bool, block_size: int | None, engine_args: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The vLLM engine arguments of every engine the bench starts: compiling its model when ``compiled``
     (`COMPILED_ENGINE_ARGS`), with KV blocks of ``block_size`` tokens when given (else vLLM's own: 128 on a CPU,
-    16 on CUDA)."""
-    return {**(COMPILED_ENGINE_ARGS if compiled else {}), **({} if block_size is None else {"block_size": block_size})}
+    16 on CUDA), and the caller's own ``engine_args`` (``agentkv bench -- <vLLM args>``) over both."""
+    return {
+        **(COMPILED_ENGINE_ARGS if compiled else {}),
+        **({} if block_size is None else {"block_size": block_size}),
+        **(engine_args or {}),
+    }
+
+
+@dataclass(frozen=True)
+class StartedEngines:
+    """The model and the GPUs of every engine the bench starts (``agentkv bench --model ... --prefill-devices ...``).
+
+    ``model``: a bundled name, an HF folder or an HF id, as ``--model`` takes one (None: the bundled model).
+    ``prefill_devices`` / ``decode_devices``: each pair's P and D GPUs (CUDA; None: the visible GPUs in two halves);
+    a colocated engine runs where vLLM puts it (its first visible GPU)."""
+
+    model: str | None = None
+    prefill_devices: Sequence[int | str] | None = None
+    decode_devices: Sequence[int | str] | None = None
+
+    def pair_options(self) -> dict[str, Any]:
+        devices = self.prefill_devices is not None or self.decode_devices is not None
+        return {"prefill_devices": self.prefill_devices, "decode_devices": self.decode_devices} if devices else {}
 
 
 def _starts(
@@ -134,13 +159,18 @@ def _starts(
     progress: Callable[[str], None],
     pin_ttl_s: float | None = None,
     engine_args: Mapping[str, Any] | None = None,
+    placement: StartedEngines | None = None,
 ) -> list[tuple[frozenset[str], _Start]]:
     """Each engine the bench may start, in the order it starts them, with the modes it serves; every pair with
-    ``pin_ttl_s`` when given; every engine with ``engine_args`` (`started_engine_args`)."""
+    ``pin_ttl_s`` when given; every engine with ``engine_args`` (`started_engine_args`) on ``placement``'s model,
+    every pair on its GPUs."""
+    placement = placement or StartedEngines()
     single: dict[str, Any] = {"max_model_len": max_model_len, "dtype": dtype, "progress": progress}
+    if placement.model is not None:
+        single["model"] = placement.model
     if engine_args:
         single["engine_args"] = dict(engine_args)
-    common = {**single, **({} if pin_ttl_s is None else {"pin_ttl_s": pin_ttl_s})}
+    common = {**single, **({} if pin_ttl_s is None else {"pin_ttl_s": pin_ttl_s}), **placement.pair_options()}
 
     def across_hosts(stack: contextlib.AsyncExitStack) -> Engine:
         hosts = stack.enter_context(two_hosts())
@@ -171,10 +201,11 @@ async def open_engines(
     progress: Callable[[str], None],
     pin_ttl_s: float | None = None,
     engine_args: Mapping[str, Any] | None = None,
+    placement: StartedEngines | None = None,
 ) -> AsyncIterator[dict[str, Engine]]:
     """The engines the modes need (given, or started one after another, all in ``dtype``, every pair with
-    ``pin_ttl_s`` when given, every engine with ``engine_args`` (`started_engine_args`), and closed on the way
-    out). Started ones live on the running loop, reachable from other threads (the front door's)."""
+    ``pin_ttl_s`` when given, every engine with ``engine_args`` (`started_engine_args`) on ``placement``, and closed
+    on the way out). Started ones live on the running loop, reachable from other threads (the front door's)."""
     if given is not None:
         missing = [mode for mode in modes if mode not in given]
         if missing:
@@ -184,7 +215,7 @@ async def open_engines(
     async with BlockingPortal() as portal, contextlib.AsyncExitStack() as stack:
         home = EventLoopHome(asyncio.get_running_loop(), portal)  # the home names asyncio's loop (the engines')
         by_mode: dict[str, Engine] = {}
-        for served, start in _starts(max_model_len, dtype, progress, pin_ttl_s, engine_args):
+        for served, start in _starts(max_model_len, dtype, progress, pin_ttl_s, engine_args, placement):
             if served & set(modes):
                 engine = start(stack)
                 await engine.open(home=home)

@@ -312,7 +312,7 @@ def plot_goodput(report: BenchReport, path: str | Path) -> Path:
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("plots need matplotlib: pip install 'agentkv[plot]'") from exc
+        raise ImportError("plots need matplotlib: pip install 'agentkv-vllm[plot]'") from exc
 
     figure = Figure(figsize=(11, 4.2))  # not pyplot: no global state, no display backend needed
     left, right = figure.subplots(1, 2)

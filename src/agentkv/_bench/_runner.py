@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -37,7 +38,7 @@ from .._surfaces._serve import FrontDoor
 from ._conversations import BenchConversation, Clock, RawConversation, ServedConversation, SessionConversation, drain
 from ._fits import check_fits
 from ._goodput import busy_s, pair_slo
-from ._modes import PROBE_MODES, SESSION_MODES, open_engines, session_options, started_engine_args
+from ._modes import PROBE_MODES, SESSION_MODES, StartedEngines, open_engines, session_options, started_engine_args
 from ._population import Plan
 from ._probes import run_probes
 from ._records import FloorFit, FloorPoint, TurnRecord
@@ -175,6 +176,8 @@ async def run_modes(
     pin_ttl_s: float | None = None,
     compiled: bool = False,
     block_size: int | None = None,
+    placement: StartedEngines | None = None,
+    engine_args: Mapping[str, Any] | None = None,
 ) -> tuple[list[TurnRecord], dict[int, dict[str, float]], FloorFit | None, Plan, list[ModeProbes]]:
     """Replay the workload in every mode at every load of ``plan``; return the records, each mode's wall time
     per load (its rounds' under a barrier; staggered, the time any of its turns was in flight), the floor, the
@@ -182,8 +185,12 @@ async def run_modes(
     the mode's engine). ``slo_factors``: the goodput objective's TTFT and gap factors, which the pairs running
     ``auto`` aim at from the load after the solo one (None: they keep their own). ``pin_ttl_s`` goes to every pair
     the bench starts; ``compiled``: every engine it starts compiles its model (no ``enforce_eager``);
-    ``block_size``: every engine it starts, stock ``vllm serve`` included, keeps KV in blocks of that many tokens."""
-    await _check_fits(workload, engines, max_model_len=max_model_len)
+    ``block_size``: every engine it starts, stock ``vllm serve`` included, keeps KV in blocks of that many tokens;
+    ``placement``: the model of every engine it starts, stock ``vllm serve``'s included, and each pair's GPUs;
+    ``engine_args``: vLLM engine arguments of every engine it starts, stock ``vllm serve``'s included."""
+    placement = placement or StartedEngines()
+    await _check_fits(workload, engines, max_model_len=max_model_len, model=placement.model)
+    vllm_args = started_engine_args(compiled=compiled, block_size=block_size, engine_args=engine_args)
     engine_modes = [mode for mode in modes if mode != STOCK_MODE]
     started = open_engines(
         engine_modes,
@@ -192,9 +199,18 @@ async def run_modes(
         dtype=dtype,
         progress=log,
         pin_ttl_s=pin_ttl_s,
-        engine_args=started_engine_args(compiled=compiled, block_size=block_size),
+        engine_args=vllm_args,
+        placement=placement,
     )
-    stock_server_of = _stock_if_asked(modes, max_model_len=max_model_len, dtype=dtype, block_size=block_size, log=log)
+    stock_server_of = _stock_if_asked(
+        modes,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        block_size=block_size,
+        model=placement.model,
+        engine_args=engine_args,
+        log=log,
+    )
     async with (
         started as by_mode,
         stock_server_of as stock,
@@ -314,14 +330,16 @@ def _aim_auto(
     log(f"agentkv bench: auto now places its steps for the SLO measured at 1 session: {slo} ({how})")
 
 
-async def _check_fits(workload: Workload, engines: Mapping[str, Engine] | None, *, max_model_len: int) -> None:
+async def _check_fits(
+    workload: Workload, engines: Mapping[str, Engine] | None, *, max_model_len: int, model: str | None = None
+) -> None:
     """Refuse a workload whose last turn may overflow the context before any engine starts (`check_fits`): the
     given engines' model and shortest context, or the model and ``max_model_len`` the bench starts engines with."""
     if engines:
         infos = [engine.info for engine in engines.values()]
         model_path, max_model_len = infos[0].model_path, min(info.max_model_len for info in infos)
     else:
-        model_path = await anyio.to_thread.run_sync(prepare_model)
+        model_path = await anyio.to_thread.run_sync(prepare_model, model)
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, str(model_path))
     check_fits(workload, tokenizer, max_model_len=max_model_len)
 
@@ -361,17 +379,30 @@ async def _open_lanes(
 
 @contextlib.asynccontextmanager
 async def _stock_if_asked(
-    modes: Sequence[str], *, max_model_len: int, dtype: str, block_size: int | None, log: Callable[[str], None]
+    modes: Sequence[str],
+    *,
+    max_model_len: int,
+    dtype: str,
+    block_size: int | None,
+    log: Callable[[str], None],
+    model: str | None = None,
+    engine_args: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[StockServer | None]:
-    """Stock ``vllm serve`` when the modes name it (started after agentkv's engines, stopped before them)."""
+    """Stock ``vllm serve`` when the modes name it (started after agentkv's engines, stopped before them), on the
+    run's ``model`` with the caller's ``engine_args`` as its flags."""
     if STOCK_MODE not in modes:
         yield None
         return
-    model = await anyio.to_thread.run_sync(prepare_model)
-    log(f"agentkv bench: starting stock vllm serve on {model.name} (vLLM's defaults: it compiles the model first)")
+    model_path = await anyio.to_thread.run_sync(prepare_model, model)
+    log(f"agentkv bench: starting stock vllm serve on {model_path.name} (vLLM's defaults: it compiles the model first)")
     kv_cache_gib = PairConfig().kv_cache_gib  # the size the bench's own engines start with (their default)
     async with stock_server(
-        model, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=kv_cache_gib, block_size=block_size
+        model_path,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        kv_cache_gib=kv_cache_gib,
+        block_size=block_size,
+        engine_args=engine_args,
     ) as server:
         log(f"agentkv bench: stock vllm serve up at {server.url} (its output: {server.log_path})")
         yield server

@@ -18,8 +18,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -27,6 +28,7 @@ import httpx
 
 from .._engines._platform_settings import kv_cache_space
 from .._engines._platforms import current_platform
+from .._engines._server_process import vllm_flags
 from .._engines._spawn import ipc_folder, remove_ipc_folder
 from .._engines._system import descendants, free_port, kill_and_reap
 from .._errors import AgentKVError, EngineStartError
@@ -68,13 +70,21 @@ def vllm_server_command(model: Path, port: int, *flags: str) -> list[str]:
 
 
 def stock_command(
-    model: Path, port: int, *, max_model_len: int, dtype: str, block_size: int | None = None
+    model: Path,
+    port: int,
+    *,
+    max_model_len: int,
+    dtype: str,
+    block_size: int | None = None,
+    engine_args: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """``vllm serve`` with the run's shared settings only (`vllm_server_command`): the KV block size too when the
-    run sets one for every engine (``--block-size``)."""
+    run sets one for every engine (``--block-size``), and the caller's vLLM engine arguments (``agentkv bench --
+    <vLLM args>``) as ``vllm serve`` flags."""
     shared = ["--max-model-len", str(max_model_len), "--dtype", dtype, "--served-model-name", _MODEL_NAME]
     if block_size is not None:
         shared += ["--block-size", str(block_size)]
+    shared += vllm_flags(engine_args or {})
     return vllm_server_command(
         model, port, *shared, "--host", "127.0.0.1", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"
     )
@@ -90,7 +100,13 @@ def stock_env(kv_cache_gib: float) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def stock_server(
-    model: Path, *, max_model_len: int, dtype: str, kv_cache_gib: float, block_size: int | None = None
+    model: Path,
+    *,
+    max_model_len: int,
+    dtype: str,
+    kv_cache_gib: float,
+    block_size: int | None = None,
+    engine_args: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[StockServer]:
     """Start stock ``vllm serve`` and wait until it is healthy; on the way out stop it and every process it
     started. Its output goes to a log file under ``$AGENTKV_HOME/logs``. ``kv_cache_gib``: its KV cache on a CPU
@@ -99,7 +115,9 @@ async def stock_server(
     log_dir = home_dir() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"bench-vllm-serve-{uuid.uuid4().hex[:8]}.log"
-    command = stock_command(model, port, max_model_len=max_model_len, dtype=dtype, block_size=block_size)
+    command = stock_command(
+        model, port, max_model_len=max_model_len, dtype=dtype, block_size=block_size, engine_args=engine_args
+    )
     env = stock_env(kv_cache_gib)
     sockets = env["VLLM_RPC_BASE_PATH"] = ipc_folder("vllm-serve", inside=env.get("VLLM_RPC_BASE_PATH"))
     try:

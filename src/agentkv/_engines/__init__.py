@@ -20,6 +20,7 @@ from ._base import TokenDelta as TokenDelta
 from ._colocated import Colocated as Colocated
 from ._group import EngineGroup as EngineGroup
 from ._http_capabilities import ServerCapabilities as ServerCapabilities
+from ._http_versions import ServerVersions as ServerVersions
 from ._launched import LaunchedPair as LaunchedPair
 from ._pair import EmbeddedPair as EmbeddedPair
 from ._pair_config import CorePolicy as CorePolicy

@@ -210,6 +210,10 @@ class EngineDetails(TypedDict, total=False):
     """D's server."""
     server_kind: str
     """What the servers are: agentkv's (``agentkv engine``) or stock vLLM's."""
+    served_model: str
+    """The name an HTTP pair's servers serve their model under (what its requests name)."""
+    versions: dict[str, dict[str, Any]]
+    """What each server of an HTTP pair runs, by role: ``vllm``, ``nixl``, ``nixl_handshake`` (None: not said)."""
     log_dir: str
     """Where launched servers write their logs."""
     engines: int

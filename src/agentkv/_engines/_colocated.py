@@ -95,8 +95,8 @@ class Colocated(Engine):
         return set(self._engine.pids) if self._engine is not None else set()
 
     async def _start(self) -> None:
+        platform = current_platform()  # first: a host vLLM finds no platform on fails before the model is prepared
         model_path = await prepare_model_off_loop(self._model, progress=self._progress)
-        platform = current_platform()
         cores: list[int] | None = None
         home: list[int] | None = None
         devices: tuple[str, ...] = ()

@@ -3,8 +3,10 @@
 Two one-token requests without ``kv_transfer_params`` (so neither server transfers or pins
 any KV): a non-streamed one to P and a streamed one to D. agentkv's server (``agentkv
 serve``, `LaunchedPair`'s) adds an ``agentkv`` object to every completion and ends every
-stream with a chunk that holds it and D's handle; a stock vLLM 0.32 server does neither.
-The answers decide, before the first user step and for the pair's whole life, what the
+stream with a chunk that holds it and D's handle; a stock vLLM server does neither (from 0.33 on its last streamed
+chunk with choices carries the handle, which a probe that asks for none cannot see: its release says so).
+Each server's ``/version`` and agentkv's
+server's own word say what it runs (``_http_versions.py``). The answers decide, before the first user step and for the pair's whole life, what the
 pair does: the engine never changes them mid-session. D's size (its KV blocks, for the pin
 budget) comes from its ``/metrics``: vLLM publishes its cache configuration there as
 ``vllm:cache_config_info`` (stock and agentkv servers alike, unless started with
@@ -25,6 +27,7 @@ from _agentkv_vllm._patches import AUTO_PLACEMENT
 from .._errors import EngineError
 from ._base import Sampling
 from ._http_transport import PairTransport, completion_body, retrying, translated
+from ._http_versions import ServerVersions, read_server_version, stock_streams_handle
 from ._platforms import Role
 
 __all__ = [
@@ -52,10 +55,12 @@ class ServerCapabilities:
     prefill_kind: ServerKind
     decode_kind: ServerKind
     handle_in_stream: bool
-    """D's streamed responses end with its KV handle (agentkv's server: yes; stock vLLM 0.32: no)."""
+    """D's streamed responses end with its KV handle (agentkv's server: yes; stock vLLM: from 0.33 on)."""
     served_model: str
     max_model_len: int
     placement_off: str | None = "not probed"
+    versions: dict[Role, ServerVersions] | None = None
+    """What each server runs (vLLM, NIXL, the NIXL handshake version), as far as it says."""
     """Why D cannot take a step alone (see ``_server.py``'s ``features_off``); None: it can."""
 
     @property
@@ -69,8 +74,11 @@ class ServerCapabilities:
         return self.prefill_kind == "agentkv"
 
 
-async def probe_servers(transport: PairTransport, models: list[Any], *, attempts: int) -> ServerCapabilities:
-    """Ask each server one token (``models``: what each serves, from `PairTransport.connect`)."""
+async def probe_servers(
+    transport: PairTransport, models: list[Any], *, urls: tuple[str, str], attempts: int
+) -> ServerCapabilities:
+    """Ask each server one token (``models``: what each serves, from `PairTransport.connect`) and its versions
+    (``GET /version`` at ``urls``, and agentkv's servers' own word)."""
     served_model = models[1].id
     lengths = [length for model in models if (length := getattr(model, "max_model_len", None))]
     body = completion_body(
@@ -97,6 +105,12 @@ async def probe_servers(transport: PairTransport, models: list[Any], *, attempts
                         d_extras = reply.extras
     if not token_ids:
         raise EngineError("the decode server streams no token ids: it needs vLLM 0.32's `return_token_ids`")
+    versions: dict[Role, ServerVersions] = {
+        "prefill": ServerVersions.of(await read_server_version(urls[0]), p_reply.extras),
+        "decode": ServerVersions.of(await read_server_version(urls[1]), d_extras),
+    }
+    if d_kind == "vllm":  # the probe asks for no handle: a stock server's streams carry one by its release
+        handle_in_stream = stock_streams_handle(versions["decode"].vllm)
     placement_off = "the decode server is a stock vLLM server"
     if d_kind == "agentkv":
         off = d_extras.get("features_off") if isinstance(d_extras, dict) else None
@@ -108,6 +122,7 @@ async def probe_servers(transport: PairTransport, models: list[Any], *, attempts
         handle_in_stream=handle_in_stream,
         served_model=served_model,
         max_model_len=min(lengths) if lengths else 4096,
+        versions=versions,
     )
 
 

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._errors import UserError
-from .._model import prepare_model_off_loop
 from ._base import EngineInfo
 from ._http_answer import NixlBaseline
 from ._http_capabilities import (
@@ -26,7 +25,9 @@ from ._http_capabilities import (
     decode_capacity,
     probe_servers,
 )
+from ._http_model import ServedModel, resolve_served_model
 from ._http_transport import PairTransport
+from ._http_versions import check_handshake
 from ._pair_config import Transfer
 from ._pair_layer import PairLayer
 from ._platforms import Role
@@ -40,11 +41,12 @@ logger = logging.getLogger("agentkv")
 def stock_decode_streaming_error(decode_url: str) -> UserError:
     """Why a stock vLLM decode server cannot stream to a session, and what to run instead."""
     return UserError(
-        f"the decode server at {decode_url} is a stock vLLM server: its streamed responses carry no "
-        "KV handle (vLLM 0.32 returns it only in non-streamed responses), so push-back cannot work, "
-        "and with bidirectional_kv_xfer it keeps every step's KV pinned for decoder_kv_blocks_ttl "
-        "(480 s) where nothing can free it. Run the decode server with `agentkv engine --role decode` "
-        "(streaming and push-back), or pass decode_streaming=False (push-back; each answer arrives whole)."
+        f"the decode server at {decode_url} is a stock vLLM server whose streamed responses carry no "
+        "KV handle (vLLM 0.32 returns it only in non-streamed responses; from 0.33 on the last streamed chunk "
+        "carries it), so push-back cannot work, and with bidirectional_kv_xfer it keeps every step's KV pinned for "
+        "decoder_kv_blocks_ttl (480 s) where nothing can free it. Run the decode server with `agentkv engine --role "
+        "decode` or stock vLLM 0.33 or later (streaming and push-back), or pass decode_streaming=False (push-back; "
+        "each answer arrives whole)."
     )
 
 
@@ -136,13 +138,21 @@ class HTTPServers(PairLayer):
     ) -> None:
         """Connect to the servers, probe what they are, and decide once what the pair does.
 
-        ``model_path``: the prepared model folder, when the caller already has it.
+        ``model_path``: the prepared model folder, when the caller already has it (servers it started); otherwise
+        the servers' model, or the one the pair was given if the servers serve it (`resolve_served_model`).
+        P and D must run vLLM releases that handshake (`check_handshake`).
         """
-        if model_path is None:
-            model_path = await prepare_model_off_loop(self._model, progress=self._progress)
         self._urls = (prefill_url, decode_url)
         models = await self._transport.connect(self._urls)
-        capabilities = await probe_servers(self._transport, models, attempts=self._transport.attempts)
+        if model_path is None:  # the servers' model, or the one named if they serve it (`resolve_served_model`)
+            served: dict[Role, ServedModel] = {
+                "prefill": ServedModel.of(models[0]),
+                "decode": ServedModel.of(models[1]),
+            }
+            model_path = await resolve_served_model(served, self._model, self._urls)
+        capabilities = await probe_servers(self._transport, models, urls=self._urls, attempts=self._transport.attempts)
+        assert capabilities.versions is not None
+        check_handshake(capabilities.versions, self._urls)
         if self._decode_streaming and not capabilities.handle_in_stream:
             if not self._agentkv_servers:
                 raise stock_decode_streaming_error(decode_url)
@@ -177,6 +187,8 @@ class HTTPServers(PairLayer):
                 "server_kind": capabilities.server_kind,
                 "transfer": self._transfer,
                 "decode_kv_blocks": self._decode_capacity.blocks,
+                "served_model": capabilities.served_model,
+                "versions": {role: found.as_dict() for role, found in capabilities.versions.items()},
             },
         )
 

@@ -40,6 +40,7 @@ from ._vllm_sampling import LOGPROB_FLOOR, top_alternatives
 __all__ = [
     "PairTransport",
     "ServerReply",
+    "chunk_items",
     "completion_body",
     "completion_logprobs",
     "never_arrived",
@@ -136,6 +137,25 @@ class ServerReply:
 
     def nixl(self) -> dict[str, float] | None:
         return (self.extras or {}).get("nixl")
+
+
+def chunk_items(chunk: Any) -> list[tuple[Any, ServerReply | None]]:
+    """What one streamed ``/v1/completions`` chunk tells a pair: ``(choice, None)`` for its tokens, and
+    ``(None, reply)`` when it carries the end of the request (D's handle, agentkv's extras).
+
+    agentkv's server ends a stream with a chunk of its own (no choices: the extras and the handle); a stock vLLM
+    server from 0.33 on puts the handle on its last chunk that has choices (vLLM 0.32 streamed none); a chunk whose
+    ``kv_transfer_params`` is null carries nothing of it.
+    """
+    extra = chunk.model_extra or {}
+    items: list[tuple[Any, ServerReply | None]] = []
+    if chunk.choices:
+        items.append((chunk.choices[0], None))
+        if extra.get("kv_transfer_params") is not None or extra.get(SERVER_EXTRAS_FIELD) is not None:
+            items.append((None, ServerReply.of(extra)))
+    elif "kv_transfer_params" in extra or SERVER_EXTRAS_FIELD in extra:
+        items.append((None, ServerReply.of(extra)))
+    return items
 
 
 def completion_body(
@@ -288,11 +308,8 @@ class PairTransport:
                         chunk = await anext(chunks)
                     except StopAsyncIteration:
                         break
-                extra = chunk.model_extra or {}
-                if chunk.choices:
-                    yield chunk.choices[0], None
-                elif "kv_transfer_params" in extra or SERVER_EXTRAS_FIELD in extra:
-                    yield None, ServerReply.of(extra)
+                for item in chunk_items(chunk):
+                    yield item
         except TimeoutError as exc:
             raise EngineError(f"the {role} server sent nothing for {self.step_timeout_s} s") from exc
         finally:

@@ -127,10 +127,10 @@ class LaunchedPair(HTTPPair):
     # ----------------------------------------------------------------- lifecycle
 
     async def _start(self) -> None:
+        self._platform = current_platform()  # first: a host vLLM finds no platform on fails before the model
         model_path = await prepare_model_off_loop(self._model, progress=self._progress)
         if self._log_dir is None:
             self._log_dir = home_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self._tag}"
-        self._platform = current_platform()
         placement: EngineDetails
         if self._platform.pins_cores:
             p_cores, d_cores = (list(c) for c in self.config.cores) if self.config.cores else split_cores()

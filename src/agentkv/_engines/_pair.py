@@ -104,8 +104,8 @@ class EmbeddedPair(PairSteps):
 
     async def _start(self) -> None:
         config = self.config
+        platform = current_platform()  # first: a host vLLM finds no platform on fails before the model is prepared
         model_path = await prepare_model_off_loop(config.model, progress=self._progress)
-        platform = current_platform()
         if not platform.pins_cores:
             await self._start_on_gpus(model_path, platform)
             return

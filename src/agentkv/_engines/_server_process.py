@@ -124,6 +124,9 @@ def parse_vllm_flags(words: Sequence[str]) -> dict[str, Any]:
     """
     if not words:
         return {}
+    from ._platforms import current_platform
+
+    current_platform()  # vLLM's parser needs a platform: where vLLM finds none, say so (not "Failed to infer ...")
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -134,13 +137,18 @@ def parse_vllm_flags(words: Sequence[str]) -> dict[str, Any]:
         def error(self, message: str) -> NoReturn:
             raise UserError(f"the vLLM engine arguments after --: {message}")
 
-    parser = AsyncEngineArgs.add_cli_args(Parser(prog="vllm", add_help=False))
-    given: dict[str, str] = {}
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS  # the namespace holds only what was given
-        if callable(action.type):
-            action.type = _noting(action.type, action.dest, given)
-    parsed = vars(parser.parse_args(list(words)))
+    try:
+        parser = AsyncEngineArgs.add_cli_args(Parser(prog="vllm", add_help=False))
+        given: dict[str, str] = {}
+        for action in parser._actions:
+            action.default = argparse.SUPPRESS  # the namespace holds only what was given
+            if callable(action.type):
+                action.type = _noting(action.type, action.dest, given)
+        parsed = vars(parser.parse_args(list(words)))
+    except UserError:
+        raise
+    except Exception as exc:  # vLLM's parser failing on this host or on a value: the command line's to fix
+        raise UserError(f"vLLM could not read the engine arguments after -- ({type(exc).__name__}: {exc})") from exc
     return {name: _plain(value, given.get(name)) for name, value in parsed.items()}
 
 

@@ -191,7 +191,7 @@ class SqliteSessionStore(_TableSessionStore):
 class PostgresSessionStore(_TableSessionStore):
     """Session snapshots in a PostgreSQL database (its ``agentkv_sessions`` table: src/agentkv/_postgres.py
     says the layout), which several doors share: a conversation saved by one resumes on any; the oldest dropped
-    beyond ``max_sessions``. Needs psycopg (``pip install 'agentkv[postgresql]'``).
+    beyond ``max_sessions``. Needs psycopg (``pip install 'agentkv-vllm[postgresql]'``).
 
     One owner at a time: a pool takes a named conversation's lease in ``agentkv_leases`` for each step, owned
     by this store object, renewed every third of ``lease_ttl_s`` while held (a thread of the store's); a step

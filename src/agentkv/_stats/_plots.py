@@ -25,7 +25,7 @@ def plot_turns(series: Mapping[str, Sequence[TurnPoint]], *, title: str, path: s
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("plots need matplotlib: pip install 'agentkv[plot]'") from exc
+        raise ImportError("plots need matplotlib: pip install 'agentkv-vllm[plot]'") from exc
 
     class NotebookFigure(Figure):
         """A Figure that a notebook shows as PNG, with or without pyplot's inline backend."""

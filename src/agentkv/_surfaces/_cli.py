@@ -63,11 +63,13 @@ def _split_at_dashes(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
 
 def _engine_args_after_dashes(args: argparse.Namespace, words: list[str] | None) -> dict[str, Any]:
     """The vLLM engine arguments given after ``--`` (only to the commands made by `add_vllm_command`: ``engine``,
-    ``serve`` and ``smoke``), checked as `PairConfig` checks its ``engine_args``."""
+    ``serve``, ``smoke`` and ``bench``), checked as `PairConfig` checks its ``engine_args``."""
     if words is None:
         return {}
     if not args.vllm_args:
-        raise UserError("only agentkv engine, agentkv serve and agentkv smoke take vLLM engine arguments after --")
+        raise UserError(
+            "only agentkv engine, agentkv serve, agentkv smoke and agentkv bench take vLLM engine arguments after --"
+        )
     from .._engines._pair_config import check_engine_args
     from .._engines._server_process import parse_vllm_flags
 

@@ -15,14 +15,24 @@ from .._bench._goodput import DEFAULT_SLO_ITL, DEFAULT_SLO_TTFT
 from .._bench._modes import DEFAULT_DTYPE, DEFAULT_MODES, DTYPES, MODES
 from .._bench._population import AGENTIC_THINK_S, ARRIVALS
 from .._bench._workloads import WORKLOADS
-from ._cli_options import Commands, add_command
+from ._cli_options import Commands, add_device_arguments, add_model_argument, add_vllm_command, device_options
 
 __all__ = ["BenchProgress", "add_bench_command"]
 
 
 def add_bench_command(commands: Commands) -> None:
     """``bench``."""
-    bench = add_command(commands, "bench", _bench)
+    bench = add_vllm_command(
+        commands,
+        "bench",
+        _bench,
+        epilog=" (for bench: of every engine it starts, stock vllm serve's included)",
+    )
+    add_model_argument(
+        bench,
+        help="the model of every engine the bench starts: bundled name, HF folder or org/name[@rev] (default: SmolLM2)",
+    )
+    add_device_arguments(bench)
     conversation = bench.add_mutually_exclusive_group()
     conversation.add_argument("--workload", choices=tuple(WORKLOADS), default="agentic", help="(default: agentic)")
     conversation.add_argument(
@@ -194,6 +204,9 @@ def _bench(args: argparse.Namespace) -> int:
         pin_ttl_s=args.pin_ttl_s,
         compiled=args.compiled,
         block_size=args.block_size,
+        model=args.model,
+        engine_args=args.engine_args,
+        **device_options(args),
         progress=progress,
         log=progress.log,
     )

@@ -13,7 +13,7 @@ from .._engines._pair_config import Transfer
 from .._engines._platforms import current_platform
 from .._errors import UserError
 from .._model import list_models, prepare_model
-from ._cli_options import Commands, add_command, add_model_argument, add_vllm_command, cores, devices
+from ._cli_options import Commands, add_command, add_device_arguments, add_model_argument, add_vllm_command, cores
 from ._cli_pairs import add_engine_choice
 
 __all__ = ["add_host_commands"]
@@ -26,8 +26,8 @@ def add_host_commands(commands: Commands) -> None:
         "engine",
         _engine_server,
         options="--role {prefill,decode} --nixl-host NIXL_HOST [options]",
-        epilog=". On a GPU host the server runs on the GPUs CUDA_VISIBLE_DEVICES leaves it, its tensor-parallel size "
-        "their number",
+        epilog=". On a GPU host the server runs on the GPUs of --prefill-devices or --decode-devices (the one of its "
+        "role), else on those CUDA_VISIBLE_DEVICES leaves it, its tensor-parallel size their number",
     )
     engine.add_argument("--role", choices=("prefill", "decode"), required=True)
     add_model_argument(engine)
@@ -38,6 +38,7 @@ def add_host_commands(commands: Commands) -> None:
     engine.add_argument(
         "--cores", type=cores, default=None, help="cores for the engine, e.g. 0-3,6 (default: all available; CPU)"
     )
+    add_device_arguments(engine, one_server=True)
     engine.add_argument("--max-model-len", type=int, default=4096)
     engine.add_argument("--kv-cache-gib", type=float, default=4.0)
     engine.add_argument("--pin-ttl-s", type=float, default=480.0)
@@ -66,15 +67,7 @@ def add_host_commands(commands: Commands) -> None:
         default="bidirectional",
         help="auto: the pair may place steps on D alone (they reuse D's cache instead of pulling)",
     )
-    smoke.add_argument(
-        "--prefill-devices",
-        type=devices,
-        default=None,
-        metavar="GPUS",
-        help="P's GPUs, e.g. 0,1 (with --decode-devices; default: the visible GPUs in two halves; "
-        "one GPU: --prefill-devices 0 --decode-devices 0)",
-    )
-    smoke.add_argument("--decode-devices", type=devices, default=None, metavar="GPUS", help="D's GPUs, e.g. 2,3")
+    add_device_arguments(smoke)
 
     models = add_command(commands, "models", _models)
     models.add_argument("action", nargs="?", choices=("list", "prepare"), default="list")
@@ -111,7 +104,7 @@ def _engine_server(args: argparse.Namespace) -> int:
 
     from .._engines._engine_launch import pair_engine_launch
     from .._engines._pair_config import PairConfig
-    from .._engines._platforms import PairDevices
+    from .._engines._platforms import PairDevices, resolve_devices
     from .._engines._server_process import ServerSpec, server_command, server_env
 
     config = PairConfig(
@@ -123,16 +116,24 @@ def _engine_server(args: argparse.Namespace) -> int:
         pin_ttl_s=args.pin_ttl_s,
         engine_args=args.engine_args,
     )
-    platform = current_platform()
+    platform = current_platform()  # before the model: a host vLLM finds no platform on fails in seconds
     gpus: PairDevices | None = None
-    if not platform.pins_cores:  # a GPU host: the server's GPUs are those its environment leaves it
+    given = {"prefill": args.prefill_devices, "decode": args.decode_devices}
+    other = "decode" if args.role == "prefill" else "prefill"
+    if given[other] is not None:
+        raise UserError(f"--{other}-devices names the GPUs of the {other} server; this one runs --role {args.role}")
+    if not platform.pins_cores:  # a GPU host: the devices given, else those its environment leaves it
         if args.cores is not None:
             raise UserError(
                 "--cores binds the engine's threads on vLLM's CPU platform; on a GPU host choose "
-                "the server's GPUs with CUDA_VISIBLE_DEVICES"
+                f"the server's GPUs with --{args.role}-devices (or CUDA_VISIBLE_DEVICES)"
             )
         mine = platform.visible_devices
+        if given[args.role] is not None:
+            mine = resolve_devices(platform, given[args.role], f"--{args.role}-devices")
         gpus = PairDevices(prefill=mine) if args.role == "prefill" else PairDevices(decode=mine)
+    elif given[args.role] is not None:
+        raise UserError(f"--{args.role}-devices chooses GPUs; this host runs vLLM's CPU platform (use --cores)")
     launch = pair_engine_launch(
         config,
         args.role,

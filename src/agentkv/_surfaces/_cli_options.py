@@ -1,5 +1,5 @@
 """What the ``agentkv`` command's subcommands share (src/agentkv/_surfaces/_cli.py): adding a subcommand, the
-``--model`` option, the option types that check their values, and the words after ``--``."""
+``--model`` option, the device options, the option types that check their values, and the words after ``--``."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ __all__ = [
     "AFTER_DASHES",
     "Commands",
     "add_command",
+    "add_device_arguments",
     "add_model_argument",
     "add_vllm_command",
     "cores",
+    "device_options",
     "devices",
     "positive_int",
     "positive_seconds",
@@ -58,6 +60,33 @@ def add_model_argument(parser: argparse.ArgumentParser, help: str | None = None)
     parser.add_argument(
         "--model", default=None, help=help or "bundled name, HF folder or org/name[@rev] (default: SmolLM2)"
     )
+
+
+def add_device_arguments(parser: argparse.ArgumentParser, *, one_server: bool = False) -> None:
+    """``--prefill-devices`` and ``--decode-devices``: the GPUs of P and of D on a CUDA host (`devices`), as
+    `PairConfig`'s ``prefill_devices`` and ``decode_devices`` take them (an index counts the visible GPUs from 0,
+    as vLLM's ``cuda:N``; another word names a device as ``CUDA_VISIBLE_DEVICES`` does). ``one_server``: the command
+    runs one server of a pair (``agentkv engine``), which takes the flag of its ``--role``."""
+    which = " (the one of --role)" if one_server else ""
+    parser.add_argument(
+        "--prefill-devices",
+        type=devices,
+        default=None,
+        metavar="GPUS",
+        help=f"P's GPUs{which}, e.g. 0,1 (default: the visible GPUs in two halves; one GPU for both: "
+        "--prefill-devices 0 --decode-devices 0; CUDA only)",
+    )
+    parser.add_argument(
+        "--decode-devices", type=devices, default=None, metavar="GPUS", help=f"D's GPUs{which}, e.g. 2,3"
+    )
+
+
+def device_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The pair keywords of ``--prefill-devices`` and ``--decode-devices`` (none when neither was given)."""
+    prefill, decode = getattr(args, "prefill_devices", None), getattr(args, "decode_devices", None)
+    if prefill is None and decode is None:
+        return {}
+    return {"prefill_devices": prefill, "decode_devices": decode}
 
 
 def positive_int(text: str) -> int:

@@ -14,7 +14,7 @@ from .._engines._slo import DEFAULT_SLO
 from .._engines._system import split_cores_among_pairs
 from .._errors import UserError
 from .._session._session import Mode
-from ._cli_options import add_model_argument
+from ._cli_options import add_model_argument, device_options
 
 __all__ = ["add_engine_choice", "add_session_arguments", "add_slo_arguments", "engine_options"]
 
@@ -84,14 +84,22 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     slo = _slo(args)
     if slo is not None and args.mode == "colocated":
         raise UserError("--slo-ttft-s and --slo-itl-s place mode auto's steps on a pair; colocated is one engine")
+    devices = device_options(args)
+    if devices and pairs > 1:
+        raise UserError(
+            "--pairs splits the visible GPUs among its pairs; --prefill-devices and --decode-devices place one"
+        )
     if args.remote:
-        if options:
-            raise UserError("servers given with --remote take their vLLM arguments where they start (agentkv engine)")
+        if options or devices:
+            raise UserError(
+                "servers given with --remote take their vLLM arguments and devices where they start (agentkv engine)"
+            )
         objective = DEFAULT_SLO if slo is None else slo
         remotes = [RemotePair(*urls, model=args.model, transfer=args.transfer, slo=objective) for urls in args.remote]
         return {"engine": remotes[0] if len(remotes) == 1 else EngineGroup(remotes)}
     if slo is not None:
         options["slo"] = slo
+    options |= devices
     kind = LaunchedPair if args.engine == "launched" else EmbeddedPair
     if pairs == 1:
         if args.engine == "embedded" and args.transfer == "pull":  # the session's own default pair

