@@ -27,6 +27,7 @@ from agentkv import (
     SqliteSessionStore,
     UserError,
 )
+from agentkv._session._session_store import conversation_key
 from agentkv._surfaces._cli import main
 from agentkv.serve import SqliteResponseStore
 from agentkv.testing import HonestPairEngine
@@ -209,7 +210,9 @@ def test_an_unnamed_conversation_resumes_by_its_history(store: SessionStore) -> 
         messages.append(said(pool.step_sync(messages)))
         tokens = pool.sessions[0].token_ids
     keys = [row[0] for row in on_the_table(store, "SELECT key FROM {sessions}")]
-    assert len(keys) == 1 and keys[0].startswith("history:")  # the first step's key was replaced by the second's
+    assert len(keys) == 1 and keys[0].startswith(
+        "default/history:"
+    )  # the first step's key was replaced by the second's
     with HonestPairEngine(answer) as restarted, SessionPool(engine=restarted, store=store) as pool:
         third = pool.step_sync([*messages, user("Three?")])
         assert third.stats.miss_reason == "resumed"
@@ -232,14 +235,16 @@ def test_a_session_closed_when_idle_resumes_from_the_store(store: SessionStore) 
 
 
 def test_an_unreadable_row_is_rebuilt_from_the_messages(store: SessionStore) -> None:
-    on_the_table(store, "INSERT INTO {sessions} (key, snapshot) VALUES (?, ?)", "conversation:c1", '{"version": 99}')
-    assert store.get("conversation:c1") is None
+    on_the_table(
+        store, "INSERT INTO {sessions} (key, snapshot) VALUES (?, ?)", conversation_key("c1"), '{"version": 99}'
+    )
+    assert store.get(conversation_key("c1")) is None
     with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=store) as pool:
         reply = pool.step_sync(
             [user("One?"), {"role": "assistant", "content": "Yes."}, user("Two?")], conversation_id="c1"
         )
         assert reply.stats.miss_reason == "no_handle"
-    assert store.get("conversation:c1") is not None  # saved again, readable
+    assert store.get(conversation_key("c1")) is not None  # saved again, readable
 
 
 def test_the_store_keeps_at_most_max_sessions(make_store: MakeStore) -> None:
@@ -247,10 +252,10 @@ def test_the_store_keeps_at_most_max_sessions(make_store: MakeStore) -> None:
     with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=bounded) as pool:
         for name in ("one", "two", "three"):
             pool.step_sync([user(name)], conversation_id=name)
-        assert [bounded.get(f"conversation:{n}") is not None for n in ("one", "two", "three")] == [False, True, True]
+        assert [bounded.get(conversation_key(n)) is not None for n in ("one", "two", "three")] == [False, True, True]
         pool.step_sync([user("two"), {"role": "assistant", "content": "Yes."}, user("more")], conversation_id="two")
         pool.step_sync([user("four")], conversation_id="four")  # drops three, the oldest written: two was rewritten
-    assert [bounded.get(f"conversation:{n}") is not None for n in ("two", "three", "four")] == [True, False, True]
+    assert [bounded.get(conversation_key(n)) is not None for n in ("two", "three", "four")] == [True, False, True]
     assert len(on_the_table(bounded, "SELECT key FROM {sessions}")) == 2
     with pytest.raises(UserError, match="max_sessions"):
         make_store(max_sessions=0)

@@ -31,6 +31,7 @@ from .._engines._sampling import SamplingOptions, response_format_outputs
 from .._errors import UserError
 from .._session._message_step import StepOptions
 from .._session._results import StepReply, ToolCallDelta
+from ._bounds import parse_json
 from ._request_fields import CHAT_FIELDS, FieldRule, check_fields
 
 __all__ = [
@@ -89,8 +90,13 @@ class ChatRequest(SamplingFields):
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
     user: str | None = None
+    """OpenAI's end-user id: metadata, never a conversation's key."""
     session_id: str | None = None
-    """The conversation's id (as the ``x-session-id`` header)."""
+    """The conversation's id (src/agentkv/_surfaces/_conversation_keys.py reads it, with the two below)."""
+    conversation_id: str | None = None
+    prompt_cache_key: str | None = None
+    cache_salt: str | None = None
+    """The request's own prefix-cache salt, over its tenant's (src/agentkv/_session/_tenancy.py)."""
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
     logprobs: bool | None = False
@@ -177,10 +183,7 @@ def sampling_options(options: dict[str, Any], names: Mapping[str, str]) -> Sampl
 
 def read_body(model: type[Body], body: bytes, table: Mapping[str, FieldRule]) -> Body:
     """A request body of ``model``, checked: a field the table refuses is a `UserError` saying why."""
-    try:
-        raw = json.loads(body)
-    except ValueError:
-        raw = None  # pydantic names the error
+    raw = parse_json(body)  # bounded in depth (a 400 past it), before pydantic reads it
     if isinstance(raw, dict):
         check_fields(raw, table)
     try:
@@ -234,7 +237,8 @@ class CompletionIds:
 
     @classmethod
     def new(cls, model: str, request_id: str | None = None) -> CompletionIds:
-        """New ids; ``request_id``: the request's own (the completion is ``chatcmpl-<request_id>``, as vLLM's)."""
+        """New ids; ``request_id``: the request's own (the completion is ``chatcmpl-<request_id>``, as vLLM's; an
+        id of at most 256 characters, src/agentkv/_surfaces/_bounds.py, for every chunk repeats it)."""
         return cls(f"chatcmpl-{request_id or uuid.uuid4().hex}", int(time.time()), model)
 
     def head(self, kind: str) -> dict[str, Any]:
