@@ -432,9 +432,19 @@ def _fault(url: str, doing: str, exc: Exception | None, timeout_s: float) -> Sto
         "other": f"{said} ({type(exc).__name__})",
     }[reason]
     retry = 1
+    said_publicly = {  # without the driver's words, which name the server's host and port
+        "unreachable": "the server could not be reached",
+        "timeout": f"the server did not answer within {timeout_s:g} s",
+        "locked": f"a lock it needs is held elsewhere past {timeout_s:g} s",
+        "full": "the server's disk is full",
+        "read_only": "the server refuses this user's writes",
+        "other": f"the server failed ({type(exc).__name__})",
+    }[reason]
+    end = "nothing of this call was kept: retry after"
     return StoreUnavailableError(
-        f"could not {doing} the store {url}: {why}; nothing of this call was kept: retry after {retry} s",
+        f"could not {doing} the store {url}: {why}; {end} {retry} s",
         path=url,
         reason=reason,
         retry_after_s=retry,
+        public=f"could not {doing} the store: {said_publicly}; {end} {retry} s",
     )

@@ -289,11 +289,13 @@ def store_fault(path: Path, doing: str, exc: sqlite3.Error | None, timeout_s: fl
         f"(PRAGMA integrity_check)",
     }[reason]
     retry = 1
+    end = f"{why}; nothing of this call was kept: retry after {retry} s"
     return StoreUnavailableError(
-        f"could not {doing} the store {path}: {why}; nothing of this call was kept: retry after {retry} s",
+        f"could not {doing} the store {path}: {end}",
         path=str(path),
         reason=reason,
         retry_after_s=retry,
+        public=f"could not {doing} the store: {end}",
     )
 
 

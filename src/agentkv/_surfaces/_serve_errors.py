@@ -71,10 +71,7 @@ def failure(exc: BaseException, metrics: ServeMetrics) -> JSONResponse:
     }
     message = said.get(type(exc), str(exc) or type(exc).__name__)
     if isinstance(exc, StoreUnavailableError):  # its message names the file or the server: the log has it
-        message = (
-            f"the server's store could not keep this step ({exc.reason}); nothing of it was kept: retry after "
-            f"{exc.retry_after_s} s"
-        )
+        message = exc.public
     code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else type(exc).__name__
     code = getattr(exc, "openai_code", code)
     param = getattr(exc, "openai_param", None)
