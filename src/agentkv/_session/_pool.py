@@ -11,12 +11,11 @@ are closed, and D's blocks for them released. A step may name its tenant: tenant
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
 from typing import Any, Literal, Unpack, overload
 
 import anyio
@@ -32,6 +31,7 @@ from .._postgres import StoreLease
 from ._engine_user import EngineUser
 from ._message_step import MessageRequest, StepOptions
 from ._pool_members import Member, Offers, offered_id
+from ._pool_stream import streamed_step
 from ._results import ReasoningDelta, StepReply, ToolCallDelta
 from ._session import Session
 from ._session_config import SessionConfig
@@ -262,7 +262,7 @@ class SessionPool(EngineUser):
         deltas: Literal[True],
         **options: Unpack[StepOptions],
     ) -> AsyncGenerator[str | ToolCallDelta | ReasoningDelta | StepReply]: ...
-    async def stream(
+    def stream(
         self,
         messages: Sequence[Message | Mapping[str, Any]],
         *,
@@ -285,43 +285,13 @@ class SessionPool(EngineUser):
         each text piece is a `TextPiece` carrying the log probabilities of the tokens since the last piece
         (all of them are in the reply's ``step.logprobs``).
         """
-        # asyncio, not anyio: the pool's loop (maybe another thread's) feeds this loop's queue through
-        # loop.call_soon_threadsafe (anyio has no call from another thread that does not block it), and the step's
-        # task (asyncio.ensure_future) outlives each yield of this generator, which an anyio task group may not span
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[str | ToolCallDelta | ReasoningDelta | StepReply | BaseException] = asyncio.Queue()
 
-        def on_text(text: str | ToolCallDelta | ReasoningDelta | StepReply | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, text)  # from any thread, queued in call order
+        def step(streamed: StepOptions) -> Awaitable[StepReply]:
+            return self.step(
+                messages, conversation_id=conversation_id, tenant=tenant, cache_salt=cache_salt, **streamed
+            )
 
-        streamed: StepOptions = {**options, "on_text": on_text}
-        if first_token:
-            streamed["on_first_token"] = functools.partial(on_text, "")
-        if deltas:
-            streamed["on_tool_call"] = streamed["on_reasoning"] = on_text
-
-        async def run() -> None:  # the reply or error queued after every piece before it, even on the pool's loop
-            try:
-                reply = await self.step(
-                    messages, conversation_id=conversation_id, tenant=tenant, cache_salt=cache_salt, **streamed
-                )
-                on_text(reply)
-            except BaseException as exc:  # handed to the consumer, who raises it
-                on_text(exc)
-
-        task = asyncio.ensure_future(run())
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, StepReply):
-                    return
-        finally:
-            task.cancel()
-            with anyio.CancelScope(shield=True):  # the step is cancelled (and unwound) before the consumer goes on,
-                await asyncio.gather(task, return_exceptions=True)  # even a consumer that was cancelled itself
+        return streamed_step(step, options, first_token=first_token, deltas=deltas)
 
     async def _step(
         self,
