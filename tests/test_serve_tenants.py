@@ -22,9 +22,8 @@ from agentkv._engines._system import free_port
 from agentkv.engines import StepEvent, StepRequest
 from agentkv.serve import FrontDoor, SqliteResponseStore
 from agentkv.testing import HonestPairEngine
+from tenants import ALICE, BOB, KEYS, cached, not_found, stats
 
-KEYS = {"sk-alice-0123456789": "alice", "sk-bob-9876543210": "bob"}
-ALICE, BOB = ({"authorization": f"Bearer {key}"} for key in KEYS)
 SECRET = "My card number is 4111 1111 1111 1111; keep it for the order."
 PREFIX = "You are the support agent of a shop. " * 8  # a few of the double's 16-token blocks
 
@@ -75,26 +74,6 @@ def chat(url: str, key: dict[str, str], content: str, **fields: Any) -> httpx.Re
 
 def respond(url: str, key: dict[str, str], **fields: Any) -> httpx.Response:
     return httpx.post(url + "/v1/responses", json={"model": "smol", **fields}, headers=key, timeout=60)
-
-
-def stats(answer: httpx.Response) -> dict[str, Any]:
-    assert answer.status_code == 200, answer.text
-    found: dict[str, Any] = answer.json()["agentkv"]["stats"]
-    return found
-
-
-def cached(answer: httpx.Response) -> int:
-    assert answer.status_code == 200, answer.text
-    usage = answer.json()["usage"]
-    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
-    return int(details["cached_tokens"])
-
-
-def not_found(answer: httpx.Response, code: str) -> dict[str, Any]:
-    assert answer.status_code == 404, answer.text
-    error: dict[str, Any] = answer.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
-    return error
 
 
 def test_liveness_and_readiness_say_nothing_and_a_tenant_lists_only_its_own(door: Door) -> None:

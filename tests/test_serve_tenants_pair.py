@@ -19,11 +19,10 @@ import pytest
 from agentkv import EmbeddedPair, PostgresSessionStore, SessionPool, SqliteSessionStore
 from agentkv._engines._system import free_port
 from agentkv.serve import FrontDoor, PostgresResponseStore, SqliteResponseStore
+from tenants import ALICE, BOB, KEYS, cached, not_found, stats
 
 pytestmark = pytest.mark.pair
 
-KEYS = {"sk-alice-" + uuid.uuid4().hex: "alice", "sk-bob-" + uuid.uuid4().hex: "bob"}
-ALICE, BOB = ({"authorization": f"Bearer {key}"} for key in KEYS)
 SECRET = "You are the billing assistant of a shop. My card number is 4111 1111 1111 1111. What do I owe?"
 NOWHERE = "resp_" + "0" * 32
 
@@ -52,22 +51,6 @@ def chat(url: str, key: dict[str, str], messages: list[dict[str, Any]], **fields
     headers = key | fields.pop("headers", {})
     body = {"model": "smol", "messages": messages, **fields}
     return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=300)
-
-
-def stats(answer: httpx.Response) -> dict[str, Any]:
-    assert answer.status_code == 200, answer.text
-    found: dict[str, Any] = answer.json()["agentkv"]["stats"]
-    return found
-
-
-def cached(answer: httpx.Response) -> int:
-    assert answer.status_code == 200, answer.text
-    return int(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-def not_found(answer: httpx.Response, code: str) -> None:
-    assert answer.status_code == 404, answer.text
-    assert answer.json()["error"]["code"] == code
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
