@@ -22,6 +22,7 @@ from agentkv._engines._system import free_port
 from agentkv.engines import StepEvent, StepRequest
 from agentkv.serve import FrontDoor, SqliteResponseStore
 from agentkv.testing import HonestPairEngine
+from serve_cli import serve_with_doubles
 from tenants import ALICE, BOB, KEYS, cached, not_found, stats
 
 SECRET = "My card number is 4111 1111 1111 1111; keep it for the order."
@@ -202,3 +203,62 @@ def test_what_is_kept_is_the_owners_and_bad_ids_are_400s(door: Door) -> None:
     assert stats(again)["turn"] == 1 and stats(again)["miss_reason"] != "resumed"  # nothing left to resume
     assert httpx.delete(url + "/v1/sessions/gone", headers=ALICE).status_code == 200
     assert httpx.delete(url + "/v1/sessions/gone", headers=ALICE).status_code == 404
+
+
+def test_a_door_that_keeps_no_responses_finds_none(tmp_path: Path) -> None:
+    """``keep_responses=False`` (``--no-store-responses``, as vLLM without its store): ``store`` is taken as false,
+    so a response can be neither retrieved nor continued (404s), and the response says ``store: false``."""
+    with (
+        HonestPairEngine(lambda request: "Noted.") as engine,
+        SessionPool(engine=engine, max_tokens=8) as pool,
+        FrontDoor(pool, model_name="smol", port=free_port(), keep_responses=False) as opened,
+    ):
+        first = httpx.post(opened.url + "/v1/responses", json={"input": "Hi"}, timeout=60)
+        assert first.status_code == 200 and first.json()["store"] is False
+        rid = first.json()["id"]
+        not_found(httpx.get(f"{opened.url}/v1/responses/{rid}"), "response_not_found")
+        body = {"input": "Again", "previous_response_id": rid}
+        not_found(httpx.post(opened.url + "/v1/responses", json=body, timeout=60), "previous_response_not_found")
+
+
+def test_a_memory_store_forgets_a_response_past_its_age(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentkv.serve import MemoryResponseStore, StoredResponse
+
+    now = [100.0]
+    monkeypatch.setattr("agentkv._surfaces._response_store.time.monotonic", lambda: now[0])
+    store = MemoryResponseStore(max_age_s=60.0)
+    store.put(StoredResponse("r1", None, (), {}), tenant="alice")
+    assert store.get("r1", tenant="alice") is not None and store.get("r1", tenant="bob") is None
+    assert store.get("r1") is None  # the default tenant's are another's too
+    now[0] += 61.0
+    assert store.get("r1", tenant="alice") is None and len(store) == 0
+
+
+def test_agentkv_serve_takes_keys_a_gateways_header_quotas_and_retention(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command line's keys (repeated, in a file, in the environment), the tenant header, the quotas, the
+    retention and the responses' store reach the pool, the door and the stores; a malformed keys file stops it
+    before anything starts, naming its line but never a key."""
+    keys = tmp_path / "keys"
+    keys.write_text("# tenant key\nalice sk-file-alice\nalice sk-file-alice-2  # rotated\nbob sk-file-bob\n")
+    argv = ["serve", "--store", str(tmp_path / "s.sqlite3"), "--api-key", "k1", "--api-key", "k2"]
+    argv += ["--api-keys-file", str(keys), "--tenant-header", "x-end-user", "--tenant-max-sessions", "3"]
+    argv += ["--tenant-max-in-flight", "2", "--tenant-max-pinned-tokens", "5000", "--retention-s", "60"]
+    argv += ["--no-store-responses", "--write-timeout-s", "5"]
+    stores: list[Any] = []
+    code, pool, door = serve_with_doubles(monkeypatch, argv, while_serving=lambda given: stores.append(given["store"]))
+    assert code == 0
+    assert door["api_key"] == ["k1", "k2"] and door["tenant_header"] == "x-end-user"
+    assert door["api_keys"] == {"sk-file-alice": "alice", "sk-file-alice-2": "alice", "sk-file-bob": "bob"}
+    assert (door["tenant_max_in_flight"], door["write_timeout_s"], door["keep_responses"]) == (2, 5.0, False)
+    assert (pool["tenant_max_sessions"], pool["tenant_max_pinned_tokens"]) == (3, 5000)
+    assert stores[0]._table.max_age_s == 60.0 and pool["store"]._table.max_age_s == 60.0
+    monkeypatch.setenv("AGENTKV_API_KEY", "e1, e2")
+    code, _, door = serve_with_doubles(monkeypatch, ["serve", "--store", "memory"])
+    assert code == 0 and door["api_key"] == ["e1", "e2"] and door["keep_responses"] is True
+    keys.write_text("alice sk-secret-key extra\n")
+    code, pool, _ = serve_with_doubles(monkeypatch, ["serve", "--store", "memory", "--api-keys-file", str(keys)])
+    said = capsys.readouterr().err
+    assert code == 2 and "line 1: write one tenant and one key per line" in said and "sk-secret" not in said
+    assert pool == {}  # refused before the pool was made
