@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import pydantic_core
+from pydantic import BaseModel
 
 from .._errors import UserError
 
@@ -42,6 +43,7 @@ __all__ = [
     "check_metadata",
     "check_request",
     "check_schema_bytes",
+    "body_field",
     "check_user",
     "is_id",
     "parse_json",
@@ -144,32 +146,36 @@ def check_schema_bytes(**schemas: Any) -> None:
             )
 
 
-def _extra(body: Any, name: str) -> Any:
-    """A request field, declared or extra (a pydantic request model keeps the fields it does not declare)."""
+def body_field(body: BaseModel | Mapping[str, Any], name: str) -> Any:
+    """A request's field: of its JSON object, or of a request model, declared or extra (a pydantic model with
+    ``extra="allow"`` keeps the fields it does not declare)."""
+    if isinstance(body, Mapping):
+        return body.get(name)
     if name in type(body).model_fields:
         return getattr(body, name)
-    return (getattr(body, "model_extra", None) or {}).get(name)
+    return (body.model_extra or {}).get(name)
 
 
-def check_request(body: Any) -> None:
-    """A parsed request's fields within their bounds (whichever of them its API has): ``user``, ``request_id``,
-    ``metadata``, ``cache_salt``, and the schemas that become a grammar."""
-    check_user(_extra(body, "user"))
-    request_id = _extra(body, "request_id")
+def check_request(body: BaseModel | Mapping[str, Any]) -> None:
+    """A request's fields within their bounds (whichever of them its API has): ``user``, ``request_id``,
+    ``metadata``, ``cache_salt``, and the schemas that become a grammar. Checked on its JSON object, before a model
+    reads it (a field of the wrong type is refused here as past its bound)."""
+    check_user(body_field(body, "user"))
+    request_id = body_field(body, "request_id")
     if request_id is not None:
         check_id("request_id", request_id)
-    check_metadata(_extra(body, "metadata"))
-    check_cache_salt(_extra(body, "cache_salt"))
-    tools = _extra(body, "tools") or []
+    check_metadata(body_field(body, "metadata"))
+    check_cache_salt(body_field(body, "cache_salt"))
+    tools = body_field(body, "tools") or []
     parameters = []
     for tool in tools:
         if isinstance(tool, Mapping):
             function = tool.get("function")
             parameters.append((function if isinstance(function, Mapping) else tool).get("parameters"))
-    text = _extra(body, "text")
+    text = body_field(body, "text")
     check_schema_bytes(
         tools=[p for p in parameters if p is not None] or None,
-        response_format=_extra(body, "response_format"),
+        response_format=body_field(body, "response_format"),
         text=text.get("format") if isinstance(text, Mapping) else None,
-        structured_outputs=_extra(body, "structured_outputs"),
+        structured_outputs=body_field(body, "structured_outputs"),
     )

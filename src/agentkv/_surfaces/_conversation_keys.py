@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ._bounds import check_id
+from ._bounds import body_field, check_id
 
 __all__ = ["KEY_FIELDS", "SESSION_HEADER", "conversation_key"]
 
@@ -36,14 +36,6 @@ KEY_FIELDS = ("session_id", "conversation_id", "prompt_cache_key")
 """The body fields that name a conversation, in the order they are read (after `SESSION_HEADER`)."""
 
 
-def _field(body: BaseModel | Mapping[str, Any], name: str) -> object:
-    if isinstance(body, Mapping):
-        return body.get(name)
-    if name in type(body).model_fields:
-        return getattr(body, name)
-    return (body.model_extra or {}).get(name)
-
-
 def conversation_key(headers: Mapping[str, str], body: BaseModel | Mapping[str, Any]) -> str | None:
     """The conversation ``headers`` and ``body`` (a parsed request, or its JSON object) name, in the module's
     order (None: none named); a key that is not an id is a `BoundError` naming its field."""
@@ -51,7 +43,7 @@ def conversation_key(headers: Mapping[str, str], body: BaseModel | Mapping[str, 
     if header is not None:
         return check_id(SESSION_HEADER, header)
     for name in KEY_FIELDS:
-        value = _field(body, name)
+        value = body_field(body, name)
         if value is not None:
             return check_id(name, value)
     return None

@@ -31,7 +31,7 @@ from .._engines._sampling import SamplingOptions, response_format_outputs
 from .._errors import UserError
 from .._session._message_step import StepOptions
 from .._session._results import StepReply, ToolCallDelta
-from ._bounds import parse_json
+from ._bounds import check_request, parse_json
 from ._request_fields import CHAT_FIELDS, FieldRule, check_fields
 
 __all__ = [
@@ -182,12 +182,15 @@ def sampling_options(options: dict[str, Any], names: Mapping[str, str]) -> Sampl
 
 
 def read_body(model: type[Body], body: bytes, table: Mapping[str, FieldRule]) -> Body:
-    """A request body of ``model``, checked: a field the table refuses is a `UserError` saying why."""
-    raw = parse_json(body)  # bounded in depth (a 400 past it), before pydantic reads it
+    """A request body of ``model``, checked: a field the table refuses, or one past its bound
+    (src/agentkv/_surfaces/_bounds.py), is a `UserError` saying why. The body is parsed once, bounded in depth, and
+    its fields' bounds checked before pydantic reads it (a refusal costs one parse)."""
+    raw = parse_json(body)
     if isinstance(raw, dict):
         check_fields(raw, table)
+        check_request(raw)
     try:
-        return model.model_validate_json(body)
+        return model.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"

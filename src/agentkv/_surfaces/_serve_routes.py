@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from .._session._pool import SessionPool
 from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
-from ._bounds import check_cache_salt, check_request, is_id
+from ._bounds import check_cache_salt, is_id
 from ._conversation_keys import SESSION_HEADER, conversation_key
 from ._in_flight import InFlight
 from ._limits import Admission, check_items, check_positive, read_body
@@ -127,18 +127,12 @@ class DoorRoutes:
         return failure(exc, self.metrics)
 
     async def parsed(self, request: Request, parse: Callable[[bytes], _Parsed]) -> _Parsed:
-        """The request's body, read within its limit and parsed by ``parse`` (with its fields' bounds checked: a
+        """The request's body, read within its limit and parsed by ``parse`` (its fields' bounds checked: a
         `UserError` when it fails), in a worker thread when the body is `OFF_LOOP_BYTES` or more."""
         body = await read_body(request, self.settings.max_request_bytes)
-
-        def checked(body: bytes) -> _Parsed:
-            found = parse(body)
-            check_request(found)
-            return found
-
         if len(body) >= OFF_LOOP_BYTES:
-            return await anyio.to_thread.run_sync(checked, body)
-        return checked(body)
+            return await anyio.to_thread.run_sync(parse, body)
+        return parse(body)
 
     def step_options(self, tenant: str | None, key: str | None, body: Any) -> dict[str, Any]:
         """The pool's step arguments of a request besides its messages and sampling: its conversation (``key``),
