@@ -22,7 +22,6 @@ Each refusal is a `UserError` (a 400 in OpenAI's shape, naming the field: ``para
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -130,14 +129,36 @@ def check_cache_salt(salt: object) -> str | None:
     return salt
 
 
+def _size_past(value: object, budget: int) -> int:
+    """About how many bytes of JSON ``value`` is (its strings' characters and the punctuation around them), counted
+    only until it passes ``budget``: a value far past it costs no more to refuse than one at it."""
+    size, stack = 0, [value]
+    while stack and size <= budget:
+        item = stack.pop()
+        if isinstance(item, str):
+            size += len(item) + 3
+        elif isinstance(item, Mapping):
+            size += 2
+            for key, inner in item.items():
+                size += len(str(key)) + 4
+                stack.append(inner)
+        elif isinstance(item, list | tuple):
+            size += 2 + len(item)
+            stack.extend(item)
+        else:
+            size += 8
+    return size
+
+
 def check_schema_bytes(**schemas: Any) -> None:
     """Refuse schemas and grammars (by the request field that carries each; None: not given) of more than
-    `MAX_SCHEMA_BYTES` of JSON in all: each becomes a grammar the engines compile before the step's first token."""
+    `MAX_SCHEMA_BYTES` of JSON in all: each becomes a grammar the engines compile before the step's first token.
+    Measured as it is walked, and no further than the bound: a 2 MB enum is refused after its first 64 KiB."""
     total = 0
     for param, schema in schemas.items():
         if schema is None:
             continue
-        total += len(json.dumps(schema, separators=(",", ":")).encode())
+        total += _size_past(schema, MAX_SCHEMA_BYTES - total)
         if total > MAX_SCHEMA_BYTES:
             raise BoundError(
                 param,
