@@ -1,33 +1,36 @@
 """A hostile tenant against ``agentkv serve`` while another tenant's conversation streams beside it (issue #52,
 points 6-11; docs/serve.md, "Serving many users").
 
-    flock /tmp/agentkv-engines.lock .venv/bin/python scripts/bench_abuse.py [--samples 5] [--bad 1000]
+    flock /tmp/agentkv-engines.lock .venv/bin/python scripts/bench_abuse.py [--samples 3] [--bad 1000]
 
 Starts ``agentkv serve`` on the embedded pair (the bundled model) with two tenants, then:
 
 1. **idle**: the victim (tenant ``bob``) runs two-turn conversations, streamed; each turn's TTFT is the time from
    sending the request to its first chunk (the door sends it at the model's first token);
 2. **memory**: the door process's resident memory before and after ``--bad`` bad requests (every kind in turn);
-3. **each abuse input** of points 6-11, sent back to back by the attacker (tenant ``alice``) for as long as the
-   victim runs its conversations again: the attacker's answers (every one must be its 4xx, in OpenAI's error
-   shape) with their median and slowest times, and the victim's TTFT beside it, against idle.
+3. **each abuse input** of points 6-11, sent by the attacker (tenant ``alice``, in a process of its own) for as long
+   as the victim runs its conversations: first paced (one request per ``--interval-s``, 100 ms: a hostile client),
+   then back to back (a flood of as many as one connection gets answered). Per input: the attacker's answers (every
+   one must be its 4xx, in OpenAI's error shape) with their median and p99 times, and the victim's median TTFT
+   beside it against an idle round measured just before (the shared machine's load drifts).
 
-Prints one line per abuse input, and the memory line; exits 1 when an answer was not its 4xx, the victim's median
-TTFT passed 1.5x idle, or the memory grew by more than 10%. Timings are this machine's (a shared 2-core CPU box:
-noisy), never asserted by a test.
+Exits 1 when an answer was not its 4xx, the victim's median TTFT beside a paced attacker passed 1.5x its idle
+round, or the memory grew by more than 10% (the flood's ratios are printed, not judged: on 2 cores the flooding
+client and the door's answers to it take CPU from the engines themselves). Timings are this machine's (a shared
+2-core CPU box: noisy), never asserted by a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -204,24 +207,36 @@ def send(url: str, abuse: Abuse, client: httpx.Client) -> tuple[int, float, bool
     return response.status_code, took, shaped
 
 
-def beside(url: str, abuse: Abuse, run: Callable[[], list[float]]) -> tuple[list[float], list[tuple[int, float, bool]]]:
-    """``run()`` (the victim) while the attacker sends ``abuse`` back to back; the victim's result, the answers."""
-    answers: list[tuple[int, float, bool]] = []
-    done = threading.Event()
+def attack(url: str, index: int, interval_s: float, stop: Any, answers: Any) -> None:
+    """The attacker, in a process of its own (its work shares no interpreter lock with the victim's timing): sends
+    ``ABUSES[index]``, one request after the other, at most one per ``interval_s`` (0: back to back), until
+    ``stop`` is set; puts its answers on ``answers``, then None."""
+    found: list[tuple[int, float, bool]] = []
+    with httpx.Client(timeout=600) as client:
+        while not stop.is_set():
+            started = time.perf_counter()
+            found.append(send(url, ABUSES[index], client))
+            time.sleep(max(0.0, interval_s - (time.perf_counter() - started)))
+    answers.put(found)
 
-    def attack() -> None:
-        with httpx.Client(timeout=600) as client:
-            while not done.is_set():
-                answers.append(send(url, abuse, client))
 
-    attacker = threading.Thread(target=attack)
+def beside(
+    url: str, index: int, interval_s: float, run: Callable[[], list[float]]
+) -> tuple[list[float], list[tuple[int, float, bool]]]:
+    """``run()`` (the victim) while the attacker sends ``ABUSES[index]`` (`attack`); the victim's result, the
+    attacker's answers."""
+    spawn = multiprocessing.get_context("spawn")
+    stop, answers = spawn.Event(), spawn.Queue()
+    attacker = spawn.Process(target=attack, args=(url, index, interval_s, stop, answers))
     attacker.start()
     try:
+        time.sleep(1.0)  # the attacker under way (its interpreter started) before the victim begins
         result = run()
     finally:
-        done.set()
+        stop.set()
+        found: list[tuple[int, float, bool]] = answers.get(timeout=600)
         attacker.join(600)
-    return result, answers
+    return result, found
 
 
 def say(line: str) -> None:
@@ -235,9 +250,12 @@ def median_ms(values: list[float]) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=5, help="victim conversations per measurement (2 turns each)")
+    parser.add_argument("--samples", type=int, default=3, help="victim conversations per measurement (2 turns each)")
     parser.add_argument("--bad", type=int, default=1000, help="bad requests of the memory measurement")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--interval-s", type=float, default=0.1, help="the paced attacker's time between requests (then: a flood)"
+    )
     args = parser.parse_args()
     failed = False
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-abuse-") as folder:
@@ -263,20 +281,25 @@ def main() -> int:
                 f"(every kind in turn): {growth * 100:+.1f}% ({'ok' if growth <= MEMORY_GROWTH else 'FAIL'}, bound "
                 f"{MEMORY_GROWTH * 100:.0f}%)"
             )
-            for abuse in ABUSES:
-                ttfts, answers = beside(door.url, abuse, lambda: victim_ttfts(door.url, args.samples, "abused"))
-                statuses = sorted({status for status, _, _ in answers})
-                right = all(status == abuse.status and shaped for status, _, shaped in answers)
-                ratio = statistics.median(ttfts) / statistics.median(idle)
-                slowest = max(took for _, took, _ in answers) * 1000
-                ok = right and ratio <= TTFT_RATIO
-                failed |= not ok
-                say(
-                    f"point {abuse.point:2d} {abuse.name:30s} {len(answers):4d} answers {statuses} (want "
-                    f"{abuse.status}, OpenAI's shape: {right}), median {median_ms([t for _, t, _ in answers]):5.0f} ms, "
-                    f"slowest {slowest:6.0f} ms; victim TTFT median {median_ms(ttfts):4.0f} ms = {ratio:.2f}x idle "
-                    f"{'ok' if ok else 'FAIL'}"
-                )
+            for interval_s, pace in ((args.interval_s, f"one per {args.interval_s * 1000:.0f} ms"), (0.0, "flood")):
+                for index, abuse in enumerate(ABUSES):
+                    baseline = victim_ttfts(door.url, args.samples, "idle")  # idle again: the machine drifts
+                    ttfts, answers = beside(
+                        door.url, index, interval_s, lambda: victim_ttfts(door.url, args.samples, "abused")
+                    )
+                    statuses = sorted({status for status, _, _ in answers})
+                    right = all(status == abuse.status and shaped for status, _, shaped in answers)
+                    ratio = statistics.median(ttfts) / statistics.median(baseline)
+                    times = [took for _, took, _ in answers]
+                    ok = right and ratio <= TTFT_RATIO
+                    failed |= not ok and interval_s > 0
+                    say(
+                        f"{pace:16s} point {abuse.point:2d} {abuse.name:30s} {len(answers):5d} answers {statuses} "
+                        f"(OpenAI's shape: {right}), median {median_ms(times):4.0f} ms, p99 "
+                        f"{statistics.quantiles(times, n=100)[98] * 1000 if len(times) > 1 else times[0] * 1000:5.0f} "
+                        f"ms; victim TTFT median {median_ms(ttfts):4.0f} ms, idle {median_ms(baseline):4.0f} ms: "
+                        f"{ratio:.2f}x {'ok' if ok else 'over'}"
+                    )
             say(f"memory: door RSS {door.rss_mb():.0f} MiB after the rounds beside the victim")
         finally:
             door.stop()
