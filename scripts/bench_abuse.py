@@ -253,6 +253,7 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=3, help="victim conversations per measurement (2 turns each)")
     parser.add_argument("--bad", type=int, default=1000, help="bad requests of the memory measurement")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--only", default="", help="the abuse inputs whose name holds this (default: every one)")
     parser.add_argument(
         "--interval-s", type=float, default=0.1, help="the paced attacker's time between requests (then: a flood)"
     )
@@ -283,6 +284,8 @@ def main() -> int:
             )
             for interval_s, pace in ((args.interval_s, f"one per {args.interval_s * 1000:.0f} ms"), (0.0, "flood")):
                 for index, abuse in enumerate(ABUSES):
+                    if args.only not in abuse.name:
+                        continue
                     baseline = victim_ttfts(door.url, args.samples, "idle")  # idle again: the machine drifts
                     ttfts, answers = beside(
                         door.url, index, interval_s, lambda: victim_ttfts(door.url, args.samples, "abused")
