@@ -131,7 +131,7 @@ class Door:
             time.sleep(0.5)
 
     def rss_mb(self) -> float:
-        return psutil.Process(self.process.pid).memory_info().rss / 2**20
+        return float(psutil.Process(self.process.pid).memory_info().rss) / 2**20
 
     def stop(self) -> None:
         self.process.terminate()
@@ -142,16 +142,18 @@ class Door:
         self.log.close()
 
 
-def victim_ttfts(url: str, samples: int, tag: str) -> list[float]:
-    """``samples`` two-turn conversations of the victim, streamed: each turn's TTFT (seconds to the first chunk)."""
-    found: list[float] = []
+def victim_ttfts(url: str, samples: int, tag: str) -> tuple[list[float], list[float]]:
+    """``samples`` two-turn conversations of the victim, streamed: the TTFTs (seconds to the first chunk) of their
+    first turns (the prompt computed) and of their second (its KV pulled back from D), apart: two modes whose
+    medians mixed would swing between them."""
+    found: tuple[list[float], list[float]] = ([], [])
     with httpx.Client(timeout=600) as client:
         for n in range(samples):
             name = f"{tag}-{n}-{time.monotonic_ns()}"
             messages: list[dict[str, Any]] = [
                 {"role": "user", "content": f"Conversation {name}: name three fruits, briefly."}
             ]
-            for _turn in (1, 2):
+            for turn in (0, 1):
                 body = {"model": "smol", "messages": messages, "stream": True, "max_tokens": 8}
                 started = time.perf_counter()
                 first: float | None = None
@@ -169,7 +171,7 @@ def victim_ttfts(url: str, samples: int, tag: str) -> list[float]:
                         for choice in json.loads(line[6:]).get("choices", []):
                             text += choice["delta"].get("content") or ""
                 assert first is not None
-                found.append(first)
+                found[turn].append(first)
                 messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "One more?"}]
     return found
 
@@ -221,8 +223,8 @@ def attack(url: str, index: int, interval_s: float, stop: Any, answers: Any) -> 
 
 
 def beside(
-    url: str, index: int, interval_s: float, run: Callable[[], list[float]]
-) -> tuple[list[float], list[tuple[int, float, bool]]]:
+    url: str, index: int, interval_s: float, run: Callable[[], tuple[list[float], list[float]]]
+) -> tuple[tuple[list[float], list[float]], list[tuple[int, float, bool]]]:
     """``run()`` (the victim) while the attacker sends ``ABUSES[index]`` (`attack`); the victim's result, the
     attacker's answers."""
     spawn = multiprocessing.get_context("spawn")
@@ -234,9 +236,9 @@ def beside(
         result = run()
     finally:
         stop.set()
-        found: list[tuple[int, float, bool]] = answers.get(timeout=600)
+        answered: list[tuple[int, float, bool]] = answers.get(timeout=600)
         attacker.join(600)
-    return result, found
+    return result, answered
 
 
 def say(line: str) -> None:
@@ -268,7 +270,10 @@ def main() -> int:
             victim_ttfts(door.url, 2, "warm")  # imports, tokenizer, the engines' first steps: not timed
             idle = victim_ttfts(door.url, args.samples, "idle")
             rss_before = door.rss_mb()
-            say(f"idle: victim TTFT median {median_ms(idle):.0f} ms (n={len(idle)}); door RSS {rss_before:.0f} MiB")
+            say(
+                f"idle: victim TTFT median {median_ms(idle[0]):.0f} ms (turn 1), {median_ms(idle[1]):.0f} ms (turn 2, "
+                f"pulled back), n={args.samples} each; door RSS {rss_before:.0f} MiB"
+            )
             with httpx.Client(timeout=600) as client:
                 for sent in range(args.bad):
                     abuse = ABUSES[sent % len(ABUSES)]
@@ -292,7 +297,8 @@ def main() -> int:
                     )
                     statuses = sorted({status for status, _, _ in answers})
                     right = all(status == abuse.status and shaped for status, _, shaped in answers)
-                    ratio = statistics.median(ttfts) / statistics.median(baseline)
+                    ratios = [statistics.median(t) / statistics.median(b) for t, b in zip(ttfts, baseline, strict=True)]
+                    ratio = max(ratios)
                     times = [took for _, took, _ in answers]
                     ok = right and ratio <= TTFT_RATIO
                     failed |= not ok and interval_s > 0
@@ -300,8 +306,9 @@ def main() -> int:
                         f"{pace:16s} point {abuse.point:2d} {abuse.name:30s} {len(answers):5d} answers {statuses} "
                         f"(OpenAI's shape: {right}), median {median_ms(times):4.0f} ms, p99 "
                         f"{statistics.quantiles(times, n=100)[98] * 1000 if len(times) > 1 else times[0] * 1000:5.0f} "
-                        f"ms; victim TTFT median {median_ms(ttfts):4.0f} ms, idle {median_ms(baseline):4.0f} ms: "
-                        f"{ratio:.2f}x {'ok' if ok else 'over'}"
+                        f"ms; victim TTFT medians {median_ms(ttfts[0]):3.0f}/{median_ms(ttfts[1]):3.0f} ms (turns 1/2), "
+                        f"idle {median_ms(baseline[0]):3.0f}/{median_ms(baseline[1]):3.0f} ms: {ratios[0]:.2f}x/"
+                        f"{ratios[1]:.2f}x {'ok' if ok else 'over'}"
                     )
             say(f"memory: door RSS {door.rss_mb():.0f} MiB after the rounds beside the victim")
         finally:

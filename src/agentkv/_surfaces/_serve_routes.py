@@ -27,7 +27,7 @@ from .._session._results import ReasoningDelta, StepReply, ToolCallDelta
 from ._bounds import check_cache_salt, is_id
 from ._conversation_keys import SESSION_HEADER, conversation_key
 from ._in_flight import InFlight
-from ._limits import Admission, check_items, check_positive, read_body
+from ._limits import TRIM_BYTES, Admission, check_items, check_positive, give_back_memory, read_body
 from ._logprobs import logprob_writer
 from ._metrics import ServeMetrics
 from ._openai_chat import ChatRequest, CompletionIds, StreamedCalls, chunk, completion, read_request
@@ -130,6 +130,8 @@ class DoorRoutes:
         """The request's body, read within its limit and parsed by ``parse`` (its fields' bounds checked: a
         `UserError` when it fails), in a worker thread when the body is `OFF_LOOP_BYTES` or more."""
         body = await read_body(request, self.settings.max_request_bytes)
+        if len(body) >= TRIM_BYTES:  # the last large request's memory given back first (`give_back_memory`)
+            await anyio.to_thread.run_sync(give_back_memory)
         if len(body) >= OFF_LOOP_BYTES:
             return await anyio.to_thread.run_sync(parse, body)
         return parse(body)
