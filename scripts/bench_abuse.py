@@ -267,7 +267,7 @@ def main() -> int:
             port = probe.getsockname()[1]
         door = Door(Path(folder), port, args.max_model_len)
         try:
-            victim_ttfts(door.url, 2, "warm")  # imports, tokenizer, the engines' first steps: not timed
+            victim_ttfts(door.url, 20, "warm")  # imports, the engines' first steps, a pool full of sessions: not timed
             idle = victim_ttfts(door.url, args.samples, "idle")
             rss_before = door.rss_mb()
             say(
