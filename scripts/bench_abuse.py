@@ -5,8 +5,9 @@ points 6-11; docs/serve.md, "Serving many users").
 
 Starts ``agentkv serve`` on the embedded pair (the bundled model) with two tenants, then:
 
-1. **idle**: the victim (tenant ``bob``) runs two-turn conversations, streamed; each turn's TTFT is the time from
-   sending the request to its first chunk (the door sends it at the model's first token);
+1. **idle**: after 20 unmeasured conversations (until the pool is full, a turn 1's TTFT settles: the first ones
+   took half as long), the victim (tenant ``bob``) runs two-turn conversations, streamed; each turn's TTFT is the
+   time from sending the request to its first chunk (the door sends it at the model's first token);
 2. **memory**: the door process's resident memory before and after ``--bad`` bad requests (every kind in turn);
 3. **each abuse input** of points 6-11, sent by the attacker (tenant ``alice``, in a process of its own) for as long
    as the victim runs its conversations: first paced (one request per ``--interval-s``, 100 ms: a hostile client),
