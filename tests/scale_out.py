@@ -9,6 +9,7 @@ the tail of every log (pytest shows it with the failure; a passing test stays qu
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import subprocess
@@ -33,7 +34,8 @@ __all__ = [
     "Process",
     "ScaleOut",
     "StreamedTurn",
-    "health",
+    "live_sessions",
+    "owner",
     "placement",
     "scripted_door",
     "streamed_turn",
@@ -71,12 +73,18 @@ def scripted_door(port: int, store_url: str) -> list[str]:
     return [sys.executable, str(script), "--port", str(port), "--store", store_url]
 
 
-def health(url: str) -> dict[str, Any]:
-    """A door's ``GET /health``."""
-    response = httpx.get(url + "/health", timeout=5)
+def live_sessions(url: str) -> list[str]:
+    """The named conversations a door holds live (its ``GET /v1/sessions``: the scripted doors take no key)."""
+    response = httpx.get(url + "/v1/sessions", timeout=5)
     assert response.status_code == 200, response.text
-    found: dict[str, Any] = response.json()
-    return found
+    return [item["id"] for item in response.json()["data"]]
+
+
+def owner(door: Process) -> str:
+    """The lease owner a scripted door printed at its start (tests/scripted_door.py)."""
+    found = re.search(r"\(owner ([^)]+)\)", door.log.read_text(errors="replace"))
+    assert found is not None, door.tail()
+    return found.group(1)
 
 
 @dataclass
@@ -186,7 +194,7 @@ def placement(doors: list[Process]) -> dict[str, str]:
     """Which door holds each named conversation live (checked: one door only)."""
     held: dict[str, str] = {}
     for door in doors:
-        for name in health(door.url)["conversation_ids"]:
+        for name in live_sessions(door.url):
             assert name not in held, f"{name} is live on {held[name]} and {door.name}: a turn went to another door"
             held[name] = door.name
     return held

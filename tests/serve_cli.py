@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from agentkv._surfaces._tenants import Tenants
+
 
 def serve_with_doubles(
     monkeypatch: pytest.MonkeyPatch,
@@ -39,7 +41,7 @@ def serve_with_doubles(
 
     class NoDoor:
         url = "http://127.0.0.1:8000"
-        settings = type("Settings", (), {"api_key": None, "model_name": "m"})()
+        settings = type("Settings", (), {"tenants": Tenants(), "model_name": "m"})()
 
         def __init__(self, pool: NoPool, **options: Any) -> None:
             door_options.update(options)

@@ -12,6 +12,7 @@ import contextlib
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -147,6 +148,26 @@ def test_an_older_layout_is_migrated_keeping_its_rows(url: str) -> None:
         assert db.execute("SELECT count(*) FROM agentkv_leases").fetchone() == (0,)
 
 
+def test_a_layout_before_tenants_is_migrated_its_rows_the_default_tenants(url: str) -> None:
+    """Layout version 3 (no tenant in the keys, no write times): its sessions, responses and leases become the
+    default tenant's, so a pool or a door with no key continues them; each row gets a write time."""
+    with psycopg.connect(url) as db:
+        db.execute("CREATE TABLE agentkv_schema (version integer NOT NULL)")
+        for statements in _MIGRATIONS[:3]:
+            for statement in statements:
+                db.execute(statement)
+        db.execute("INSERT INTO agentkv_schema (version) VALUES (3)")
+        db.execute("INSERT INTO agentkv_responses (response_id, messages, response) VALUES ('r1', '[]', '{}')")
+        db.execute("INSERT INTO agentkv_sessions (key, snapshot) VALUES ('conversation:c1', '{}')")
+    with PostgresResponseStore(url) as store:
+        assert store.get("r1") == StoredResponse("r1", None, (), {})
+        assert store.get("r1", tenant="alice") is None
+    with psycopg.connect(url) as db:
+        assert db.execute("SELECT version FROM agentkv_schema").fetchall() == [(SCHEMA_VERSION,)]
+        assert db.execute("SELECT key FROM agentkv_sessions").fetchall() == [(conversation_key("c1"),)]
+        assert db.execute("SELECT count(*) FROM agentkv_responses WHERE saved_at <= now()").fetchone() == (1,)
+
+
 def test_a_newer_layout_is_refused(url: str) -> None:
     with PostgresSessionStore(url):
         pass
@@ -176,13 +197,16 @@ def door_on(url: str, *, timeout_s: float) -> Iterator[tuple[str, SessionPool]]:
 
 
 def refused(response: httpx.Response, url: str, why: str) -> None:
-    """A 503 in OpenAI's error shape, with ``Retry-After``, naming the database and what is wrong with it."""
+    """A 503 in OpenAI's error shape, with ``Retry-After``, saying what is wrong with the database but never its
+    address (host, port: the log has them)."""
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"] == "1"
     error = response.json()["error"]
     assert error["type"] == "service_unavailable" and error["code"] == "StoreUnavailableError"
-    assert f"could not save to the store {url}: {why}" in error["message"]
+    assert f"could not save to the store: {why}" in error["message"]
     assert "nothing of this call was kept" in error["message"]
+    port = urllib.parse.urlsplit(url).port
+    assert "127.0.0.1" not in response.text and str(port) not in response.text and "postgres" not in response.text
 
 
 def test_a_stopped_server_gets_503s_and_saving_resumes_once_it_is_back(server: PostgresServer, url: str) -> None:

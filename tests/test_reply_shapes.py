@@ -171,7 +171,7 @@ def test_output_items_are_response_output_items() -> None:
 
 @pytest.mark.parametrize("name", REPLIES)
 def test_every_stream_event_is_a_response_stream_event(name: str) -> None:
-    turn = ResponseTurn.begin(FULL_REQUEST, None, session_header=None, model="m")
+    turn = ResponseTurn.begin(FULL_REQUEST, None, conversation_id=None, model="m")
     events = ResponseEvents(turn)
     written = events.opening()
     written += events.piece(ReasoningDelta(turn=1, step=1, text="First"))

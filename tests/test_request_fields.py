@@ -165,7 +165,6 @@ def test_chat_logprobs_and_structured_outputs_as_vllm_reads_them() -> None:
         ({"thinking_token_budget": 10}, "thinking_token_budget"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
         ({"include_reasoning": False}, "include_reasoning"),
-        ({"cache_salt": "s"}, "cache_salt"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats"),
     ],
@@ -212,11 +211,25 @@ def test_responses_sampling_fields_and_text_format_as_vllm_reads_them() -> None:
         responses(include=["message.output_text.logprobs"])
 
 
-def test_a_request_id_names_the_reply_and_session_id_the_conversation() -> None:
+def test_a_response_id_is_the_doors_own_and_the_keys_name_the_conversation_in_order() -> None:
+    """A client's request_id never names a response (it is echoed only); x-session-id, session_id,
+    conversation_id, prompt_cache_key name the conversation, the first given winning; user never does."""
+    from agentkv._surfaces._conversation_keys import conversation_key
     from agentkv._surfaces._openai_responses import ResponseTurn
 
-    turn = ResponseTurn.begin(responses(request_id="abc", session_id="conv"), None, session_header=None, model="m")
-    assert (turn.response_id, turn.conversation_id) == ("abc", "conv")
+    request = responses(request_id="abc", session_id="conv", prompt_cache_key="later", user="u1")
+    turn = ResponseTurn.begin(request, None, conversation_id=conversation_key({}, request), model="m")
+    assert turn.response_id.startswith("resp_") and turn.response_id != "abc" and turn.conversation_id == "conv"
+    assert conversation_key({"x-session-id": "head"}, request) == "head"
+    for fields, key in [
+        ({"conversation_id": "c", "prompt_cache_key": "p"}, "c"),
+        ({"prompt_cache_key": "p"}, "p"),
+        ({"user": "u"}, None),
+    ]:
+        assert conversation_key({}, chat(**fields)) == key
+        assert conversation_key({}, responses(**fields)) == key
+    with pytest.raises(UserError, match="session_id: an id is 1 to 256"):
+        conversation_key({}, chat(session_id="caf\u00e9"))
 
 
 # ------------------------------------------------------------------------------------ logprobs

@@ -20,7 +20,7 @@ from agentkv._engines._system import free_port
 from agentkv._session._session_store import conversation_key
 from agentkv.serve import FrontDoor
 from agentkv.testing import HonestPairEngine
-from scale_out import Chat, Process, ScaleOut, health, placement
+from scale_out import Chat, Process, ScaleOut, live_sessions, owner, placement
 from scripted_door import MODEL, answer
 
 if shutil.which("vllm-router", path=str(Path(sys.executable).parent)) is None and not shutil.which("vllm-router"):
@@ -68,7 +68,7 @@ def holds_the_unnamed(door: Process) -> bool:
     """Whether the door holds a session no name is given to (its sessions gauge counts more than its named ones)."""
     page = httpx.get(door.url + "/metrics", timeout=5).text
     sessions = next(int(float(line.split()[1])) for line in page.splitlines() if line.startswith("agentkv_sessions "))
-    return sessions > int(health(door.url)["conversations"])
+    return sessions > len(live_sessions(door.url))
 
 
 def test_conversations_stick_to_their_door_and_survive_its_death(postgres_url: str, tmp_path: Path) -> None:
@@ -76,7 +76,7 @@ def test_conversations_stick_to_their_door_and_survive_its_death(postgres_url: s
     chats: dict[str | None, Chat] = {name: Chat(name, MODEL) for name in [*NAMED, None]}
     with ScaleOut(tmp_path) as fleet:
         doors = fleet.start_doors(2, postgres_url)
-        owners = {health(door.url)["owner"] for door in doors}
+        owners = {owner(door) for door in doors}
         assert len(owners) == 2  # each door its own lease owner in the shared store
         router = fleet.start_router([door.url for door in doors])
 

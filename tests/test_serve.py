@@ -16,6 +16,7 @@ import pytest
 from agentkv import EngineGroup, SessionPool, SqliteSessionStore
 from agentkv._engines._system import free_port
 from agentkv._surfaces._metrics import ServeMetrics
+from agentkv._surfaces._tenants import Tenants
 from agentkv.engines import StepRequest
 from agentkv.serve import FrontDoor
 from agentkv.testing import HonestPairEngine
@@ -28,6 +29,16 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+
+
+TENANT = Tenants.of(["k3y"]).names[0]
+"""The tenant of the module's door's key."""
+
+
+def gauge(url: str, name: str) -> float:
+    """A gauge of the door's ``/metrics``."""
+    page = httpx.get(url + "/metrics").text
+    return float(next(line.split()[1] for line in page.splitlines() if line.startswith(f"agentkv_{name} ")))
 
 
 def respond(request: StepRequest) -> str:
@@ -107,7 +118,7 @@ def test_a_tool_conversation_pushes_back_every_step(server: Any, client: openai.
     _, engine, pool = server
     answers = tool_loop(client, "plain", stream=False)
     assert [a["content"] for a in answers] == ["It is sunny.", "It is sunny."]
-    turns = pool.session_for("plain").stats.turns  # type: ignore[union-attr]
+    turns = pool.session_for("plain", tenant=TENANT).stats.turns  # type: ignore[union-attr]
     assert [[s.handle_forwarded for s in t.steps] for t in turns] == [[False, True], [True, True]]
 
 
@@ -271,39 +282,44 @@ def test_two_pairs_behind_one_door_keep_serving_when_one_dies(tokenizer: Any) ->
         answers = clients_at_once(door.url, 8, range(2), histories)
         assert answers == [[f"echo {n}.{t}" for t in range(2)] for n in range(8)]
         assert all(pair.steps for pair in pairs)
-        health = httpx.get(door.url + "/health").json()
-        assert health["status"] == "ok" and (health["engines"], health["live"]) == (2, 2)
-        assert health["conversations"] == 4  # the odd clients' named conversations
+        assert httpx.get(door.url + "/health").json() == {"status": "ok"}
+        assert (gauge(door.url, "engines"), gauge(door.url, "engines_live")) == (2, 2)
+        assert len(httpx.get(door.url + "/v1/sessions").json()["data"]) == 4  # the odd clients' named conversations
         pairs[0].inject("die")
         answers = clients_at_once(door.url, 8, range(2, 4), histories)
         assert answers == [[f"echo {n}.{t}" for t in range(2, 4)] for n in range(8)]
-        assert pairs[0].is_dead and httpx.get(door.url + "/health").json()["live"] == 1
+        assert pairs[0].is_dead and gauge(door.url, "engines_live") == 1
         last_steps = [session.stats.turns[-1].steps[-1] for session in pool.sessions]
         assert len(last_steps) == 8 and all(step.handle_forwarded for step in last_steps)  # all push back on pair 1
     pairs[1].assert_honest()
 
 
-def test_health_lists_the_named_conversations_the_door_holds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``GET /health``: the named conversations live in the pool, the most recently used first, their ids bounded
-    and their count whole; an unnamed one is not listed, a closed one no longer; no owner without PostgreSQL."""
-    monkeypatch.setattr("agentkv._surfaces._serve_routes._HEALTH_IDS", 3)
+def test_sessions_lists_the_named_conversations_the_door_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GET /v1/sessions``: the named conversations live in the pool, the most recently used first, their ids
+    bounded and their count whole; an unnamed one is not listed, a closed one no longer. ``GET /health`` says
+    nothing of them (liveness only), nor ``GET /ready`` (a bare 200)."""
+    monkeypatch.setattr("agentkv._surfaces._serve_admin.SESSIONS_LISTED", 3)
     with (
         HonestPairEngine(respond) as engine,
         SessionPool(engine=engine, max_sessions=5) as pool,
         FrontDoor(pool, port=free_port()) as door,
     ):
-        assert httpx.get(door.url + "/health").json() == {"status": "ok", "conversations": 0, "conversation_ids": []}
+        listed = door.url + "/v1/sessions"
+        assert httpx.get(listed).json() == {"object": "list", "data": [], "total": 0}
         url = door.url + "/v1/chat/completions"
         for name in ("c1", "c2", "c3", "c4", None, "c2"):
             headers = {"x-session-id": name} if name else {}
             body = {"messages": [{"role": "user", "content": f"Hello from {name}"}]}
             assert httpx.post(url, json=body, headers=headers).status_code == 200
-        health = httpx.get(door.url + "/health").json()
-        assert health == {"status": "ok", "conversations": 4, "conversation_ids": ["c2", "c4", "c3"]}
+        found = httpx.get(listed).json()
+        assert [item["id"] for item in found["data"]] == ["c2", "c4", "c3"] and found["total"] == 4
         body = {"messages": [{"role": "user", "content": "Hello from c5"}]}
         assert httpx.post(url, json=body, headers={"x-session-id": "c5"}).status_code == 200  # c1 closed: max 5
-        assert httpx.get(door.url + "/health").json()["conversation_ids"] == ["c5", "c2", "c4"]
+        assert [item["id"] for item in httpx.get(listed).json()["data"]] == ["c5", "c2", "c4"]
         assert "c1" not in pool.conversations and len(pool.conversations) == 4
+        assert httpx.get(door.url + "/health").json() == {"status": "ok"}
+        ready = httpx.get(door.url + "/ready")
+        assert ready.status_code == 200 and ready.content == b""
 
 
 def test_a_restarted_server_resumes_its_conversations_from_the_store(tmp_path: Path) -> None:

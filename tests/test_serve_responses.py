@@ -20,6 +20,7 @@ from pydantic import TypeAdapter
 
 from agentkv import EmbeddedPair, Session, SessionPool
 from agentkv._engines._system import free_port
+from agentkv._surfaces._tenants import Tenants
 from agentkv.engines import StepRequest
 from agentkv.serve import FrontDoor, MemoryResponseStore, ResponseStore, SqliteResponseStore, StoredResponse
 from agentkv.testing import HonestPairEngine
@@ -45,6 +46,8 @@ def respond(request: StepRequest) -> str:
 
 
 Server = tuple[str, HonestPairEngine, SessionPool]
+TENANT = Tenants.of(["k3y"]).names[0]
+"""The tenant of the module's door's key."""
 
 
 @pytest.fixture(scope="module")
@@ -165,17 +168,18 @@ def test_usage_reports_cached_tokens_and_the_step_stats(client: openai.OpenAI) -
 def test_x_session_id_names_the_conversation(server: Server, client: openai.OpenAI) -> None:
     first = create(client, input="Hi", extra_headers={"x-session-id": "named"})
     second = create(client, input="More", previous_response_id=first.id)  # the chain keeps the header's name
-    steps = [s for t in server[2].session_for("named").stats.turns for s in t.steps]  # type: ignore[union-attr]
+    steps = [s for t in server[2].session_for("named", tenant=TENANT).stats.turns for s in t.steps]  # type: ignore[union-attr]
     assert [s.handle_forwarded for s in steps] == [False, True] and second.output_text == "A plain answer."
 
 
-def test_an_unknown_or_unstored_previous_response_is_a_400(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as raised:
+def test_an_unknown_or_unstored_previous_response_is_a_404(client: openai.OpenAI) -> None:
+    """As vLLM answers it (OpenAI answers a 400)."""
+    with pytest.raises(openai.NotFoundError) as raised:
         create(client, input="Hi", previous_response_id="resp_nope")
-    assert raised.value.status_code == 400 and raised.value.code == "previous_response_not_found"
+    assert raised.value.status_code == 404 and raised.value.code == "previous_response_not_found"
     assert raised.value.param == "previous_response_id" and "resp_nope" in raised.value.message
     unstored = create(client, input="Hi", store=False)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):
         create(client, input="Again", previous_response_id=unstored.id)
 
 
@@ -289,7 +293,7 @@ def test_client_kept_history_without_previous_response_id(
     assert second.output_text == "It is sunny." and forwarded(second)
     [session] = sessions_opened(pool, before)
     if name:
-        assert pool.session_for(name) is session
+        assert pool.session_for(name, tenant=TENANT) is session
     assert [[s.handle_forwarded for s in t.steps] for t in session.stats.turns] == [[False, True]]
 
 
@@ -484,7 +488,7 @@ def test_a_deleted_response_can_be_neither_retrieved_nor_continued(server: Serve
         client.responses.retrieve(first.id)
     assert raised.value.status_code == 404 and raised.value.code == "response_not_found"
     assert first.id in raised.value.message
-    with pytest.raises(openai.BadRequestError) as continued:
+    with pytest.raises(openai.NotFoundError) as continued:
         create(client, input="More", previous_response_id=first.id)
     assert continued.value.code == "previous_response_not_found"
     assert forwarded(create(client, input="More", previous_response_id=second.id))  # the chain after it goes on

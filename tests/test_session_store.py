@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sqlite3
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from agentkv import (
     UserError,
     tool,
 )
+from agentkv._session._session_store import conversation_key
 from agentkv._surfaces._cli import main
 from agentkv.serve import SqliteResponseStore
 from agentkv.testing import HonestPairEngine
@@ -244,7 +246,9 @@ def test_an_unnamed_conversation_resumes_by_its_history(store: SessionStore) -> 
         messages.append(said(pool.step_sync(messages)))
         tokens = pool.sessions[0].token_ids
     keys = [row[0] for row in on_the_table(store, "SELECT key FROM {sessions}")]
-    assert len(keys) == 1 and keys[0].startswith("history:")  # the first step's key was replaced by the second's
+    assert len(keys) == 1 and keys[0].startswith(
+        "default/history:"
+    )  # the first step's key was replaced by the second's
     with HonestPairEngine(answer) as restarted, SessionPool(engine=restarted, store=store) as pool:
         third = pool.step_sync([*messages, user("Three?")])
         assert third.stats.miss_reason == "resumed"
@@ -267,14 +271,16 @@ def test_a_session_closed_when_idle_resumes_from_the_store(store: SessionStore) 
 
 
 def test_an_unreadable_row_is_rebuilt_from_the_messages(store: SessionStore) -> None:
-    on_the_table(store, "INSERT INTO {sessions} (key, snapshot) VALUES (?, ?)", "conversation:c1", '{"version": 99}')
-    assert store.get("conversation:c1") is None
+    on_the_table(
+        store, "INSERT INTO {sessions} (key, snapshot) VALUES (?, ?)", conversation_key("c1"), '{"version": 99}'
+    )
+    assert store.get(conversation_key("c1")) is None
     with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=store) as pool:
         reply = pool.step_sync(
             [user("One?"), {"role": "assistant", "content": "Yes."}, user("Two?")], conversation_id="c1"
         )
         assert reply.stats.miss_reason == "no_handle"
-    assert store.get("conversation:c1") is not None  # saved again, readable
+    assert store.get(conversation_key("c1")) is not None  # saved again, readable
 
 
 def test_the_store_keeps_at_most_max_sessions(make_store: MakeStore) -> None:
@@ -282,10 +288,75 @@ def test_the_store_keeps_at_most_max_sessions(make_store: MakeStore) -> None:
     with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=bounded) as pool:
         for name in ("one", "two", "three"):
             pool.step_sync([user(name)], conversation_id=name)
-        assert [bounded.get(f"conversation:{n}") is not None for n in ("one", "two", "three")] == [False, True, True]
+        assert [bounded.get(conversation_key(n)) is not None for n in ("one", "two", "three")] == [False, True, True]
         pool.step_sync([user("two"), {"role": "assistant", "content": "Yes."}, user("more")], conversation_id="two")
         pool.step_sync([user("four")], conversation_id="four")  # drops three, the oldest written: two was rewritten
-    assert [bounded.get(f"conversation:{n}") is not None for n in ("two", "three", "four")] == [True, False, True]
+    assert [bounded.get(conversation_key(n)) is not None for n in ("two", "three", "four")] == [True, False, True]
     assert len(on_the_table(bounded, "SELECT key FROM {sessions}")) == 2
     with pytest.raises(UserError, match="max_sessions"):
         make_store(max_sessions=0)
+
+
+def aged(store: SessionStore, seconds: float) -> None:
+    """Make every snapshot of ``store`` ``seconds`` older (its write time moved back)."""
+    if isinstance(store, SqliteSessionStore):
+        on_the_table(store, "UPDATE {sessions} SET saved_at = saved_at - ?", seconds)
+    else:
+        on_the_table(store, "UPDATE {sessions} SET saved_at = saved_at - ? * interval '1 second'", seconds)
+
+
+def test_a_snapshot_past_the_retention_is_neither_read_nor_kept(make_store: MakeStore) -> None:
+    """``max_age_s`` (``agentkv serve --retention-s``): a snapshot written longer ago is not read (the conversation
+    starts afresh), and the next save deletes it."""
+    store = make_store(max_age_s=3600.0)
+    with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=store) as pool:
+        pool.step_sync([user("Old?")], conversation_id="old")
+        assert store.get(conversation_key("old")) is not None
+        aged(store, 7200.0)
+        assert store.get(conversation_key("old")) is None
+        pool.step_sync([user("New?")], conversation_id="new")
+    assert [row[0] for row in on_the_table(store, "SELECT key FROM {sessions}")] == [conversation_key("new")]
+    with pytest.raises(UserError, match="max_age_s must be None or a positive number"):
+        make_store(max_age_s=0)
+
+
+def test_each_tenants_snapshots_are_its_own(store: SessionStore) -> None:
+    """The same name under two tenants is two snapshots; an unnamed conversation's digest is its tenant's too."""
+    with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=store) as pool:
+        pool.step_sync([user("Alice's")], conversation_id="c1", tenant="alice")
+        pool.step_sync([user("Bob's")], conversation_id="c1", tenant="bob")
+        pool.step_sync([user("Unnamed"), {"role": "assistant", "content": "Yes."}, user("More")], tenant="bob")
+    keys = sorted(row[0] for row in on_the_table(store, "SELECT key FROM {sessions}"))
+    assert keys[:2] == ["alice/conversation:c1", "bob/conversation:c1"] and keys[2].startswith("bob/history:")
+    alices = store.get(conversation_key("c1", "alice"))
+    assert alices is not None and "Alice's" in alices.model_dump_json()
+    assert store.get(conversation_key("c1")) is None  # the default tenant has none
+
+
+def test_a_file_of_the_layout_before_tenants_is_migrated_keeping_its_conversations(tmp_path: Path) -> None:
+    """A sessions table of (key, snapshot) rows, as agentkv wrote it before tenants and retention, is migrated in
+    place: its rows become the default tenant's, so a pool (or a door with no key) resumes them."""
+    path = tmp_path / "serve.sqlite3"
+    with SqliteSessionStore(tmp_path / "new.sqlite3") as fresh:
+        with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=fresh) as pool:
+            pool.step_sync([user("One?")], conversation_id="c1")
+        snapshot = fresh.get(conversation_key("c1"))
+    assert snapshot is not None
+    with contextlib.closing(sqlite3.connect(path)) as old, old:
+        old.execute("CREATE TABLE sessions (key TEXT PRIMARY KEY, snapshot TEXT NOT NULL)")
+        old.execute("INSERT INTO sessions VALUES (?, ?)", ("conversation:c1", snapshot.model_dump_json()))
+    with SqliteSessionStore(path) as store:
+        assert store.get(conversation_key("c1")) == snapshot
+        with HonestPairEngine(answer) as engine, SessionPool(engine=engine, store=store) as pool:
+            reply = pool.step_sync(
+                [user("One?"), {"role": "assistant", "content": answer(None)}, user("Two?")], conversation_id="c1"
+            )
+            assert reply.stats.miss_reason == "resumed" and reply.stats.turn == 2
+
+
+def test_the_file_is_its_owners_alone(tmp_path: Path) -> None:
+    """Created 0600 (conversations in plaintext), in a folder made 0700."""
+    path = tmp_path / "home" / "serve.sqlite3"
+    with SqliteSessionStore(path):
+        pass
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700

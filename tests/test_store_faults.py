@@ -141,13 +141,14 @@ def stats(response: httpx.Response) -> dict[str, Any]:
 
 
 def refused_by_the_store(response: httpx.Response, path: Path, reason: str) -> None:
-    """A 503 in OpenAI's error shape, with ``Retry-After``, naming the file and what is wrong with it."""
+    """A 503 in OpenAI's error shape, with ``Retry-After``, saying what is wrong with the store (not where it is)."""
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"] == "1"
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "service_unavailable" and error["code"] == "StoreUnavailableError"
-    assert error["message"].startswith("could not ") and f" the store {path}: " in error["message"]
+    assert error["message"].startswith("could not ") and " the store: " in error["message"]
+    assert str(path) not in error["message"]  # where the door keeps its data is for its log, not its clients
     assert FAULT_WORDS[reason] in error["message"] and "nothing of this call was kept" in error["message"]
 
 
@@ -158,7 +159,8 @@ def streamed_refusal(events: list[Any], path: Path, reason: str) -> None:
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1]) == ANSWER
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
     error = events[-1]["error"]
-    assert error["code"] == "StoreUnavailableError" and f" the store {path}: " in error["message"]
+    assert error["code"] == "StoreUnavailableError" and " the store: " in error["message"]
+    assert str(path) not in error["message"]
     assert FAULT_WORDS[reason] in error["message"]
 
 

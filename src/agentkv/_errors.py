@@ -89,10 +89,15 @@ class StoreUnavailableError(AgentKVError):
     once the fault clears; ``agentkv serve`` answers 503 with ``Retry-After`` meanwhile.
     """
 
-    def __init__(self, message: str, *, path: str, reason: str, retry_after_s: int = 1) -> None:
+    def __init__(
+        self, message: str, *, path: str, reason: str, retry_after_s: int = 1, public: str | None = None
+    ) -> None:
         super().__init__(message)
         self.path = path
         """The store's file (a PostgreSQL store: its URL, password hidden)."""
+        self.public = public if public is not None else message
+        """The message without the store's file, its server's address or its driver's words: what a client of
+        ``agentkv serve`` is told (the whole message goes to the log)."""
         self.reason = reason
         """``locked``, ``full``, ``read_only``, ``io`` (the disk failed) or ``other``; a PostgreSQL store's also
         ``unreachable`` (no connection to its server) or ``timeout`` (the server did not answer in time)."""

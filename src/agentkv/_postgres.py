@@ -8,17 +8,23 @@ within a bounded time, nothing of a failed call kept.
 sync API (asyncpg is asyncio only). Each store object holds one connection behind one lock: a call waits for the
 calls ahead of it, as the SQLite stores' do; every call is one statement, so one round trip.
 
-**Layout** (schema version 3; every table's name starts with ``agentkv_``, other tables are left alone)::
+**Layout** (schema version 4; every table's name starts with ``agentkv_``, other tables are left alone)::
 
     agentkv_schema    (version integer NOT NULL)                  one row: the layout's version
     agentkv_sessions  (key text PRIMARY KEY, snapshot text NOT NULL,
                        written bigint NOT NULL,                    SessionSnapshot JSON by key,
-                       pin text, pin_id text)                      with the pin it offers (SavedPin JSON)
+                       pin text, pin_id text,                      with the pin it offers (SavedPin JSON),
+                       saved_at timestamptz NOT NULL)              and when it was written
     agentkv_responses (response_id text PRIMARY KEY, conversation_id text,
                        messages text NOT NULL, response text NOT NULL,
-                       written bigint NOT NULL)                    stored Responses-API responses
+                       written bigint NOT NULL,                    stored Responses-API responses
+                       saved_at timestamptz NOT NULL)
     agentkv_leases    (key text PRIMARY KEY, owner text NOT NULL,
                        expires timestamptz NOT NULL)               who steps a conversation, until when
+
+Every key (``key``, ``response_id``) is a tenant's: ``<tenant>/<key>`` (src/agentkv/_store_table.py); version 4
+made the rows of version 3 the default tenant's. ``saved_at`` is the server's clock at the row's last write: with a
+``max_age_s`` a row older than that is not read, and the next write deletes it (indexed).
 
 ``written`` comes from a sequence of each table's own (``agentkv_sessions_written``, ...), indexed: a row written
 or rewritten takes the next number, so the oldest-written rows have the smallest, as SQLite's rowids do. A save
@@ -72,7 +78,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import StoreUnavailableError, UserError
 from ._sqlite import store_timeout
-from ._store_table import StoreTable
+from ._store_table import DEFAULT_TENANT, StoreTable
 
 if TYPE_CHECKING:
     import psycopg
@@ -112,6 +118,15 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     (  # 2 -> 3: the pin a conversation's last step left on a decode server that several doors drive
         "ALTER TABLE agentkv_sessions ADD COLUMN pin text, ADD COLUMN pin_id text",
+    ),
+    (  # 3 -> 4: every key a tenant's (the rows so far the default tenant's), every row's write time
+        f"UPDATE agentkv_sessions SET key = '{DEFAULT_TENANT}/' || key",
+        f"UPDATE agentkv_responses SET response_id = '{DEFAULT_TENANT}/' || response_id",
+        f"UPDATE agentkv_leases SET key = '{DEFAULT_TENANT}/' || key",
+        "ALTER TABLE agentkv_sessions ADD COLUMN saved_at timestamptz NOT NULL DEFAULT now()",
+        "CREATE INDEX agentkv_sessions_by_saved_at ON agentkv_sessions (saved_at)",
+        "ALTER TABLE agentkv_responses ADD COLUMN saved_at timestamptz NOT NULL DEFAULT now()",
+        "CREATE INDEX agentkv_responses_by_saved_at ON agentkv_responses (saved_at)",
     ),
 )
 """Step ``i`` takes a database from version ``i`` to ``i + 1``; a new layout is a new step, never an edit."""
@@ -165,9 +180,19 @@ class PostgresTable(StoreTable["psycopg.Connection[tuple[Any, ...]]"]):
         columns: its columns but ``written``, the key first.
         max_rows: the most rows kept.
         timeout_s: the most a call waits for the calls ahead of it, then for the server.
+        max_age_s: the most seconds a row is kept after its last write (None: no bound).
     """
 
-    def __init__(self, url: str, *, table: str, columns: Sequence[str], max_rows: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        table: str,
+        columns: Sequence[str],
+        max_rows: int,
+        timeout_s: float,
+        max_age_s: float | None = None,
+    ) -> None:
         self._psycopg = _psycopg(url)
         timeout_s = store_timeout(timeout_s)
         errors = self._psycopg.Error
@@ -176,6 +201,7 @@ class PostgresTable(StoreTable["psycopg.Connection[tuple[Any, ...]]"]):
             table=table,
             columns=columns,
             max_rows=max_rows,
+            max_age_s=max_age_s,
             timeout_s=timeout_s,
             errors=errors,
             said=_SAID,
@@ -186,21 +212,28 @@ class PostgresTable(StoreTable["psycopg.Connection[tuple[Any, ...]]"]):
         """The connection's ``statement_timeout``."""
         self._run("open", lambda db: None)
 
+    def _young(self) -> str:
+        """The SQL condition of a row younger than ``max_age_s`` (TRUE without it)."""
+        return "TRUE" if self.max_age_s is None else f"saved_at >= now() - {self.max_age_s!r} * interval '1 second'"
+
     def fetch(self, key: str) -> tuple[Any, ...] | None:
         key_column, *rest = self.columns
-        sql = f"SELECT {', '.join(rest)} FROM {self.table} WHERE {key_column} = %s"
+        sql = f"SELECT {', '.join(rest)} FROM {self.table} WHERE {key_column} = %s AND {self._young()}"
         return self._run("read from", lambda db: db.execute(sql, (key,)).fetchone())
 
     def save(self, *values: object) -> int:
         """One statement: the row written (the key's replaced, taking the next ``written`` number, returned), and
-        the rows ``max_rows`` numbers or more behind it dropped (never the key's: one statement changes a row once)."""
+        the rows ``max_rows`` numbers or more behind it dropped, and those older than ``max_age_s`` (never the
+        key's: one statement changes a row once)."""
         key, *rest = self.columns
         updates = ", ".join(f"{column} = EXCLUDED.{column}" for column in rest)
         sql = (
             f"WITH saved AS (INSERT INTO {self.table} ({', '.join(self.columns)})"
             f" VALUES ({', '.join(['%s'] * len(self.columns))})"
-            f" ON CONFLICT ({key}) DO UPDATE SET {updates}, written = EXCLUDED.written RETURNING written),"
-            f" dropped AS (DELETE FROM {self.table} WHERE {key} <> %s AND written <= (SELECT written FROM saved) - %s)"
+            f" ON CONFLICT ({key}) DO UPDATE SET {updates}, written = EXCLUDED.written, saved_at = now()"
+            " RETURNING written),"
+            f" dropped AS (DELETE FROM {self.table} WHERE {key} <> %s"
+            f" AND (written <= (SELECT written FROM saved) - %s OR NOT {self._young()}))"
             " SELECT written FROM saved"
         )
 
@@ -399,9 +432,19 @@ def _fault(url: str, doing: str, exc: Exception | None, timeout_s: float) -> Sto
         "other": f"{said} ({type(exc).__name__})",
     }[reason]
     retry = 1
+    said_publicly = {  # without the driver's words, which name the server's host and port
+        "unreachable": "the server could not be reached",
+        "timeout": f"the server did not answer within {timeout_s:g} s",
+        "locked": f"a lock it needs is held elsewhere past {timeout_s:g} s",
+        "full": "the server's disk is full",
+        "read_only": "the server refuses this user's writes",
+        "other": f"the server failed ({type(exc).__name__})",
+    }[reason]
+    end = "nothing of this call was kept: retry after"
     return StoreUnavailableError(
-        f"could not {doing} the store {url}: {why}; nothing of this call was kept: retry after {retry} s",
+        f"could not {doing} the store {url}: {why}; {end} {retry} s",
         path=url,
         reason=reason,
         retry_after_s=retry,
+        public=f"could not {doing} the store: {said_publicly}; {end} {retry} s",
     )

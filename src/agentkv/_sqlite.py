@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import re
 import sqlite3
+import time
 from abc import ABC
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any, Self, TypeVar
 
 from ._errors import StoreUnavailableError, UserError
 from ._model import home_dir
-from ._store_table import StoreTable
+from ._store_table import DEFAULT_TENANT, StoreTable
 
 __all__ = [
     "STORE_TIMEOUT_S",
@@ -89,9 +91,16 @@ class Store(ABC):  # noqa: B024 (no abstract method of its own: the stores that 
 
 
 class SqliteTable(StoreTable[sqlite3.Connection]):
-    """A connection to one table of a SQLite file (created with its folder), kept to ``max_rows`` rows.
+    """A connection to one table of a SQLite file (created with its folder), kept to ``max_rows`` rows and, with
+    ``max_age_s``, to rows written within that many seconds.
 
-    A table of the same name with other columns (an older agentkv's layout) is replaced by an
+    The file is created readable and writable by its owner only (mode 0600; SQLite gives its ``-wal`` and
+    ``-shm`` files the same mode), a folder it makes likewise (0700): the rows hold whole conversations.
+
+    Every row carries its write time (a last column, ``saved_at``, seconds since the epoch), and every key its
+    tenant (src/agentkv/_store_table.py). A table of the layout before both (the given columns alone: agentkv
+    before 2026-12) is migrated in place, in one transaction: its rows become `DEFAULT_TENANT`'s, written now. A
+    table of the same name with other columns (another layout) is replaced by an
     empty one, with a warning; other tables in the file are left alone. Every statement runs
     under one lock (the connection is used from worker threads). Rows are written with
     ``INSERT OR REPLACE``, which gives a rewritten row a new rowid, so the oldest-written rows
@@ -109,6 +118,7 @@ class SqliteTable(StoreTable[sqlite3.Connection]):
         table: the table's name.
         columns: its column definitions (``"name TYPE constraints"``), in order, the key first.
         max_rows: the most rows kept.
+        max_age_s: the most seconds a row is kept after its last write (None: no bound).
         timeout_s: the most one call waits for the file's write lock (another process's) or for the
             calls ahead of it.
     """
@@ -120,6 +130,7 @@ class SqliteTable(StoreTable[sqlite3.Connection]):
         table: str,
         columns: Sequence[str],
         max_rows: int,
+        max_age_s: float | None = None,
         timeout_s: float = STORE_TIMEOUT_S,
     ) -> None:
         self.path = store_path(path)
@@ -130,11 +141,16 @@ class SqliteTable(StoreTable[sqlite3.Connection]):
             table=table,
             columns=names,
             max_rows=max_rows,
+            max_age_s=max_age_s,
             timeout_s=timeout_s,
             errors=sqlite3.Error,
             said=_SAID,
         )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # there already (or it cannot be made: the open below says why)
+            # O_EXCL: a file that exists is never opened here, for closing a descriptor of a file drops every POSIX
+            # lock this process holds on it, another store's connection's included (SQLite's own opens avoid it)
+            os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))  # empty: an empty database
         try:
             self._run("open", functools.partial(self._create, columns))
         except BaseException:
@@ -142,38 +158,55 @@ class SqliteTable(StoreTable[sqlite3.Connection]):
             raise
 
     def _create(self, columns: Sequence[str], db: sqlite3.Connection) -> None:
-        db.execute("BEGIN IMMEDIATE")  # one process at a time checks and replaces the table
+        db.execute("BEGIN IMMEDIATE")  # one process at a time checks, migrates and replaces the table
+        table, key = self.table, self.columns[0]
         try:
-            found = tuple(row[1] for row in db.execute(f"PRAGMA table_info({self.table})"))
-            if found and found != self.columns:
-                (count,) = db.execute(f"SELECT count(*) FROM {self.table}").fetchone()
-                logger.warning(
-                    "agentkv: %s holds %s in an older layout; its %d rows are dropped", self.path, self.table, count
+            found = tuple(row[1] for row in db.execute(f"PRAGMA table_info({table})"))
+            if found == self.columns:  # the layout before tenants and ages: its rows become the default tenant's
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {_SAVED_AT} REAL NOT NULL DEFAULT 0")
+                db.execute(
+                    f"UPDATE {table} SET {_SAVED_AT} = ?, {key} = ? || {key}", (time.time(), DEFAULT_TENANT + "/")
                 )
-                db.execute(f"DROP TABLE {self.table}")
-            db.execute(f"CREATE TABLE IF NOT EXISTS {self.table} ({', '.join(columns)})")
+                logger.info("agentkv: %s's %s migrated: its rows are tenant %r's", self.path, table, DEFAULT_TENANT)
+            elif found and found != (*self.columns, _SAVED_AT):
+                (count,) = db.execute(f"SELECT count(*) FROM {table}").fetchone()
+                logger.warning(
+                    "agentkv: %s holds %s in an older layout; its %d rows are dropped", self.path, table, count
+                )
+                db.execute(f"DROP TABLE {table}")
+            db.execute(
+                f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(columns)}, {_SAVED_AT} REAL NOT NULL DEFAULT 0)"
+            )
+            db.execute(f"CREATE INDEX IF NOT EXISTS {table}_by_{_SAVED_AT} ON {table} ({_SAVED_AT})")
         except BaseException:
             _roll_back(db)
             raise
         db.execute("COMMIT")
 
+    def _oldest_kept(self) -> float:
+        """The write time of the oldest row kept (``-inf`` without ``max_age_s``)."""
+        return float("-inf") if self.max_age_s is None else time.time() - self.max_age_s
+
     def fetch(self, key: str) -> tuple[Any, ...] | None:
         key_column, *rest = self.columns
-        sql = f"SELECT {', '.join(rest)} FROM {self.table} WHERE {key_column} = ?"
+        sql = f"SELECT {', '.join(rest)} FROM {self.table} WHERE {key_column} = ? AND {_SAVED_AT} >= ?"
 
         def run(db: sqlite3.Connection) -> tuple[Any, ...] | None:
-            row: tuple[Any, ...] | None = db.execute(sql, (key,)).fetchone()
+            row: tuple[Any, ...] | None = db.execute(sql, (key, self._oldest_kept())).fetchone()
             return row
 
         return self._run("read from", run)
 
     def save(self, *values: object) -> None:
-        sql = f"INSERT OR REPLACE INTO {self.table} ({', '.join(self.columns)}) VALUES ({', '.join('?' * len(values))})"
+        names = ", ".join((*self.columns, _SAVED_AT))
+        sql = f"INSERT OR REPLACE INTO {self.table} ({names}) VALUES ({', '.join('?' * (len(values) + 1))})"
 
         def run(db: sqlite3.Connection) -> None:
-            cursor = db.execute(sql, values)
+            cursor = db.execute(sql, (*values, time.time()))
             if cursor.lastrowid is not None and cursor.lastrowid > self.max_rows:
                 db.execute(f"DELETE FROM {self.table} WHERE rowid <= ?", (cursor.lastrowid - self.max_rows,))
+            if self.max_age_s is not None:
+                db.execute(f"DELETE FROM {self.table} WHERE {_SAVED_AT} < ?", (self._oldest_kept(),))
 
         self._run("save to", functools.partial(_transaction, run))
 
@@ -208,6 +241,9 @@ class SqliteTable(StoreTable[sqlite3.Connection]):
         afresh, to see it as it is then."""
         return fault.reason in ("locked", "full")
 
+
+_SAVED_AT = "saved_at"
+"""The column every table adds last: when its row was written (seconds since the epoch)."""
 
 _SAID = {
     "locked": "locked by another process",
@@ -253,11 +289,13 @@ def store_fault(path: Path, doing: str, exc: sqlite3.Error | None, timeout_s: fl
         f"(PRAGMA integrity_check)",
     }[reason]
     retry = 1
+    end = f"{why}; nothing of this call was kept: retry after {retry} s"
     return StoreUnavailableError(
-        f"could not {doing} the store {path}: {why}; nothing of this call was kept: retry after {retry} s",
+        f"could not {doing} the store {path}: {end}",
         path=str(path),
         reason=reason,
         retry_after_s=retry,
+        public=f"could not {doing} the store: {end}",
     )
 
 

@@ -1,7 +1,14 @@
 """What every store's table shares (src/agentkv/_sqlite.py's `SqliteTable`, src/agentkv/_postgres.py's
-`PostgresTable`): rows by key (`fetch`, `save`, `remove`), bounded; one connection behind one lock, each call
-within the store's timeout, a failing call a `StoreUnavailableError` logged once (and the end of the fault),
-the call tried once more on a new connection after a fault that an old connection may not outlive."""
+`PostgresTable`): rows by key (`fetch`, `save`, `remove`), bounded in count and in age; one connection behind one
+lock, each call within the store's timeout, a failing call a `StoreUnavailableError` logged once (and the end of
+the fault), the call tried once more on a new connection after a fault that an old connection may not outlive.
+
+**Tenants.** Every key is a tenant's (`tenant_key`): ``<tenant>/<key>``, a tenant's name never holding a ``/``,
+so that no key of one tenant is ever another's. A caller that names no tenant is `DEFAULT_TENANT`'s (a
+`SessionPool` used from Python, a door with no API key); rows of a layout from before tenants are migrated to it.
+
+**Age.** Each row carries when it was last written (``saved_at``); with ``max_age_s`` a row older than that is
+not read, and is deleted by the next write (the retention of ``agentkv serve --retention-s``)."""
 
 from __future__ import annotations
 
@@ -15,7 +22,28 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ._errors import StoreUnavailableError, UserError
 
-__all__ = ["StoreTable"]
+__all__ = ["DEFAULT_TENANT", "StoreTable", "check_max_age", "tenant_key"]
+
+DEFAULT_TENANT = "default"
+"""The tenant of a caller that names none."""
+
+
+def tenant_key(tenant: str | None, key: str) -> str:
+    """``key`` as ``tenant``'s row's key (None: `DEFAULT_TENANT`'s). A tenant's name holds no ``/``."""
+    name = DEFAULT_TENANT if tenant is None else tenant
+    if not name or "/" in name:
+        raise UserError(f"a tenant's name is not empty and holds no '/', not {name!r}")
+    return f"{name}/{key}"
+
+
+def check_max_age(max_age_s: float | None) -> float | None:
+    """``max_age_s``, checked to be None or a positive number of seconds (a `UserError` otherwise)."""
+    if max_age_s is None:
+        return None
+    if isinstance(max_age_s, bool) or not isinstance(max_age_s, int | float) or not 0 < max_age_s < float("inf"):
+        raise UserError(f"max_age_s must be None or a positive number of seconds, not {max_age_s!r}")
+    return float(max_age_s)
+
 
 logger = logging.getLogger("agentkv")
 
@@ -42,6 +70,7 @@ class StoreTable(ABC, Generic[_C]):
         table: the table's name.
         columns: its columns' names, the key first.
         max_rows: the most rows kept.
+        max_age_s: the most seconds a row is kept after it was written (None: no bound).
         timeout_s: the most a call waits, for the lock and then for the database.
         errors: the driver's base error.
         said: each fault's reason, as the line that logs its end says it.
@@ -54,6 +83,7 @@ class StoreTable(ABC, Generic[_C]):
         table: str,
         columns: Sequence[str],
         max_rows: int,
+        max_age_s: float | None = None,
         timeout_s: float,
         errors: type[Exception],
         said: dict[str, str],
@@ -62,6 +92,7 @@ class StoreTable(ABC, Generic[_C]):
         self.table = table
         self.columns = tuple(columns)
         self.max_rows = max_rows
+        self.max_age_s = check_max_age(max_age_s)
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
         self._errors = errors
@@ -76,13 +107,14 @@ class StoreTable(ABC, Generic[_C]):
 
     @abstractmethod
     def fetch(self, key: str) -> tuple[Any, ...] | None:
-        """The key's row, without its key (the other columns, in order), or None."""
+        """The key's row, without its key (the other columns, in order), or None (also when older than
+        ``max_age_s``)."""
 
     @abstractmethod
     def save(self, *values: object) -> int | None:
         """Write a row (every column's value, the key first), replacing the key's; drop the oldest written beyond
-        ``max_rows``; all in one transaction. Returns the row's ``written`` number where the table numbers its
-        writes for others to compare (PostgreSQL's), else None."""
+        ``max_rows`` and those older than ``max_age_s``; all in one transaction. Returns the row's ``written``
+        number where the table numbers its writes for others to compare (PostgreSQL's), else None."""
 
     @abstractmethod
     def remove(self, key: str) -> bool:
@@ -120,7 +152,7 @@ class StoreTable(ABC, Generic[_C]):
             raise self._failed(doing, None)
         try:
             if self._closed:
-                raise UserError(f"the store {self.where} was closed: open a new one to use it")
+                raise UserError("this store was closed: open a new one to use it")  # (its address is for logs)
             try:
                 fresh = self._db is None
                 try:

@@ -5,17 +5,17 @@ rarely say which conversation it is. The pool keeps one `Session` per conversati
 engine and sends each `step` to the session named by ``conversation_id``, else to an idle
 session whose history the messages extend exactly (`Session.extends`), else to a new one.
 Idle sessions past ``idle_ttl_s`` or beyond ``max_sessions`` (least recently used first)
-are closed, and D's blocks for them released.
+are closed, and D's blocks for them released. A step may name its tenant: tenants' conversations never meet
+(names, history matching, store keys, the prefix cache, room: src/agentkv/_session/_tenancy.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
 from typing import Any, Literal, Unpack, overload
 
 import anyio
@@ -31,11 +31,13 @@ from .._postgres import StoreLease
 from ._engine_user import EngineUser
 from ._message_step import MessageRequest, StepOptions
 from ._pool_members import Member, Offers, offered_id
+from ._pool_stream import streamed_step
 from ._results import ReasoningDelta, StepReply, ToolCallDelta
 from ._session import Session
 from ._session_config import SessionConfig
 from ._session_core import make_engine
 from ._session_store import SessionStore, check_session_store, conversation_key, history_key, leased
+from ._tenancy import Quotas, evictable, over_pinned, tenant_salt
 from ._tool_sources import ToolSources
 
 __all__ = ["SessionPool"]
@@ -68,6 +70,12 @@ class SessionPool(EngineUser):
             (`Session`'s ``renew_pins``, ``early_transfer``) is taken off offer first and the new one offered
             after (src/agentkv/_session/_pool_members.py), so the door that steps the conversation next pulls
             the live one.
+        tenant_max_sessions: the most sessions one tenant keeps (a step's ``tenant``); past it, its own least
+            recently used idle session is closed. Beyond ``max_sessions`` in all, the idle session closed is the
+            least recently used of the tenant holding the most, so that one tenant's new conversations close its
+            own before another's.
+        tenant_max_pinned_tokens: the most tokens of one tenant's conversations pinned on D between its steps;
+            past it, the pins of its least recently used idle sessions are dropped (their next steps recompute).
         session_options: keyword arguments of each `Session` (``system``, ``mode``, ``tool_format``,
             ``tool_call_parser`` and ``reasoning_parser`` (vLLM's parsers, by name), ``max_tokens``, ``temperature``, ``seed``, ``sampling`` (`SamplingOptions`: every session's
             defaults, which a step's ``sampling=`` overrides field by field), ``cache_salt``; ``model`` and
@@ -81,6 +89,8 @@ class SessionPool(EngineUser):
         max_sessions: int = 64,
         idle_ttl_s: float = 600.0,
         store: SessionStore | str | None = None,
+        tenant_max_sessions: int | None = None,
+        tenant_max_pinned_tokens: int | None = None,
         **session_options: Any,
     ) -> None:
         super().__init__()
@@ -104,6 +114,8 @@ class SessionPool(EngineUser):
         """The MCP servers among the tools: those the pool opened close with it; its sessions share them."""
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
+        self.quotas = Quotas(max_sessions=tenant_max_sessions, max_pinned_tokens=tenant_max_pinned_tokens)
+        """What one tenant may hold (src/agentkv/_session/_tenancy.py)."""
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -146,12 +158,51 @@ class SessionPool(EngineUser):
 
     @property
     def conversations(self) -> list[str]:
-        """The named conversations live in the pool, least recently used first."""
+        """The named conversations live in the pool, of every tenant, least recently used first."""
         return [m.conversation_id for m in sorted(self._members, key=lambda m: m.used) if m.conversation_id is not None]
 
-    def session_for(self, conversation_id: str) -> Session | None:
-        """The session of a named conversation, if it is live."""
-        return next((m.session for m in self._members if m.conversation_id == conversation_id), None)
+    def conversations_of(self, tenant: str | None) -> list[str]:
+        """``tenant``'s named conversations live in the pool, least recently used first."""
+        members = sorted((m for m in self._members if m.tenant == tenant), key=lambda m: m.used)
+        return [m.conversation_id for m in members if m.conversation_id is not None]
+
+    def session_for(self, conversation_id: str, *, tenant: str | None = None) -> Session | None:
+        """The session of ``tenant``'s named conversation, if it is live."""
+        member = self._named(conversation_id, tenant)
+        return member.session if member is not None else None
+
+    def _named(self, conversation_id: str, tenant: str | None) -> Member | None:
+        return next((m for m in self._members if m.conversation_id == conversation_id and m.tenant == tenant), None)
+
+    async def forget(self, conversation_id: str, *, tenant: str | None = None) -> bool:
+        """Forget ``tenant``'s named conversation: its live session closed (its pin released) and its saved
+        snapshot deleted. False when there was neither; a conversation running a step raises `SessionBusyError`."""
+        self._require_open()
+        assert self._home is not None
+        if not self._home.is_current():
+            return await self._home.call_async(functools.partial(self._forget, conversation_id, tenant))
+        return await self._forget(conversation_id, tenant)
+
+    async def _forget(self, conversation_id: str, tenant: str | None) -> bool:
+        key = conversation_key(conversation_id, tenant)
+        async with leased(self.store, key):  # a store several doors share: not while another door steps it
+            member = self._named(conversation_id, tenant)
+            if member is not None and member.busy:
+                raise SessionBusyError(f"conversation {conversation_id!r} is running a step")
+            if member is not None:
+                member.busy = True
+                await self._close(member, "forgotten")
+            store = self.store
+            if store is None:
+                return member is not None
+
+            def delete() -> bool:
+                saved = store.get(key) is not None
+                store.delete(key)
+                return saved
+
+            saved = await anyio.to_thread.run_sync(delete)
+            return member is not None or saved
 
     # ----------------------------------------------------------------- stepping
 
@@ -160,29 +211,37 @@ class SessionPool(EngineUser):
         messages: Sequence[Message | Mapping[str, Any]],
         *,
         conversation_id: str | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
         **options: Unpack[StepOptions],
     ) -> StepReply:
         """`Session.step` (the same arguments) on the conversation's session (see the class for how it is found).
 
+        ``tenant``: whose conversation it is (None: the default tenant's); its name, its history matching, its
+        store key and its prefix cache are that tenant's alone (src/agentkv/_session/_tenancy.py).
+        ``cache_salt``: the step's own prefix-cache salt, over the tenant's (as vLLM's request ``cache_salt``).
         A named conversation whose session is running a step raises `SessionBusyError`.
         """
         self._require_open()
         assert self._home is not None
+        step = functools.partial(self._step, messages, conversation_id, options, tenant, cache_salt)
         if not self._home.is_current():
-            return await self._home.call_async(functools.partial(self._step, messages, conversation_id, options))
-        return await self._step(messages, conversation_id, options)
+            return await self._home.call_async(step)
+        return await step()
 
     def step_sync(
         self,
         messages: Sequence[Message | Mapping[str, Any]],
         *,
         conversation_id: str | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
         **options: Unpack[StepOptions],
     ) -> StepReply:
         """Blocking `step`, for a pool opened with ``with``."""
         self._require_open()
         assert self._home is not None
-        return self._home.call(functools.partial(self._step, messages, conversation_id, options))
+        return self._home.call(functools.partial(self._step, messages, conversation_id, options, tenant, cache_salt))
 
     @overload
     def stream(
@@ -190,6 +249,8 @@ class SessionPool(EngineUser):
         messages: Sequence[Message | Mapping[str, Any]],
         *,
         conversation_id: str | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
         first_token: bool = False,
         deltas: Literal[False] = False,
         **options: Unpack[StepOptions],
@@ -200,15 +261,19 @@ class SessionPool(EngineUser):
         messages: Sequence[Message | Mapping[str, Any]],
         *,
         conversation_id: str | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
         first_token: bool = False,
         deltas: Literal[True],
         **options: Unpack[StepOptions],
     ) -> AsyncGenerator[str | ToolCallDelta | ReasoningDelta | StepReply]: ...
-    async def stream(
+    def stream(
         self,
         messages: Sequence[Message | Mapping[str, Any]],
         *,
         conversation_id: str | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
         first_token: bool = False,
         deltas: bool = False,
         **options: Unpack[StepOptions],
@@ -225,54 +290,43 @@ class SessionPool(EngineUser):
         each text piece is a `TextPiece` carrying the log probabilities of the tokens since the last piece
         (all of them are in the reply's ``step.logprobs``).
         """
-        # asyncio, not anyio: the pool's loop (maybe another thread's) feeds this loop's queue through
-        # loop.call_soon_threadsafe (anyio has no call from another thread that does not block it), and the step's
-        # task (asyncio.ensure_future) outlives each yield of this generator, which an anyio task group may not span
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[str | ToolCallDelta | ReasoningDelta | StepReply | BaseException] = asyncio.Queue()
 
-        def on_text(text: str | ToolCallDelta | ReasoningDelta | StepReply | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, text)  # from any thread, queued in call order
+        def step(streamed: StepOptions) -> Awaitable[StepReply]:
+            return self.step(
+                messages, conversation_id=conversation_id, tenant=tenant, cache_salt=cache_salt, **streamed
+            )
 
-        streamed: StepOptions = {**options, "on_text": on_text}
-        if first_token:
-            streamed["on_first_token"] = functools.partial(on_text, "")
-        if deltas:
-            streamed["on_tool_call"] = streamed["on_reasoning"] = on_text
-
-        async def run() -> None:  # the reply or error queued after every piece before it, even on the pool's loop
-            try:
-                on_text(await self.step(messages, conversation_id=conversation_id, **streamed))
-            except BaseException as exc:  # handed to the consumer, who raises it
-                on_text(exc)
-
-        task = asyncio.ensure_future(run())
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, StepReply):
-                    return
-        finally:
-            task.cancel()
-            with anyio.CancelScope(shield=True):  # the step is cancelled (and unwound) before the consumer goes on,
-                await asyncio.gather(task, return_exceptions=True)  # even a consumer that was cancelled itself
+        return streamed_step(step, options, first_token=first_token, deltas=deltas)
 
     async def _step(
-        self, messages: Sequence[Message | Mapping[str, Any]], conversation_id: str | None, options: StepOptions
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        conversation_id: str | None,
+        options: StepOptions,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
     ) -> StepReply:
         await self._close_idle()
         self._config = self._sources.newer(self._config) or self._config  # a changed MCP list, taken now
-        request = MessageRequest.build(self._config, messages, options)
-        async with leased(self.store, conversation_id) as lease:  # a store several doors share: one door at a time
-            return await self._step_member(request, conversation_id, options, lease)
+        request = MessageRequest.build(self._tenant_config(tenant, cache_salt), messages, options)
+        key = conversation_key(conversation_id, tenant) if conversation_id is not None else None
+        async with leased(self.store, key) as lease:  # a store several doors share: one door at a time
+            return await self._step_member(request, conversation_id, tenant, options, lease)
+
+    def _tenant_config(self, tenant: str | None, cache_salt: str | None = None) -> SessionConfig:
+        """The pool's session configuration with ``tenant``'s cache salt (and a request's own over it)."""
+        salt = tenant_salt(self._config.cache_salt, tenant, cache_salt)
+        return self._config if salt == self._config.cache_salt else self._config.model_copy(update={"cache_salt": salt})
 
     async def _step_member(
-        self, request: MessageRequest, conversation_id: str | None, options: StepOptions, lease: StoreLease | None
+        self,
+        request: MessageRequest,
+        conversation_id: str | None,
+        tenant: str | None,
+        options: StepOptions,
+        lease: StoreLease | None,
     ) -> StepReply:
-        member = await self._member_for(request, conversation_id, lease)
+        member = await self._member_for(request, conversation_id, tenant, lease)
         try:
             reply = await member.session._step_request(
                 request,
@@ -297,9 +351,17 @@ class SessionPool(EngineUser):
         finally:
             member.busy = False
             member.used = time.monotonic()
+            self._trim_pins(tenant)
+
+    def _trim_pins(self, tenant: str | None) -> None:
+        """Drop the pins that take ``tenant`` past its quota of pinned tokens (`Quotas`)."""
+        for member in over_pinned(self._members, quotas=self.quotas, tenant=tenant):
+            logger.debug("agentkv: dropping a pooled session's pin (its tenant is over its pinned tokens)")
+            with member.session._lock:
+                member.session._drop_pin()
 
     async def _member_for(
-        self, request: MessageRequest, conversation_id: str | None, lease: StoreLease | None
+        self, request: MessageRequest, conversation_id: str | None, tenant: str | None, lease: StoreLease | None
     ) -> Member:
         """The conversation's member, marked busy (no await between the choice and the mark).
 
@@ -312,7 +374,7 @@ class SessionPool(EngineUser):
         pin back), so it is dropped, never pushed back (its release is refused by the guard: not on offer)."""
         saved_key: str | None
         if conversation_id is not None:
-            named = next((m for m in self._members if m.conversation_id == conversation_id), None)
+            named = self._named(conversation_id, tenant)
             if named is not None and named.busy:
                 raise SessionBusyError(f"conversation {conversation_id!r} is already running a step")
             if named is not None and lease is not None and lease.written not in (None, named.written):
@@ -330,19 +392,24 @@ class SessionPool(EngineUser):
                     named.offered = None
                 named.busy = True
                 return named
-            saved_key = conversation_key(conversation_id)
+            saved_key = conversation_key(conversation_id, tenant)
         else:
             for member in sorted(self._members, key=lambda m: m.used, reverse=True):
-                if not member.busy and member.conversation_id is None and member.session._extends_request(request):
+                if (
+                    not member.busy
+                    and member.conversation_id is None
+                    and member.tenant == tenant  # a tenant's history matches its own sessions only
+                    and member.session._extends_request(request)
+                ):
                     member.busy = True
                     return member
             answered = [i for i, m in enumerate(request.messages) if m.role == "assistant"]
             saved = self.store is not None and answered  # the digest only when there is a store to look in
-            saved_key = history_key(request.messages[: answered[-1] + 1]) if saved else None
-        session = Session._of_config(self._config, self.engine, conversation_id=conversation_id)
-        member = Member(session, conversation_id, busy=True)
+            saved_key = history_key(request.messages[: answered[-1] + 1], tenant) if saved else None
+        session = Session._of_config(self._tenant_config(tenant), self.engine, conversation_id=conversation_id)
+        member = Member(session, conversation_id, busy=True, tenant=tenant)
         if self.store is not None and self.store.offers_pins and conversation_id is not None:
-            key = conversation_key(conversation_id)
+            key = conversation_key(conversation_id, tenant)
             member.session._pin_offers = Offers(member, self.store, key, offered=self._offered, members=self._members)
         self._members.append(member)  # before opening: a second step of this conversation sees it busy
         try:
@@ -354,7 +421,7 @@ class SessionPool(EngineUser):
             with anyio.CancelScope(shield=True):
                 await member.session.aclose()
             raise
-        await self._close_beyond_limit()
+        await self._close_beyond_limit(tenant)
         return member
 
     async def _resume(self, member: Member, key: str, lease: StoreLease | None) -> None:
@@ -397,9 +464,9 @@ class SessionPool(EngineUser):
         assert self.store is not None
         store, snapshot = self.store, member.session.snapshot()
         if member.conversation_id is not None:
-            key = conversation_key(member.conversation_id)
+            key = conversation_key(member.conversation_id, member.tenant)
         else:
-            key = history_key(history)
+            key = history_key(history, member.tenant)
         previous, member.saved_key = member.saved_key, key
 
         def save(pin: SavedPin | None) -> None:
@@ -423,12 +490,11 @@ class SessionPool(EngineUser):
             if not member.busy and time.monotonic() - member.used > self.idle_ttl_s:  # rechecked: closing awaits
                 await self._close(member, "idle")
 
-    async def _close_beyond_limit(self) -> None:
-        while len(self._members) > self.max_sessions:
-            idle = [m for m in self._members if not m.busy]
-            if not idle:
-                return
-            await self._close(min(idle, key=lambda m: m.used), "over max_sessions")
+    async def _close_beyond_limit(self, tenant: str | None) -> None:
+        """Close idle sessions while ``tenant`` (which just added one) is over its quota or the pool over
+        ``max_sessions`` (`evictable`: the tenant holding the most loses one first)."""
+        while member := evictable(self._members, max_sessions=self.max_sessions, quotas=self.quotas, tenant=tenant):
+            await self._close(member, "over max_sessions")
 
     async def _close(self, member: Member, why: str) -> None:
         logger.debug("agentkv: closing a pooled session (%s)", why)

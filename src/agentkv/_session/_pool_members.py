@@ -33,6 +33,8 @@ class Member:
     session: Session
     conversation_id: str | None
     busy: bool = False
+    tenant: str | None = None
+    """Whose conversation it is (src/agentkv/_session/_tenancy.py; None: the default tenant)."""
     used: float = field(default_factory=time.monotonic)
     saved_key: str | None = None
     """Where its last snapshot is in the pool's store."""

@@ -209,8 +209,9 @@ class SessionCore(EngineUser):
         self._upkeep.pause()
         return turn
 
-    async def _prepare(self, turn: Turn, change: Callable[[Turn], None]) -> None:
-        """Give up the pins let go, replace a dead engine, then make the turn's conversation (``change``).
+    async def _prepare(self, turn: Turn, change: Callable[[Turn], None], *, off_loop: bool = False) -> None:
+        """Give up the pins let go, replace a dead engine, then make the turn's conversation (``change``; in a
+        worker thread with ``off_loop``: a large rendering, src/agentkv/_session/_prompt_work.py).
         On any failure the turn ends (the session is as before)."""
         try:
             await self._release_pins()
@@ -221,7 +222,10 @@ class SessionCore(EngineUser):
                     self._pin = None
                 turn.pin_renewals, turn.repins, turn.early_transfers = self._upkeep.counts()
             await self._ensure_engine(turn)
-            change(turn)
+            if off_loop:
+                await anyio.to_thread.run_sync(change, turn)
+            else:
+                change(turn)
         except BaseException:
             self._end_turn(turn)
             raise

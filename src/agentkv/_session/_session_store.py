@@ -2,7 +2,8 @@
 
 A snapshot is saved after every step, under the conversation's id when it has one, else under
 a digest of the messages it holds (`history_key`: the next request of that conversation starts
-with those messages, so it finds the snapshot again). A restored session extends the saved
+with those messages, so it finds the snapshot again); either key is its tenant's (`tenant_key`: a
+tenant never reads another's snapshot). A restored session extends the saved
 token ids exactly and recomputes its KV once (its first step's ``miss_reason`` is ``resumed``).
 
 Two stores: `SqliteSessionStore` (a file, one door's) and `PostgresSessionStore` (a database several
@@ -42,7 +43,7 @@ from .._postgres import (
     take_pin_back,
 )
 from .._sqlite import STORE_TIMEOUT_S, SqliteTable, Store, positive, store_path
-from .._store_table import StoreTable
+from .._store_table import StoreTable, tenant_key
 from ._snapshot import SessionSnapshot
 
 logger = logging.getLogger("agentkv")
@@ -58,15 +59,16 @@ __all__ = [
 ]
 
 
-def conversation_key(conversation_id: str) -> str:
-    """The store key of a named conversation."""
-    return f"conversation:{conversation_id}"
+def conversation_key(conversation_id: str, tenant: str | None = None) -> str:
+    """The store key of ``tenant``'s named conversation (None: the default tenant's)."""
+    return tenant_key(tenant, f"conversation:{conversation_id}")
 
 
-def history_key(messages: Sequence[Message]) -> str:
-    """The store key of an unnamed conversation: a digest of its messages (through the model's last answer)."""
+def history_key(messages: Sequence[Message], tenant: str | None = None) -> str:
+    """The store key of ``tenant``'s unnamed conversation: a digest of its messages (through the model's last
+    answer)."""
     dumped = json.dumps([m.model_dump(mode="json") for m in messages], sort_keys=True, separators=(",", ":"))
-    return "history:" + hashlib.sha256(dumped.encode()).hexdigest()
+    return tenant_key(tenant, "history:" + hashlib.sha256(dumped.encode()).hexdigest())
 
 
 class SessionStore(Store):
@@ -115,14 +117,13 @@ class SessionStore(Store):
 
 
 @contextlib.asynccontextmanager
-async def leased(store: SessionStore | None, conversation_id: str | None) -> AsyncIterator[StoreLease | None]:
-    """The named conversation's lease in ``store`` (`SessionStore.lease`), held for the block, and what taking it
-    found; nothing (None) for an unnamed conversation (its key, a digest of its history, changes at every step)
-    or without a store."""
-    if store is None or conversation_id is None or type(store).lease is SessionStore.lease:  # no thread for nothing
+async def leased(store: SessionStore | None, key: str | None) -> AsyncIterator[StoreLease | None]:
+    """The named conversation's lease in ``store`` (`SessionStore.lease`; ``key``: its `conversation_key`), held
+    for the block, and what taking it found; nothing (None) for an unnamed conversation (None: its key, a digest
+    of its history, changes at every step) or without a store."""
+    if store is None or key is None or type(store).lease is SessionStore.lease:  # no thread for nothing
         yield None
         return
-    key = conversation_key(conversation_id)
     lease = await anyio.to_thread.run_sync(store.lease, key)
     try:
         yield lease
@@ -180,11 +181,21 @@ class SqliteSessionStore(_TableSessionStore):
         path: the database file (created, with its folder, if missing); ``agentkv serve`` shares it with its responses.
         max_sessions: the most snapshots kept.
         timeout_s: the most a call waits for the file's write lock (another process's) before it fails.
+        max_age_s: the most seconds a snapshot is kept after its last save (None: until ``max_sessions`` drops it).
     """
 
-    def __init__(self, path: str | Path, *, max_sessions: int = 100_000, timeout_s: float = STORE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_sessions: int = 100_000,
+        timeout_s: float = STORE_TIMEOUT_S,
+        max_age_s: float | None = None,
+    ) -> None:
         columns, bound = ("key TEXT PRIMARY KEY", "snapshot TEXT NOT NULL"), positive("max_sessions", max_sessions)
-        self._table = SqliteTable(path, table="sessions", columns=columns, max_rows=bound, timeout_s=timeout_s)
+        self._table = SqliteTable(
+            path, table="sessions", columns=columns, max_rows=bound, max_age_s=max_age_s, timeout_s=timeout_s
+        )
         self.path, self.timeout_s = self._table.path, self._table.timeout_s
 
 
@@ -207,6 +218,7 @@ class PostgresSessionStore(_TableSessionStore):
         timeout_s: the most a call waits for the calls ahead of it, then for the server (a connection
             attempt: whole seconds, at least 2).
         lease_ttl_s: how long a lease outlives its last renewal: how long a dead door's conversations wait.
+        max_age_s: the most seconds a snapshot is kept after its last save (None: until ``max_sessions`` drops it).
     """
 
     def __init__(
@@ -216,6 +228,7 @@ class PostgresSessionStore(_TableSessionStore):
         max_sessions: int = 100_000,
         timeout_s: float = STORE_TIMEOUT_S,
         lease_ttl_s: float = 30.0,
+        max_age_s: float | None = None,
     ) -> None:
         bound = positive("max_sessions", max_sessions)
         if isinstance(lease_ttl_s, bool) or not isinstance(lease_ttl_s, int | float) or not 0 < lease_ttl_s < 1e6:
@@ -226,6 +239,7 @@ class PostgresSessionStore(_TableSessionStore):
             columns=("key", "snapshot", "pin", "pin_id"),
             max_rows=bound,
             timeout_s=timeout_s,
+            max_age_s=max_age_s,
         )
         """The table, and the connection the leases' statements run on."""
         self.url: str = self._table.url
@@ -259,9 +273,9 @@ class PostgresSessionStore(_TableSessionStore):
                 return None
         lease = take_lease(self._leases, key, self.owner, self.lease_ttl_s)
         if lease is None:
-            raise SessionBusyError(
-                f"conversation {key.removeprefix('conversation:')!r} is running a step on another door (it holds "
-                f"the conversation's lease in {self.url}); "
+            raise SessionBusyError(  # (the store's address is for the log, not for a client's error body)
+                f"conversation {key.split('/', 1)[-1].removeprefix('conversation:')!r} is running a step on another "
+                f"door (it holds the conversation's lease in the shared store); "
                 f"retry later: a door that died gives it up within {self.lease_ttl_s:g} s"
             )
         with self._held_lock:

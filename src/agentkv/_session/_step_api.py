@@ -22,6 +22,7 @@ from .._errors import SessionBusyError
 from .._stats._stats import TurnStats
 from ._answer_text import tool_call_delta
 from ._message_step import MessageRequest, StepOptions, ToolsArgument, read_reply
+from ._prompt_work import check_fits, off_loop
 from ._results import ReasoningDelta, Step, StepReply, TextPiece, ToolCallDelta
 from ._session_core import SessionCore
 from ._turn import Turn, model_step, upkeep_counts
@@ -201,11 +202,17 @@ class StepAPI(SessionCore):
             continues = new is not None and not any(m.role == "user" for m in new) and bool(self._turns)
             turn = self._claim(len(self._turns) if continues else len(self._turns) + 1)
 
+        rendered = new if new is not None else request.messages
+        held = len(turn.conversation.tokens) if new is not None else 0
+
         def change(turn: Turn) -> None:
+            check_fits(
+                self._tokenizer, held_tokens=held, messages=rendered, max_model_len=self.engine.info.max_model_len
+            )
             if new is not None:
                 append(turn.conversation, new, request.key)
             else:
                 turn.conversation = rebuild(self._renderer_for(request.key), request.key, request.messages)
 
-        await self._prepare(turn, change)
+        await self._prepare(turn, change, off_loop=off_loop(rendered))
         return turn, continues

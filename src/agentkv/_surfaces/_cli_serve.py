@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 from typing import Any
 
 from ._cli_options import Commands, add_device_arguments, add_vllm_command, positive_int, positive_seconds
 from ._cli_pairs import add_session_arguments, add_slo_arguments, engine_options
+from ._cli_tenants import add_tenant_arguments, door_options, pool_quotas, retention
 from ._signals import StopSignals
 
 __all__ = ["add_serve_command"]
@@ -50,11 +50,7 @@ def add_serve_command(commands: Commands) -> None:
     add_slo_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this host only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("AGENTKV_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $AGENTKV_API_KEY; none: no key needed)",
-    )
+    add_tenant_arguments(serve)
     serve.add_argument("--max-sessions", type=int, default=64, help="sessions kept; least recently used closed first")
     serve.add_argument("--idle-ttl-s", type=float, default=600.0, help="a session idle this long is closed")
     serve.add_argument("--max-tokens", type=int, default=256, help="answer length when a request names none")
@@ -115,20 +111,21 @@ def _serve_until(args: argparse.Namespace, signals: StopSignals) -> None:
     responses: ResponseStore
     sessions: SessionStore | None = None
     where = "memory"
-    timeout_s = args.store_timeout_s
+    door = door_options(args)  # the keys checked before anything opens
+    kept = {"timeout_s": args.store_timeout_s, "max_age_s": retention(args)}
     if args.store == "memory":
-        responses = MemoryResponseStore()
+        responses = MemoryResponseStore(max_age_s=kept["max_age_s"])
     elif is_postgres_url(args.store):
-        responses = PostgresResponseStore(args.store, timeout_s=timeout_s)
+        responses = PostgresResponseStore(args.store, **kept)
         with contextlib.ExitStack() as opened:  # the responses' store closed if the sessions' cannot open
             opened.callback(responses.close)
-            sessions = PostgresSessionStore(args.store, timeout_s=timeout_s)
+            sessions = PostgresSessionStore(args.store, **kept)
             opened.pop_all()
         where = sessions.url
     else:
         path = args.store or default_store_path()
-        responses = SqliteResponseStore(path, timeout_s=timeout_s)
-        sessions = SqliteSessionStore(path, timeout_s=timeout_s)
+        responses = SqliteResponseStore(path, **kept)
+        sessions = SqliteSessionStore(path, **kept)
         where = str(sessions.path)
     pool = SessionPool(
         mode=args.mode,
@@ -136,13 +133,14 @@ def _serve_until(args: argparse.Namespace, signals: StopSignals) -> None:
         idle_ttl_s=args.idle_ttl_s,
         max_tokens=args.max_tokens,
         store=sessions,
+        **pool_quotas(args),
         **_parsers(args),
         **engine_options(args),
     )
     with responses, sessions or contextlib.nullcontext(), pool:
-        door = FrontDoor(
+        front = FrontDoor(
             pool,
-            api_key=args.api_key or None,
+            **door,
             max_request_bytes=int(args.max_request_mb * 1024 * 1024),
             max_header_bytes=int(args.max_header_kb * 1024),
             max_messages=args.max_messages,
@@ -152,15 +150,17 @@ def _serve_until(args: argparse.Namespace, signals: StopSignals) -> None:
             port=args.port,
             store=responses,
         )
-        key = "an API key" if door.settings.api_key else "no API key"
-        kept = f"sessions and responses kept in {where}" if sessions is not None else "kept in memory"
+        tenants = len(front.settings.tenants.names)
+        key = f"API keys of {tenants} tenants" if tenants > 1 else "an API key" if tenants else "no API key"
+        where = f"sessions and responses kept in {where}" if sessions is not None else "kept in memory"
         pairs = f"{args.pairs} pairs" if args.pairs > 1 else type(pool.engine).__name__
         print(
-            f"agentkv serve: {door.url}/v1 (model {door.settings.model_name!r}, {pairs}, {key}, {kept}); Ctrl-C to stop",
+            f"agentkv serve: {front.url}/v1 (model {front.settings.model_name!r}, {pairs}, {key}, {where}); "
+            "Ctrl-C to stop",
             flush=True,
         )
         signals.serving()
-        door.run(until=signals.requested)
+        front.run(until=signals.requested)
 
 
 def _parsers(args: argparse.Namespace) -> dict[str, Any]:

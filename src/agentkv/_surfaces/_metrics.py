@@ -22,6 +22,7 @@ _GAUGE_HELP = {
     "sessions": "Sessions the door holds.",
     "pins": "Sessions whose KV is pinned on an engine.",
     "steps_in_flight": "Model steps running now.",
+    "engines": "Engines of the door's group.",
     "engines_live": "Engines of the door's group that are running.",
 }
 

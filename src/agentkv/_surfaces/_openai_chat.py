@@ -31,6 +31,7 @@ from .._engines._sampling import SamplingOptions, response_format_outputs
 from .._errors import UserError
 from .._session._message_step import StepOptions
 from .._session._results import StepReply, ToolCallDelta
+from ._bounds import check_request, parse_json
 from ._request_fields import CHAT_FIELDS, FieldRule, check_fields
 
 __all__ = [
@@ -89,8 +90,13 @@ class ChatRequest(SamplingFields):
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
     user: str | None = None
+    """OpenAI's end-user id: metadata, never a conversation's key."""
     session_id: str | None = None
-    """The conversation's id (as the ``x-session-id`` header)."""
+    """The conversation's id (src/agentkv/_surfaces/_conversation_keys.py reads it, with the two below)."""
+    conversation_id: str | None = None
+    prompt_cache_key: str | None = None
+    cache_salt: str | None = None
+    """The request's own prefix-cache salt, over its tenant's (src/agentkv/_session/_tenancy.py)."""
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
     logprobs: bool | None = False
@@ -176,15 +182,15 @@ def sampling_options(options: dict[str, Any], names: Mapping[str, str]) -> Sampl
 
 
 def read_body(model: type[Body], body: bytes, table: Mapping[str, FieldRule]) -> Body:
-    """A request body of ``model``, checked: a field the table refuses is a `UserError` saying why."""
-    try:
-        raw = json.loads(body)
-    except ValueError:
-        raw = None  # pydantic names the error
+    """A request body of ``model``, checked: a field the table refuses, or one past its bound
+    (src/agentkv/_surfaces/_bounds.py), is a `UserError` saying why. The body is parsed once, bounded in depth, and
+    its fields' bounds checked before pydantic reads it (a refusal costs one parse)."""
+    raw = parse_json(body)
     if isinstance(raw, dict):
         check_fields(raw, table)
+        check_request(raw)
     try:
-        return model.model_validate_json(body)
+        return model.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
@@ -234,7 +240,8 @@ class CompletionIds:
 
     @classmethod
     def new(cls, model: str, request_id: str | None = None) -> CompletionIds:
-        """New ids; ``request_id``: the request's own (the completion is ``chatcmpl-<request_id>``, as vLLM's)."""
+        """New ids; ``request_id``: the request's own (the completion is ``chatcmpl-<request_id>``, as vLLM's; an
+        id of at most 256 characters, src/agentkv/_surfaces/_bounds.py, for every chunk repeats it)."""
         return cls(f"chatcmpl-{request_id or uuid.uuid4().hex}", int(time.time()), model)
 
     def head(self, kind: str) -> dict[str, Any]:

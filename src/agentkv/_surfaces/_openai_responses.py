@@ -6,9 +6,11 @@ content), ``function_call`` items (the assistant's tool calls, grouped into one 
 message) and ``function_call_output`` items (tool messages). ``instructions`` is the system
 message; it is not carried over by ``previous_response_id`` (as with OpenAI).
 
-A request lands on the pool conversation its ``x-session-id`` header names; without one, on the
-name of the response it continues (``previous_response_id``), if that had one; else on none: the
-pool then finds its session by the conversation's history, as for chat completions. That works
+A request lands on the pool conversation it names (src/agentkv/_surfaces/_conversation_keys.py: the
+``x-session-id`` header, the body's ``session_id``, ``conversation_id`` or ``prompt_cache_key``); without one, on
+the name of the response it continues (``previous_response_id``), if that had one; else on none: the
+pool then finds its session by the conversation's history, as for chat completions. A response's id is the
+door's own (``resp_<hex>``); a client's ``request_id`` is echoed (``x-request-id``), never an id of its. That works
 for chains by ``previous_response_id`` (the stored conversation plus the new input extends the
 session's history) and for clients that send the whole history as input alike.
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
@@ -55,7 +57,7 @@ __all__ = [
 
 
 class PreviousResponseNotFoundError(UserError):
-    """``previous_response_id`` names no stored response (OpenAI answers this with a 400)."""
+    """``previous_response_id`` names no stored response of the caller's (a 404, as vLLM answers it)."""
 
     openai_code = "previous_response_not_found"
     openai_param = "previous_response_id"
@@ -108,6 +110,9 @@ class ResponsesRequest(SamplingFields):
     user: str | None = None
     metadata: dict[str, Any] | None = None
     session_id: str | None = None
+    conversation_id: str | None = None
+    prompt_cache_key: str | None = None
+    cache_salt: str | None = None
     request_id: str | None = None
 
     @property
@@ -270,14 +275,14 @@ class ResponseTurn:
 
     @classmethod
     def begin(
-        cls, request: ResponsesRequest, previous: StoredResponse | None, *, session_header: str | None, model: str
+        cls, request: ResponsesRequest, previous: StoredResponse | None, *, conversation_id: str | None, model: str
     ) -> ResponseTurn:
+        """The turn of ``request``, continuing ``previous``, on the conversation the request names (its key:
+        `conversation_key`), else on ``previous``'s."""
         earlier = previous.messages if previous is not None else ()
-        conversation_id = session_header or request.session_id
         if conversation_id is None and previous is not None:
             conversation_id = previous.conversation_id
-        turn = cls(request, model, (*earlier, *request.new_messages()), conversation_id)
-        return turn if request.request_id is None else replace(turn, response_id=request.request_id)
+        return cls(request, model, (*earlier, *request.new_messages()), conversation_id)
 
     def messages(self) -> list[dict[str, Any]]:
         """What the pool steps on: the instructions as the system message, then the conversation."""

@@ -51,6 +51,10 @@ _TOOLS = "the tools the model may call this step (OpenAI tool dicts; see docs/to
 _SAMPLING = "SamplingOptions.{} (vLLM's meaning; omitted: the pool's default)"
 _TEMPLATE = "agentkv renders every step with the model's own chat template, the same way each step"
 _RENDER_ONLY = "vLLM reads it on its render endpoints only and ignores it when generating: so does agentkv"
+_KEY = (
+    "a conversation's key: the first given of the x-session-id header, session_id, conversation_id and "
+    "prompt_cache_key names it (at most 256 visible ASCII characters)"
+)
 
 
 def _sampling_rules(*names: str) -> dict[str, FieldRule]:
@@ -77,17 +81,16 @@ _COMMON: dict[str, FieldRule] = {
     "stop": _honoured("up to 4 stop strings; the answer ends before the first"),
     "top_logprobs": _honoured("SamplingOptions.logprobs: this many alternatives per output token (at most 20)"),
     "stream": _honoured("server-sent events as the answer is generated"),
-    "user": _honoured("OpenAI's end-user id; agentkv's conversation id when neither x-session-id nor session_id"),
+    "user": _no_effect("OpenAI's end-user id: metadata, never a conversation's key (at most 256 characters)"),
     "priority": _refused(
         "agentkv's engines serve every step first come, first served (priority puts only pin releases ahead)", 0
     ),
-    "request_id": _honoured(
-        "the reply's id, as vLLM writes it: chatcmpl-<request_id> (chat), the request_id itself (Responses)"
+    "cache_salt": _honoured(
+        "salts the prefix cache over the tenant's own salt, as vLLM checks it (at most 128 characters, no @ / \\"
+        " or NUL)"
     ),
-    "cache_salt": _refused(
-        "the salt is the session's (SessionPool(cache_salt=...)): a request's own salt would not match the KV "
-        "its conversation holds pinned"
-    ),
+    "prompt_cache_key": _honoured(_KEY),
+    "conversation_id": _honoured(_KEY + "; what vLLM's multi-turn benchmark sends"),
     "kv_transfer_params": _refused("agentkv moves the KV between its prefill and decode engines itself", {}),
     "vllm_xargs": _refused("agentkv's engines take no per-request extra arguments (custom logits processors)", {}),
 }
@@ -105,7 +108,11 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     ),
     "structured_outputs": _honoured(_SAMPLING.format("structured_outputs") + "; not with schema-format tools"),
     **_sampling_rules("min_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words"),
-    "session_id": _honoured("the conversation's id (as the x-session-id header): the pool's routing key"),
+    "session_id": _honoured(_KEY + ": the pool's routing key"),
+    "request_id": _honoured(
+        "the reply's id, as vLLM writes it (chatcmpl-<request_id>), and the x-request-id header; at most 256 "
+        "visible ASCII characters"
+    ),
     "return_tokens_as_token_ids": _honoured("logprob tokens are written token_id:<id>, as vLLM writes them"),
     "n": _refused("one choice per request: a session continues one conversation", 1),
     "use_beam_search": _refused("beam search is not served (a session continues one sampled output)", False),
@@ -156,10 +163,15 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
     "instructions": _honoured("the system message (not carried over by previous_response_id, as OpenAI)"),
     "max_output_tokens": _honoured("the most tokens of the step"),
     "previous_response_id": _honoured("continues a kept response's conversation"),
-    "store": _honoured("false: the response is not kept for previous_response_id and GET"),
+    "store": _honoured(
+        "false: the response is not kept for previous_response_id and GET; taken as false when the server keeps no "
+        "responses (agentkv serve --no-store-responses, as vLLM without its store)"
+    ),
     "text": _honoured("text.format json_schema or json_object become SamplingOptions.structured_outputs"),
     "truncation": _refused("a conversation longer than the context is refused, never cut", "disabled"),
-    "metadata": _honoured("echoed in the response"),
+    "metadata": _honoured(
+        "echoed in the response and kept with it; OpenAI's bounds: 16 pairs, keys of 64 and values of 512 characters"
+    ),
     "reasoning": _refused(_TEMPLATE + ", which takes no reasoning options"),
     "include_reasoning": _refused("the reasoning is not split from the answer, so it cannot be left out", True),
     "include": _refused(
@@ -180,9 +192,15 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
         "an OpenAI field (include_obfuscation) vLLM ignores: agentkv's events have no padding"
     ),
     "structured_outputs": _honoured(_SAMPLING.format("structured_outputs") + "; not with text.format (as vLLM)"),
-    "session_id": _honoured("the conversation's id when there is no x-session-id header"),
-    "user": _no_effect("echoed in the response; responses chain by previous_response_id, not by user"),
-    "prompt_cache_key": _no_effect("vLLM ignores it too (not implemented there); the pool routes by session"),
+    "session_id": _honoured(_KEY),
+    "request_id": _honoured(
+        "echoed in the x-request-id header; the response's id is the server's own (resp_...): a client's id never "
+        "names a stored response"
+    ),
+    "user": _no_effect(
+        "echoed in the response; metadata, never a key: responses chain by previous_response_id (at most 256 "
+        "characters)"
+    ),
     "watermarking": _refused("agentkv's engines do not watermark their output", False),
     "media_io_kwargs": _refused("text only: there is no media to load", {}),
     "mm_processor_kwargs": _refused("text only: there is no multimodal input to process", {}),

@@ -1,13 +1,15 @@
-"""The front door's refusals: the API key check and the OpenAI error body and status of every failure a request
-can meet (`failure`), counted in the door's metrics. Used by the routes (src/agentkv/_surfaces/_serve_routes.py)
-and the header limit of the app (src/agentkv/_surfaces/_serve.py)."""
+"""The front door's refusals: the OpenAI error body and status of every failure a request can meet (`failure`),
+counted in the door's metrics. Used by the routes (src/agentkv/_surfaces/_serve_routes.py,
+src/agentkv/_surfaces/_serve_admin.py) and the header limit of the app (src/agentkv/_surfaces/_serve.py).
+
+No body names where the door keeps its data: a store's fault is said by its kind (locked, full, unreachable...),
+never its file or its server's address, which go to the log only."""
 
 from __future__ import annotations
 
 import logging
-import secrets
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 from .._errors import (
@@ -24,34 +26,24 @@ from .._errors import (
 from ._in_flight import ClientGoneError, ServerStoppingError
 from ._limits import HeadersTooLargeError, OverloadedError, RequestTooLargeError
 from ._metrics import ServeMetrics
-from ._openai_responses import ResponseNotFoundError
+from ._openai_responses import PreviousResponseNotFoundError, ResponseNotFoundError
+from ._serve_admin import MethodNotAllowedError, NotFoundError
+from ._tenants import UnauthorizedError
 
-__all__ = ["authorize", "failure"]
+__all__ = ["failure"]
 
 logger = logging.getLogger("agentkv")
 
-
-def authorize(request: Request, api_key: str | None) -> None:
-    """Refuse ``request`` (401) unless it carries ``Authorization: Bearer <api_key>`` (compared in constant time);
-    no key: every request passes."""
-    if api_key is None:
-        return
-    given = request.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-        raise _Unauthorized
-
-
-class _Unauthorized(Exception):
-    pass
-
-
 _STATUS: list[tuple[type[BaseException], int, str]] = [
-    (_Unauthorized, 401, "authentication_error"),
+    (UnauthorizedError, 401, "authentication_error"),
     (RequestTooLargeError, 413, "invalid_request_error"),
     (HeadersTooLargeError, 431, "invalid_request_error"),
     (OverloadedError, 429, "rate_limit_error"),
     (SessionBusyError, 409, "conflict_error"),
     (ResponseNotFoundError, 404, "invalid_request_error"),
+    (PreviousResponseNotFoundError, 404, "invalid_request_error"),
+    (NotFoundError, 404, "invalid_request_error"),
+    (MethodNotAllowedError, 405, "invalid_request_error"),
     (ContextLengthError, 400, "invalid_request_error"),
     (UserError, 400, "invalid_request_error"),
     (TimeoutError, 504, "timeout_error"),
@@ -66,17 +58,20 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
 ]
 
 
-def failure(exc: Exception, metrics: ServeMetrics) -> JSONResponse:
+def failure(exc: BaseException, metrics: ServeMetrics) -> JSONResponse:
     """The OpenAI error body and status for ``exc``; unexpected errors are logged, never their payload."""
     if isinstance(exc, ClientDisconnect):  # the client left while its body was read: nothing to log
         exc = ClientGoneError()
     status, kind = next(((s, k) for cls, s, k in _STATUS if isinstance(exc, cls)), (500, "server_error"))
     if status == 500:
         logger.exception("agentkv serve: a request failed")
-    message = {
-        _Unauthorized: "a valid API key is required (Authorization: Bearer ...)",
+    said: dict[type[BaseException], str] = {
+        UnauthorizedError: "a valid API key is required (Authorization: Bearer ...)",
         TimeoutError: "the request took longer than the server's timeout; nothing of it was kept",
-    }.get(type(exc), str(exc) or type(exc).__name__)
+    }
+    message = said.get(type(exc), str(exc) or type(exc).__name__)
+    if isinstance(exc, StoreUnavailableError):  # its message names the file or the server: the log has it
+        message = exc.public
     code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else type(exc).__name__
     code = getattr(exc, "openai_code", code)
     param = getattr(exc, "openai_param", None)
