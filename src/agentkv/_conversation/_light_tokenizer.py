@@ -66,6 +66,10 @@ class LightTokenizer:
             self._tokenizer.encode_special_tokens = split_special_tokens
             return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def get_vocab(self) -> dict[str, int]:
+        """The vocabulary, token text -> id, added tokens included (as transformers' ``get_vocab``)."""
+        return dict(self._tokenizer.get_vocab(with_added_tokens=True))
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
