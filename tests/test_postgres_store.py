@@ -62,8 +62,8 @@ def saved_turns(url: str, conversation: str) -> int:
 def test_the_response_store_keeps_deletes_and_bounds_what_it_is_given(url: str) -> None:
     with PostgresResponseStore(url, max_responses=50) as store:
         four_writers_on(store)
-        assert store.delete("w3-19") and store.get("w3-19") is None
-        assert not store.delete("w3-19") and not store.delete("never")
+        assert store.delete("s-49") and store.get("s-49") is None
+        assert not store.delete("s-49") and not store.delete("never")
     with PostgresResponseStore(url, max_responses=2) as bounded:
         bounded.put(kept("a", None, "1"))
         bounded.put(kept("b", None, "2"))
