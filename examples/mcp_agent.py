@@ -37,16 +37,12 @@ def main(engine: Engine | None = None, *, url: str | None = None, cache_salt: st
             session.run_sync("What is the first item of todo.txt?"),
         ]
     for number, result in enumerate(results, start=1):
-        for step in result.steps:
-            stats = step.stats
-            called = ", ".join(f"{c.name}({c.arguments})" for c in step.tool_calls) or "-"
-            print(
-                f"turn {number} step {stats.step}: calls {called}; ttft {stats.ttft_s:.3f} s; prompt "
-                f"{stats.prompt_tokens} = local {stats.local_hit_tokens} + pulled {stats.pulled_tokens} + computed "
-                f"{stats.computed_tokens}"
-            )
-            for tool_result in step.tool_results:
-                print(f"        -> {tool_result.content}")
+        calls = [f"{call.name}({call.arguments})" for step in result.steps for call in step.tool_calls]
+        pulled = sum(step.stats.pulled_tokens for step in result.steps)
+        ttfts = ", ".join(f"{step.stats.ttft_s:.3f}" for step in result.steps)
+        print(
+            f"turn {number}: tools {', '.join(calls) or '-'}; TTFT per step {ttfts} s; KV pulled back {pulled} tokens"
+        )
         print(f"turn {number} answer: {result.text}")
     return results
 
