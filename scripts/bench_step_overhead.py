@@ -5,14 +5,16 @@
 Measured on `Session.step` on `HonestPairEngine` (no model: what is left is agentkv's own work per step, rendering
 and tokenizing included), the same messages every step; in one run:
 
-* **with and without the spans, in one process**: blocks of ``--steps`` steps alternate between the step path as it
-  is and the same path with its span calls replaced by nothing (``start_step``/``end_step``); the median per step of
-  each side's blocks, and the difference.
+* **the check against the no-op spans, in one process**: blocks of ``--steps`` steps alternate between the step
+  path with its spans forced on (``sdk_configured`` answering yes: the API's no-op spans started and ended, the
+  step's metrics handed to its no-op instruments, as every step did before the check) and the step path as it is (the
+  check finds no SDK and skips them); the median per step of each side's blocks, and the difference.
 * **before and after**, with ``--before`` (a checkout's ``src`` without the spans): child processes alternate
   between it and ``--after`` (default: this checkout's ``src``), ``--rounds`` each, each timing ``--steps`` steps
   after a warm-up (a child's start imports transformers: slow, hence few rounds).
-* **the spans alone**: the calls a step adds (a ``chat`` span started and ended, its attributes computed only if
-  recording, the step metrics recorded), timed in a loop of 100,000 against the API's no-op providers.
+* **alone**, against the API's no-op providers, in loops of 100,000: the calls a step would add with the spans on
+  (a ``chat`` span started and ended, its attributes computed only if recording, the step metrics recorded), and the
+  check (``sdk_configured``) that the step makes instead.
 
 Used in docs/observability.md ("What it costs").
 """
@@ -53,23 +55,19 @@ def _child(steps: int) -> None:
 
 
 def _toggled(blocks: int, steps: int) -> dict[str, list[float]]:
-    """Per-step medians of blocks of steps, alternating between the spans on and replaced by nothing."""
+    """Per-step medians of blocks of steps, alternating between the spans forced on and the step path as it is."""
     import unittest.mock
 
     import anyio
-    from opentelemetry import trace
 
     from agentkv import Session
     from agentkv._session import _turn
     from agentkv.testing import HonestPairEngine
 
-    medians: dict[str, list[float]] = {"without": [], "with spans": []}
+    medians: dict[str, list[float]] = {"spans on": [], "as is": []}
 
-    def nothing_started(*args: object, **kwargs: object) -> object:
-        return trace.INVALID_SPAN
-
-    def nothing_ended(*args: object, **kwargs: object) -> None:
-        return None
+    def configured() -> bool:
+        return True
 
     async def run() -> None:
         async with HonestPairEngine(lambda request: "An answer.") as engine, Session(engine=engine, max_tokens=16) as s:
@@ -77,11 +75,8 @@ def _toggled(blocks: int, steps: int) -> dict[str, list[float]]:
                 await s.step(HISTORY)
             for block in range(blocks):
                 for side in list(medians)[:: 1 if block % 2 == 0 else -1]:  # ABBA: no side always goes first
-                    off = side == "without"
-                    with (
-                        unittest.mock.patch.object(_turn, "start_step", nothing_started if off else _turn.start_step),
-                        unittest.mock.patch.object(_turn, "end_step", nothing_ended if off else _turn.end_step),
-                    ):
+                    forced = configured if side == "spans on" else _turn.sdk_configured
+                    with unittest.mock.patch.object(_turn, "sdk_configured", forced):
                         took = []
                         for _ in range(steps):
                             started = time.perf_counter()
@@ -107,6 +102,16 @@ def _spans_alone(loops: int) -> float:
     for _ in range(loops):
         span = start_step(info, request, turn=1, step=1, parent=None)
         end_step(span, info, stats=stats, done=done, upkeep=None, error=None)
+    return (time.perf_counter() - started) / loops * 1e6
+
+
+def _check_alone(loops: int) -> float:
+    """Microseconds per step of the check a step makes instead, no SDK configured."""
+    from agentkv._stats._telemetry import sdk_configured
+
+    started = time.perf_counter()
+    for _ in range(loops):
+        sdk_configured()
     return (time.perf_counter() - started) / loops * 1e6
 
 
@@ -139,6 +144,7 @@ def main() -> None:
                 medians[side].append(json.loads(out.strip().splitlines()[-1])["median_us"])
         _report(medians, "child processes")
     sys.stdout.write(f"the spans and metrics alone, no SDK: {_spans_alone(100_000):.2f} us/step\n")
+    sys.stdout.write(f"the check alone, no SDK: {_check_alone(100_000):.3f} us/step\n")
 
 
 def _report(medians: dict[str, list[float]], how: str) -> None:

@@ -7,7 +7,7 @@ starts then, while the model still writes the next call or closes its output, in
 step ends, its calls as read from the whole output take the result of the call started for them (the same id, name
 and arguments); any other call runs then. A call started early that the whole output does not hold (the output was
 cut by ``max_tokens`` into malformed JSON) has run, but its result is dropped. Every call runs in an
-``execute_tool`` span (src/agentkv/_session/_tracing.py).
+``execute_tool`` span (src/agentkv/_session/_tracing.py) when the application configured OpenTelemetry.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from opentelemetry.context import Context
 
 from .._conversation._parsers import CallPiece
 from .._conversation._tools import Tool, ToolCall, ToolResult, run_tool_call
+from .._stats._telemetry import sdk_configured
 from ._tracing import tool_result, tool_span
 
 __all__ = ["ToolRunner"]
@@ -80,6 +81,8 @@ class ToolRunner:
             self.first_start = time.perf_counter()
         found = self._tools.get(call.name)
         kind = "extension" if found is not None and found.source is not None else "function"
+        if not sdk_configured():  # no span: nothing would record it
+            return await run_tool_call(call, self._tools)
         with tool_span(call, kind=kind, parent=self._parent, early=early) as span:
             result = await run_tool_call(call, self._tools)
             tool_result(span, result)

@@ -2,8 +2,11 @@
 (``execute_tool``), named and attributed as the GenAI semantic conventions name them, agentkv's own figures under
 ``agentkv.`` (src/agentkv/_stats/_telemetry.py).
 
-Through ``opentelemetry-api`` only: agentkv configures no SDK and chooses no exporter. Without an SDK the tracer is
-the API's no-op one; a span then costs its creation, and its attributes are not even computed (`Span.is_recording`).
+Through ``opentelemetry-api`` only: agentkv configures no SDK and chooses no exporter. Without an SDK (no tracer
+provider and no meter provider set: `agentkv._stats._telemetry.sdk_configured`, asked once per step, per turn and
+per tool call) no span is started and no metric recorded: the callers skip `start_step`, `end_step`, the turn's
+span and `tool_span`. With one, a span that does not record (a meter provider but no tracer provider, or a sampled
+out trace) costs its creation, and its attributes are not even computed (`Span.is_recording`).
 Spans are started with an explicit parent and ended explicitly, never made current inside an async generator (a
 turn's and a step's code yields): a step's parent is its turn, or the caller's current span (a framework's agent
 span, the door's request span); a tool's parent is its turn.
@@ -23,7 +26,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from .._conversation._tools import ToolCall, ToolResult
 from .._engines import StepDone, StepRequest
 from .._stats._stats import StepStats
-from .._stats._telemetry import PROVIDER, StepMetricsRecorder, step_attributes
+from .._stats._telemetry import PROVIDER, StepMetricsRecorder, sdk_configured, step_attributes
 from ._results import TurnResult
 
 __all__ = ["TraceInfo", "TurnSpan", "end_step", "start_step", "tool_result", "tool_span"]
@@ -78,17 +81,22 @@ def _fail(span: Span, error: BaseException) -> None:
 
 class TurnSpan:
     """The ``invoke_agent`` span of a turn of `Session.run` (a child of the caller's current span), and the context
-    its steps and tools hang under. Ended once: with the turn's result, or with the error that ended it."""
+    its steps and tools hang under. Ended once: with the turn's result, or with the error that ended it.
+
+    None while the application configured no SDK (`sdk_configured`): no span, and the turn's steps and tools, should
+    a provider be set during the turn, hang under the caller's current span."""
 
     __slots__ = ("context", "ended", "span")
 
-    def __init__(self, span: Span) -> None:
+    def __init__(self, span: Span | None) -> None:
         self.span = span
-        self.context: otel_context.Context = trace.set_span_in_context(span)
-        self.ended = False
+        self.context: otel_context.Context | None = trace.set_span_in_context(span) if span is not None else None
+        self.ended = span is None
 
     @classmethod
     def start(cls, info: TraceInfo | None, *, turn: int, mode: str) -> TurnSpan:
+        if not sdk_configured():
+            return cls(None)
         span = _tracer.start_span("invoke_agent", kind=SpanKind.INTERNAL)
         if span.is_recording():
             span.set_attributes({"gen_ai.operation.name": "invoke_agent", **_named(info)})
@@ -98,7 +106,7 @@ class TurnSpan:
     def end(self, result: TurnResult | None = None, *, error: BaseException | None = None) -> None:
         """End it: its usage summed over the turn's steps, what the session did to its pin before the turn. Once: a
         stream's consumer may stop at the turn's end, already ended."""
-        if self.ended:
+        if self.ended or self.span is None:
             return
         self.ended = True
         span = self.span

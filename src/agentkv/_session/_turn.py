@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from opentelemetry.context import Context
+from opentelemetry.trace import Span
 
 from .._conversation._conversation import Conversation, Message
 from .._conversation._parsers import OutputParsers
@@ -31,6 +32,7 @@ from .._engines._base import Pin
 from .._engines._pinning import HeldPin, choose_pin, miss_after_step
 from .._errors import ContextLengthError
 from .._stats._stats import MissReason, StepStats, TurnStats
+from .._stats._telemetry import sdk_configured
 from ._answer_text import OutputReader, OutputShape, stream_events
 from ._results import Event, Step, StepEnd, TextDelta, ToolCallEvent, ToolResultEvent, TurnEnd, TurnResult
 from ._session_config import SessionConfig
@@ -69,7 +71,7 @@ class Turn:
     session repins once it keeps the turn (`agentkv._session._pin_upkeep`)."""
     trace_context: Context | None = None
     """The context of the turn's ``invoke_agent`` span (`Session.run`), which its steps and tools hang under; None:
-    they hang under the caller's current span (`Session.step`)."""
+    they hang under the caller's current span (`Session.step`, or no SDK configured when the turn began)."""
     upkeep_traced: bool = False
     """Whether a step span already carries the upkeep counts (on the first step after them)."""
 
@@ -179,9 +181,12 @@ async def model_step(
         cache_salt=config.cache_salt,
         placement=context.placement,
     )
-    span = start_step(context.trace, request, turn=turn.number, step=number, parent=turn.trace_context)
-    upkeep = None if turn.upkeep_traced else upkeep_counts(turn)
-    turn.upkeep_traced = True
+    span: Span | None = None
+    upkeep: dict[str, int] | None = None
+    if sdk_configured():  # else no span, no metrics: nothing would record them
+        span = start_step(context.trace, request, turn=turn.number, step=number, parent=turn.trace_context)
+        upkeep = None if turn.upkeep_traced else upkeep_counts(turn)
+        turn.upkeep_traced = True
     started = time.perf_counter()
     done: StepDone | None = None
     try:
@@ -200,9 +205,11 @@ async def model_step(
         assert done is not None
         stats = _step_stats(turn.number, number, prompt, pin, reason, done, time.perf_counter() - started)
     except BaseException as exc:
-        end_step(span, context.trace, stats=None, done=done, upkeep=None, error=exc)
+        if span is not None:
+            end_step(span, context.trace, stats=None, done=done, upkeep=None, error=exc)
         raise
-    end_step(span, context.trace, stats=stats, done=done, upkeep=upkeep, error=None)
+    if span is not None:
+        end_step(span, context.trace, stats=stats, done=done, upkeep=upkeep, error=None)
     conversation.add_output(done.token_ids, done.text)
     if done.pin is not None:
         turn.pin = HeldPin(done.pin, prompt + list(done.token_ids))

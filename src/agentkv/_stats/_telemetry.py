@@ -7,16 +7,22 @@ step is declared once (`STEP_METRICS`): its OpenTelemetry name, its Prometheus n
 configures an SDK), and the door's ``/metrics`` (src/agentkv/_surfaces/_metrics.py) builds its Prometheus
 instruments from the same table: one source of truth for both.
 
+`sdk_configured` tells whether the application configured any of it: the one check a model step makes before
+its spans and metrics, which it skips entirely when nothing would record them.
+
 A leaf like the rest of the stats layer: it imports only ``opentelemetry-api`` and `StepStats`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from opentelemetry import metrics
+from opentelemetry import metrics, trace
+from opentelemetry.environment_variables import OTEL_PYTHON_METER_PROVIDER, OTEL_PYTHON_TRACER_PROVIDER
+from opentelemetry.metrics import _internal as _metrics_state
 
 from ._stats import StepStats
 
@@ -26,6 +32,7 @@ __all__ = [
     "STEP_METRICS",
     "StepMetric",
     "StepMetricsRecorder",
+    "sdk_configured",
     "step_attributes",
 ]
 
@@ -34,6 +41,31 @@ PROVIDER = "vllm"
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Bucket bounds of every latency histogram (Prometheus buckets, OpenTelemetry's advisory boundaries)."""
+
+if OTEL_PYTHON_TRACER_PROVIDER in os.environ or OTEL_PYTHON_METER_PROVIDER in os.environ:
+    # A provider named by the environment is loaded by the API's first get: now, so that `sdk_configured` sees it.
+    trace.get_tracer_provider()
+    metrics.get_meter_provider()
+
+_READABLE = hasattr(trace, "_TRACER_PROVIDER") and hasattr(_metrics_state, "_METER_PROVIDER")
+
+
+def sdk_configured() -> bool:
+    """Whether the application set a tracer provider or a meter provider (other than the API's no-op ones), now.
+
+    Asked once per model step, so a provider set after agentkv was imported is seen from the next step on. It reads
+    the API's globals, which hold None until a provider is set (once per process): the public getters cost about a
+    microsecond each while nothing is set (an environment lookup, a raised ``KeyError``), this a few attribute reads.
+    The names are private to ``opentelemetry-api`` (1.12 and later; tests/test_telemetry_off.py checks them against
+    the installed version): where a later version lacks them, every step counts as observed, at the spans' cost."""
+    if not _READABLE:
+        return True
+    tracers = trace._TRACER_PROVIDER
+    if tracers is not None and not isinstance(tracers, trace.NoOpTracerProvider):
+        return True
+    meters = _metrics_state._METER_PROVIDER
+    return meters is not None and not isinstance(meters, metrics.NoOpMeterProvider)
+
 
 Value = tuple[float, str | None]
 """A value to record and its ``source`` label (None: the metric has no label)."""
