@@ -51,6 +51,8 @@ class LightTokenizer:
         environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise_exception
         template = (self._folder / "chat_template.jinja").read_text(encoding="utf-8")
+        self.chat_template: str = template
+        """The chat template's source (as transformers' tokenizer has it)."""
         self._template = environment.from_string(template)
 
     def _id(self, token: str) -> int:
