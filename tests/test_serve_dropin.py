@@ -189,3 +189,69 @@ def test_without_served_names_the_door_takes_any_model_name() -> None:
             assert answer.status_code == 200 and answer.json()["model"] == front.settings.model_name
             listed = httpx.get(front.url + "/v1/models").json()["data"]
             assert [card["id"] for card in listed] == [front.settings.model_name]
+
+
+def _test_tokenizer() -> Any:
+    from agentkv._conversation._light_tokenizer import LightTokenizer
+    from agentkv._doubles._scripted import TEST_MODEL
+
+    return LightTokenizer(TEST_MODEL)
+
+
+def test_tokenize_a_prompt_and_messages_as_vllm_answers(door: str) -> None:
+    tokenizer = _test_tokenizer()
+    ids = tokenizer.encode("Hello there", add_special_tokens=True)
+    answer = _post(door, "/tokenize", {"model": "alias", "prompt": "Hello there"})
+    assert answer.status_code == 200
+    assert answer.json() == {"count": len(ids), "max_model_len": 4096, "tokens": ids, "token_strs": None}
+    strs = _post(door, "/tokenize", {"prompt": "Hello there", "return_token_strs": True}).json()["token_strs"]
+    assert strs == tokenizer.convert_ids_to_tokens(ids)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    rendered = str(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi\nthere"}], tokenize=False, add_generation_prompt=True
+        )
+    )
+    chat = _post(door, "/tokenize", {"messages": messages}).json()
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False) and chat["count"] == len(
+        chat["tokens"]
+    )
+    plain = _post(door, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert plain["tokens"] == chat["tokens"][: plain["count"]] and plain["count"] < chat["count"]
+
+
+def test_detokenize_gives_the_prompt_back(door: str) -> None:
+    ids = _post(door, "/tokenize", {"prompt": "<|im_start|>user\nHi"}).json()["tokens"]
+    answer = _post(door, "/detokenize", {"model": "smol", "tokens": ids})
+    assert answer.status_code == 200 and answer.json() == {"prompt": "<|im_start|>user\nHi"}  # special tokens kept
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "said"),
+    [
+        ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist."),
+        ("/detokenize", {"tokens": [1], "model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist."),
+        ("/detokenize", {"tokens": [10**9]}, 400, "out of vocabulary"),
+        ("/detokenize", {"tokens": ["a"]}, 400, "tokens.0"),
+        ("/tokenize", {"messages": [], "chat_template": "{{ 1 }}"}, 400, "--trust-request-chat-template is not set"),
+        (
+            "/tokenize",
+            {"messages": [], "continue_final_message": True},
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+        ),
+        ("/tokenize", {"messages": [], "chat_template_kwargs": {"x": "y" * 20_000}}, 400, "at most 16 KiB"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}] * 3000}, 400, "messages"),
+        ("/tokenize", {"nothing": 1}, 400, "prompt: Field required"),
+        ("/tokenize", [1, 2], 400, "body: Input should be a valid dictionary"),
+    ],
+)
+def test_tokenize_routes_refuse_bad_input(door: str, path: str, body: Any, status: int, said: str) -> None:
+    answer = _post(door, path, body)
+    assert answer.status_code == status and said in answer.json()["error"]["message"]
+
+
+def test_tokenize_routes_need_the_key(door: str) -> None:
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        assert _post(door, path, body, key="wrong").status_code == 401
+        assert httpx.post(door + path, json=body).status_code == 401

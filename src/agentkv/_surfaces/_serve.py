@@ -32,6 +32,7 @@ from ._serve_admin import AdminRoutes, gauges
 from ._serve_routes import DoorRoutes, ServeSettings
 from ._signals import StopSignals
 from ._tenants import Tenants
+from ._tokenize_routes import TokenizeRoutes
 from ._trace_context import TraceContext
 
 __all__ = ["FrontDoor", "ServeSettings", "create_app"]
@@ -45,7 +46,7 @@ def create_app(
     in_flight: InFlight | None = None,
 ) -> Starlette:
     """The ASGI app: ``POST /v1/chat/completions``, ``POST /v1/responses``, ``GET`` and ``DELETE
-    /v1/responses/{id}``, ``GET /v1/sessions``, ``DELETE /v1/sessions/{id}``, ``GET /v1/models``, ``GET /health``,
+    /v1/responses/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /v1/sessions``, ``DELETE /v1/sessions/{id}``, ``GET /v1/models``, ``GET /health``,
     ``GET /ready``, ``GET /metrics``; any other path or method a 404 or 405 in OpenAI's error shape. ``store``
     keeps responses for ``previous_response_id`` and ``GET`` (default: in memory). Its steps run in ``in_flight``
     (its ``stop`` ends them); each is cancelled when its client goes away."""
@@ -54,7 +55,8 @@ def create_app(
         pool, settings, store if store is not None else MemoryResponseStore(), steps, lambda: gauges(pool)
     )
     admin = AdminRoutes(pool, settings.tenants, settings.names, steps, routes.metrics, routes.refuse)
-    table = [*routes.table(), *admin.table()]
+    tokens = TokenizeRoutes(pool, settings, routes.refuse)
+    table = [*routes.table(), *admin.table(), *tokens.table()]
     return Starlette(
         routes=table,
         middleware=[
