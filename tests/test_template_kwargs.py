@@ -133,3 +133,16 @@ def test_the_door_refuses_what_it_cannot_take(door: tuple[str, list[str]], kwarg
     body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": kwargs}
     answer = httpx.post(door[0] + "/v1/chat/completions", json=body, timeout=30)
     assert answer.status_code == 400 and said in answer.json()["error"]["message"]
+
+
+def test_a_snapshot_keeps_the_arguments_it_was_rendered_with() -> None:
+    from agentkv._conversation._conversation import Message
+    from agentkv._conversation._transcript import Transcript, TranscriptKey
+    from agentkv._session._snapshot import SavedTranscript, load_transcript, save_transcript
+
+    key = TranscriptKey(None, (), "schema", template_kwargs_key({"enable_thinking": False}))
+    transcript = Transcript(key, (Message(role="user", content="Hi"),))
+    saved = SavedTranscript.model_validate_json(save_transcript(transcript).model_dump_json())
+    assert load_transcript(saved) == transcript
+    older = {"system": None, "tools": [], "format": "schema", "messages": [{"role": "user", "content": "Hi"}]}
+    assert load_transcript(SavedTranscript.model_validate(older)).key.template_kwargs is None  # saved before them
