@@ -255,3 +255,13 @@ def test_tokenize_routes_need_the_key(door: str) -> None:
     for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
         assert _post(door, path, body, key="wrong").status_code == 401
         assert httpx.post(door + path, json=body).status_code == 401
+
+
+def test_remote_servers_without_a_model_take_vllms_neutral_defaults(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    argv = ["serve", "--store", "memory", "--remote", "http://p:1", "http://d:2"]
+    with caplog.at_level(logging.WARNING, logger="agentkv"):
+        code, pool, _ = serve_with_doubles(monkeypatch, [*argv, "--override-generation-config", '{"top_p": 0.5}'])
+    assert code == 0 and (pool["temperature"], pool["sampling"]) == (1.0, SamplingOptions(top_p=0.5))
+    assert "with --remote and no --model the model's generation config is not read" in caplog.text

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .._errors import UserError
 from ._cli_options import positive_int, positive_seconds
 
 __all__ = ["DTYPES", "DropIn", "add_dropin_arguments", "dropin_options"]
+
+logger = logging.getLogger("agentkv")
 
 DTYPES = {
     "auto": "auto",
@@ -115,19 +119,32 @@ def dropin_options(args: argparse.Namespace) -> DropIn:
     from .._engines._pair_config import PairConfig
     from .._engines._platform_settings import resolve_dtype
     from .._engines._platforms import current_platform
-    from .._engines._sampling import SamplingOptions
     from .._model import prepare_model
     from ._model_defaults import default_max_model_len, generation_defaults
 
     if args.dtype is not None:
         args.dtype = DTYPES[args.dtype]
+    if args.remote and args.model is None:  # the servers' model is known once the pool opens: not read here
+        if args.generation_config == "auto":
+            logger.warning(
+                "agentkv serve: with --remote and no --model the model's generation config is not read; requests "
+                "that omit sampling fields take vLLM's neutral defaults (--generation-config FOLDER reads one)"
+            )
+        source = "vllm" if args.generation_config == "auto" else args.generation_config
+        return _dropin(args, generation_defaults(Path("."), source, args.override_generation_config))
     model_path = prepare_model(args.model)
     if args.max_model_len is None and not args.remote:
         platform = current_platform()
         dtype = resolve_dtype(args.dtype or "auto") if platform.is_cpu else args.dtype or "auto"
         space = PairConfig().kv_cache_gib if platform.is_cpu else None  # on CUDA vLLM checks it as it starts
         args.max_model_len = default_max_model_len(model_path, dtype=dtype, kv_cache_gib=space)
-    defaults = generation_defaults(model_path, args.generation_config, args.override_generation_config)
+    return _dropin(args, generation_defaults(model_path, args.generation_config, args.override_generation_config))
+
+
+def _dropin(args: argparse.Namespace, defaults: dict[str, Any]) -> DropIn:
+    """The pool's sampling defaults of ``defaults`` (`generation_defaults`) and the door's model names."""
+    from .._engines._sampling import SamplingOptions
+
     max_tokens = args.max_tokens or defaults.pop("max_tokens", _FALLBACK_MAX_TOKENS)
     defaults.pop("max_tokens", None)
     try:
