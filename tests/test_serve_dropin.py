@@ -166,7 +166,7 @@ def test_another_model_name_gets_vllms_404(door: str, path: str) -> None:
     assert answer.status_code == 404
     assert answer.json() == {
         "error": {
-            "message": "The model `gpt-4o` does not exist.",
+            "message": "The model `gpt-4o` does not exist. Valid aliases: smol, alias.",
             "type": "NotFoundError",
             "param": "model",
             "code": 404,
@@ -229,8 +229,18 @@ def test_detokenize_gives_the_prompt_back(door: str) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "status", "said"),
     [
-        ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist."),
-        ("/detokenize", {"tokens": [1], "model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist."),
+        (
+            "/tokenize",
+            {"prompt": "x", "model": "gpt-4o"},
+            404,
+            "The model `gpt-4o` does not exist. Valid aliases: smol, alias.",
+        ),
+        (
+            "/detokenize",
+            {"tokens": [1], "model": "gpt-4o"},
+            404,
+            "The model `gpt-4o` does not exist. Valid aliases: smol, alias.",
+        ),
         ("/detokenize", {"tokens": [10**9]}, 400, "out of vocabulary"),
         ("/detokenize", {"tokens": ["a"]}, 400, "tokens.0"),
         ("/tokenize", {"messages": [], "chat_template": "{{ 1 }}"}, 400, "--trust-request-chat-template is not set"),

@@ -65,7 +65,7 @@ def _sampling_rules(*names: str) -> dict[str, FieldRule]:
 _COMMON: dict[str, FieldRule] = {
     "model": _honoured(
         "with agentkv serve --served-model-name, one of those names or none (another is vLLM's 404, The model `x` "
-        "does not exist.); without it, any name; the reply names the first (GET /v1/models lists them)"
+        "does not exist. Valid aliases: ...); without it, any name; the reply names the first (GET /v1/models lists them)"
     ),
     "tools": _honoured(_TOOLS),
     "tool_choice": _honoured(

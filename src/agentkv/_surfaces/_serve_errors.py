@@ -42,8 +42,8 @@ class ModelNotFoundError(UserError):
     openai_code = 404
     openai_param = "model"
 
-    def __init__(self, name: str) -> None:
-        super().__init__(f"The model `{name[:256]}` does not exist.")
+    def __init__(self, name: str, served: tuple[str, ...]) -> None:
+        super().__init__(f"The model `{name[:256]}` does not exist. Valid aliases: {', '.join(served)}.")
 
 
 _STATUS: list[tuple[type[BaseException], int, str]] = [

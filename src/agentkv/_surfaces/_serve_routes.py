@@ -92,7 +92,7 @@ class ServeSettings:
         """Refuse a request naming a model not among ``served_names`` (when given), with vLLM's 404 (none named, or
         an empty name: the first)."""
         if name and self.served_names and name not in self.served_names:
-            raise ModelNotFoundError(name)
+            raise ModelNotFoundError(name, self.served_names)
 
     def __post_init__(self) -> None:
         limits = ("max_request_bytes", "max_header_bytes", "max_messages", "max_in_flight")
