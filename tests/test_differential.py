@@ -6,6 +6,9 @@ door on the shared real pair and on the shared colocated engine (tests/conftest.
 the matrix (each sampling parameter alone and some together, greedy and seeded, stop strings and stop
 token ids, structured outputs, logprobs, tools, streamed and not, multi-turn with the answers fed
 back) goes to all three; the answers must be identical (log probabilities within a float tolerance).
+The drop-in parts too: the sampling defaults of a request that omits them (both servers given the same
+``--override-generation-config``; the doors' pools take what `agentkv serve` takes from it), ``chat_template_kwargs``,
+the served model name (vLLM's 404 for another), ``/tokenize`` and ``/detokenize``.
 Outputs are short and each server starts once, so the module stays within the CI tier's budget.
 """
 
@@ -17,12 +20,15 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from agentkv import Colocated, EmbeddedPair, SessionPool
+from agentkv._engines._sampling import SamplingOptions
 from agentkv._engines._system import free_port
 from agentkv._model import prepare_model
+from agentkv._surfaces._model_defaults import generation_defaults
 from agentkv.serve import FrontDoor
 from stock_server import stock_vllm_starting
 
@@ -31,6 +37,9 @@ pytestmark = pytest.mark.pair
 SYSTEM = "You are a terse assistant. Answer in one short sentence."
 QUESTION = "What is the capital of France, and what river runs through it?"
 LOGPROB_TOLERANCE = 1e-3
+OVERRIDE = {"temperature": 0.0}
+"""Both servers' ``--override-generation-config``: a request that omits its temperature is greedy on both (the
+matrix's other requests name theirs)."""
 WEATHER = {
     "type": "function",
     "function": {
@@ -58,6 +67,7 @@ class _StockStart:
         self._stack = contextlib.ExitStack()
         args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--served-model-name", "smol"]
         args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        args += ["--override-generation-config", json.dumps(OVERRIDE)]
         log = tmp_path_factory.mktemp("differential") / "vllm.log"
         self.ready = self._stack.enter_context(stock_vllm_starting(prepare_model(), free_port(), args, log))
 
@@ -75,7 +85,9 @@ def stock_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_StockStar
 @pytest.fixture(scope="module")
 def servers(stock_start: _StockStart, pair: EmbeddedPair, colocated: Colocated) -> Iterator[dict[str, str]]:
     """Base URLs (``.../v1``) of stock vLLM, agentkv on the pair and agentkv on the colocated engine."""
-    options: dict[str, Any] = {"max_tokens": 16, "tool_format": "native"}
+    defaults = generation_defaults(prepare_model(), "auto", OVERRIDE)  # as agentkv serve reads them
+    options: dict[str, Any] = {"max_tokens": 16, "tool_format": "native", "temperature": defaults.pop("temperature")}
+    options["sampling"] = SamplingOptions(**defaults)
     try:
         stock = stock_start.ready()
         with (
@@ -146,6 +158,12 @@ def matrix(tokenizer: Any) -> dict[str, dict[str, Any]]:
             "repetition_penalty": 1.1,
             "logprobs": True,
             "top_logprobs": 2,
+        },
+        "server_defaults": {"max_tokens": 12},  # no temperature: the generation config's, on both
+        "server_defaults_logprobs": {"logprobs": True, "top_logprobs": 2},
+        "chat_template_kwargs": {
+            "temperature": 0.0,
+            "chat_template_kwargs": {"enable_thinking": False, "add_generation_prompt": False},  # no effect on both
         },
         "tools_none": {"temperature": 0.0, "tools": [WEATHER, TIME], "tool_choice": "none"},
         "tools_auto": {"temperature": 0.0, "tools": [WEATHER, TIME], "tool_choice": "auto"},
@@ -317,3 +335,59 @@ def test_the_pair_reuses_the_pinned_kv_while_it_answers_as_vllm(servers: dict[st
     first = ask(servers["pair"], {"temperature": 0.0, "max_tokens": 8}, history)
     history += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "And in Portugal?"}]
     assert _cached_tokens(servers["pair"], history) > 0
+
+
+def _root(url: str) -> str:
+    return url.removesuffix("/v1")
+
+
+def test_the_served_model_name_is_vllm_serve_s(servers: dict[str, str]) -> None:
+    """``/v1/models`` lists the same ids; a request naming another model gets vLLM's 404, the same body."""
+    listed = {
+        where: [m["id"] for m in httpx.get(url + "/models", timeout=30).json()["data"]]
+        for where, url in servers.items()
+    }
+    assert listed["pair"] == listed["colocated"] == listed["vllm"] == ["smol"]
+    body = {"model": "gpt-4o", "messages": _messages(), "max_tokens": 4}
+    answers = {where: httpx.post(url + "/chat/completions", json=body, timeout=60) for where, url in servers.items()}
+    oracle = answers["vllm"]
+    assert oracle.status_code == 404
+    for where in ("pair", "colocated"):
+        assert (answers[where].status_code, answers[where].json()) == (404, oracle.json()), where
+
+
+TOKENIZE = {
+    "prompt": {"prompt": "The capital of France is Paris."},
+    "prompt_special": {"prompt": "<|im_start|>user\nHi<|im_end|>", "add_special_tokens": False},
+    "prompt_strs": {"prompt": "Héllo, wörld!", "return_token_strs": True},
+    "messages": {"messages": _messages()},
+    "messages_no_prompt": {"messages": _messages(), "add_generation_prompt": False},
+    "messages_special": {"messages": _messages(), "add_special_tokens": True, "return_token_strs": True},
+    "messages_kwargs": {"messages": _messages(), "chat_template_kwargs": {"enable_thinking": False}},
+    "messages_tools": {"messages": _messages(), "tools": [WEATHER]},
+    "named": {"model": "smol", "prompt": "x"},
+    "other_model": {"model": "gpt-4o", "prompt": "x"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZE))
+def test_tokenize_answers_as_vllm_serve(servers: dict[str, str], name: str) -> None:
+    body = TOKENIZE[name]
+    answers = {where: httpx.post(_root(url) + "/tokenize", json=body, timeout=60) for where, url in servers.items()}
+    oracle = answers["vllm"]
+    for where in ("pair", "colocated"):
+        assert answers[where].status_code == oracle.status_code, (where, answers[where].text, oracle.text)
+        assert answers[where].json() == oracle.json(), where
+
+
+@pytest.mark.parametrize("text", ["The capital of France is Paris.", "<|im_start|>user\nHéllo<|im_end|>\n", ""])
+def test_detokenize_answers_as_vllm_serve(servers: dict[str, str], text: str) -> None:
+    tokens = httpx.post(_root(servers["vllm"]) + "/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
+    answers = {
+        where: httpx.post(_root(url) + "/detokenize", json={"model": "smol", "tokens": tokens}, timeout=60)
+        for where, url in servers.items()
+    }
+    oracle = answers["vllm"]
+    assert oracle.status_code == 200
+    for where in ("pair", "colocated"):
+        assert (answers[where].status_code, answers[where].json()) == (200, oracle.json()), where

@@ -389,13 +389,14 @@ def test_serve_gives_its_pairs_the_objective_asked_for(
 
     made = _pools_made(monkeypatch)
     assert main(["serve", "--store", "memory", "--mode", "auto", "--slo-ttft-s", "3"]) == 130
-    assert made[-1]["engine_options"] == {"slo": Slo(ttft_s=3.0, itl_s=0.2)}  # the default's ITL
+    context = {"max_model_len": 8192}  # the bundled model's own (it fits the CPU's KV cache)
+    assert made[-1]["engine_options"] == {**context, "slo": Slo(ttft_s=3.0, itl_s=0.2)}  # the default's ITL
     assert main(["serve", "--store", "memory", "--slo-itl-s", "0.5", "--remote", "http://p:1", "http://d:2"]) == 130
     assert made[-1]["engine"].slo == Slo(ttft_s=2.0, itl_s=0.5)
     assert main(["serve", "--store", "memory", "--engine", "launched", "--slo-ttft-s", "1.5"]) == 130
     assert made[-1]["engine"].slo == Slo(ttft_s=1.5, itl_s=0.2)
     assert main(["serve", "--store", "memory"]) == 130
-    assert "engine_options" not in made[-1]  # no objective asked: the pair's default
+    assert made[-1]["engine_options"] == context  # no objective asked: the pair's default
     assert main(["serve", "--store", "memory", "--slo-itl-s", "0"]) == 2
     assert "itl_s must be a positive number of seconds" in capsys.readouterr().err
     assert main(["serve", "--store", "memory", "--mode", "colocated", "--slo-ttft-s", "1"]) == 2

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from .._errors import InvalidMessageError, TemplateError, UserError
+from ._template_kwargs import template_arguments
 from ._tools import ToolCall
 
 __all__ = ["ChatRenderer", "Conversation", "Message", "SavedSegment", "check_unicode"]
@@ -95,10 +96,19 @@ class Message(BaseModel):
 class ChatRenderer:
     """Token deltas from a Hugging Face tokenizer's chat template."""
 
-    def __init__(self, tokenizer: Any, *, system: Message | None, tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        system: Message | None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._tools = tools
         """Tool schemas the template renders itself (models with native tool support), or None."""
+        self._template_kwargs = template_arguments(tokenizer, template_kwargs)
+        """The extra arguments of the template (a request's ``chat_template_kwargs``) the template reads."""
         head = [system] if system is not None else []
         self._after_assistant = [
             *head,
@@ -119,14 +129,14 @@ class ChatRenderer:
 
     def with_system(self, system: Message | None) -> ChatRenderer:
         """A renderer for the same tokenizer with another system message."""
-        return ChatRenderer(self._tokenizer, system=system, tools=self._tools)
+        return ChatRenderer(self._tokenizer, system=system, tools=self._tools, template_kwargs=self._template_kwargs)
 
     def _render(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
         """The template's text of ``messages``; what the template itself refuses (its ``raise_exception``: a system
         message where it takes none, roles out of the order it allows) is an `InvalidMessageError` naming it."""
         from jinja2.exceptions import TemplateError as JinjaTemplateError
 
-        extra = {"tools": self._tools} if self._tools is not None else {}
+        extra = {**self._template_kwargs, **({"tools": self._tools} if self._tools is not None else {})}
         try:
             text = self._tokenizer.apply_chat_template(
                 [m.template_dict() for m in messages], tokenize=False, add_generation_prompt=generation_prompt, **extra

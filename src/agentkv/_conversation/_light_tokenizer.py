@@ -51,6 +51,8 @@ class LightTokenizer:
         environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise_exception
         template = (self._folder / "chat_template.jinja").read_text(encoding="utf-8")
+        self.chat_template: str = template
+        """The chat template's source (as transformers' tokenizer has it)."""
         self._template = environment.from_string(template)
 
     def _id(self, token: str) -> int:
@@ -69,6 +71,10 @@ class LightTokenizer:
     def get_vocab(self) -> dict[str, int]:
         """The vocabulary, token text -> id, added tokens included (as transformers' ``get_vocab``)."""
         return dict(self._tokenizer.get_vocab(with_added_tokens=True))
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's token text, as the vocabulary writes it (as transformers' ``convert_ids_to_tokens``)."""
+        return [str(self._tokenizer.id_to_token(int(token))) for token in token_ids]
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))

@@ -134,6 +134,9 @@ class TranscriptKey:
     """The system message the model reads (schema-format tool instructions included)."""
     tools: tuple[ToolSpec, ...]
     format: ToolFormat
+    template_kwargs: str | None = None
+    """The chat template's extra arguments (a request's ``chat_template_kwargs``) as canonical JSON
+    (`template_kwargs_key`); None: none."""
 
 
 @dataclass(frozen=True)

@@ -235,11 +235,11 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
     "model": "use model=",
     "kv_transfer_config": "agentkv sets the NIXL connector and each engine's role (transfer=, push_back=, "
     "connector_options=)",
-    "max_model_len": "use max_model_len=",
-    "dtype": "use dtype=",
+    "max_model_len": "use max_model_len= (on the command line: --max-model-len)",
+    "dtype": "use dtype= (on the command line: agentkv serve --dtype)",
     "enable_prefix_caching": "use prefill_prefix_cache= (D's prefix cache is always on)",
     "disable_log_stats": "agentkv reads every request's timings from vLLM's stats",
-    "served_model_name": "agentkv's server names the model it serves",
+    "served_model_name": "agentkv's server names the model it serves (agentkv serve --served-model-name)",
     "device_ids": "agentkv gives each engine its GPUs (prefill_devices=, decode_devices=)",
 }
 """vLLM engine arguments agentkv sets itself, refused in ``engine_args`` with what to use instead. Any other

@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 
 from .._conversation._conversation import Message
 from .._conversation._parsers import OutputParsers
+from .._conversation._template_kwargs import template_kwargs_key
 from .._conversation._tools import (
     Tool,
     ToolChoice,
@@ -40,6 +41,7 @@ class StepOptions(TypedDict, total=False):
     seed: int | None
     stop: str | Sequence[str] | None
     sampling: SamplingOptions | Mapping[str, Any] | None
+    chat_template_kwargs: Mapping[str, Any] | None
     on_text: Callable[[str], None] | None
     on_first_token: Callable[[], None] | None
     on_tool_call: Callable[[ToolCallDelta], None] | None
@@ -74,7 +76,12 @@ class MessageRequest:
         system = read[0].content if read[0].role == "system" else config.system
         if specs and config.format == "schema":
             system = (system or "") + instructions(specs)
-        key = TranscriptKey(system=system, tools=tuple(specs.values()), format=config.format)
+        key = TranscriptKey(
+            system=system,
+            tools=tuple(specs.values()),
+            format=config.format,
+            template_kwargs=template_kwargs_key(options.get("chat_template_kwargs")),
+        )
         step_config = config.with_sampling(
             max_tokens=options.get("max_tokens"),
             temperature=options.get("temperature"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import threading
 import uuid
@@ -288,7 +289,8 @@ class SessionCore(EngineUser):
             return self._renderer[1]
         native = template_tools({t.name: t for t in key.tools}) if key.tools and key.format == "native" else None
         system = Message(role="system", content=key.system) if key.system is not None else None
-        renderer = ChatRenderer(self._tokenizer, system=system, tools=native)
+        extra = json.loads(key.template_kwargs) if key.template_kwargs is not None else None
+        renderer = ChatRenderer(self._tokenizer, system=system, tools=native, template_kwargs=extra)
         self._renderer = (key, renderer)
         return renderer
 

@@ -30,6 +30,8 @@ class SavedTranscript(BaseModel):
     tools: list[ToolSpec]
     format: ToolFormat
     messages: list[Message]
+    template_kwargs: str | None = None
+    """The chat template's extra arguments it was rendered with (canonical JSON; None: none)."""
 
 
 class SessionSnapshot(BaseModel):
@@ -60,10 +62,15 @@ def save_transcript(transcript: Transcript) -> SavedTranscript:
     """A transcript as a snapshot keeps it."""
     key = transcript.key
     return SavedTranscript(
-        system=key.system, tools=list(key.tools), format=key.format, messages=list(transcript.messages)
+        system=key.system,
+        tools=list(key.tools),
+        format=key.format,
+        messages=list(transcript.messages),
+        template_kwargs=key.template_kwargs,
     )
 
 
 def load_transcript(saved: SavedTranscript) -> Transcript:
     """A snapshot's transcript as the session holds it."""
-    return Transcript(TranscriptKey(saved.system, tuple(saved.tools), saved.format), tuple(saved.messages))
+    key = TranscriptKey(saved.system, tuple(saved.tools), saved.format, saved.template_kwargs)
+    return Transcript(key, tuple(saved.messages))

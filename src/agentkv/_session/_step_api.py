@@ -44,6 +44,7 @@ class StepAPI(SessionCore):
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         sampling: SamplingOptions | Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         on_text: Callable[[str], None] | None = None,
         on_first_token: Callable[[], None] | None = None,
         on_tool_call: Callable[[ToolCallDelta], None] | None = None,
@@ -76,6 +77,10 @@ class StepAPI(SessionCore):
                 over the session's ``sampling`` field by field (the fields given replace the session's). With
                 ``logprobs``, `Step.logprobs` of the reply carries each output token's log probability.
                 ``structured_outputs`` with tools in schema format is refused (`UserError`; see `Session`).
+            chat_template_kwargs: extra arguments of the model's chat template (vLLM's request field, e.g.
+                ``{"enable_thinking": False}``), those the template reads (src/agentkv/_conversation/_template_kwargs.py).
+                Other arguments than the last step's re-render the conversation; its pin is still used when the
+                rendered tokens still extend it.
             on_text: called with the answer's text as it is generated (not for tool calls); with ``logprobs``,
                 each piece is a `TextPiece` carrying the log probabilities of the tokens since the last piece.
             on_first_token: called once, when the model's first output token arrives (TTFT's end; a
@@ -87,7 +92,7 @@ class StepAPI(SessionCore):
         A failed step (bad input, an engine error, cancellation) changes nothing in the session.
         """
         options = StepOptions(tools=tools, tool_choice=tool_choice, max_tokens=max_tokens, temperature=temperature)
-        options.update(StepOptions(seed=seed, stop=stop, sampling=sampling))
+        options.update(StepOptions(seed=seed, stop=stop, sampling=sampling, chat_template_kwargs=chat_template_kwargs))
         if tools is None:  # the session's own tools: a changed MCP list is taken now
             with self._lock:
                 self._take_new_tools()

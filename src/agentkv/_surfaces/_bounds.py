@@ -11,6 +11,8 @@ are src/agentkv/_surfaces/_limits.py's.
   before anything runs or is kept;
 * **metadata** as OpenAI bounds it: 16 pairs at most, keys of 64 characters, string values of 512 (`check_metadata`);
   ``user`` (metadata, echoed) `MAX_USER_CHARS`;
+* **chat_template_kwargs**: an object of at most `MAX_TEMPLATE_KWARGS_BYTES` of JSON, `MAX_TEMPLATE_KWARGS_DEPTH`
+  levels deep (`check_template_kwargs`);
 * **cache_salt** as vLLM checks it: a non-empty string of at most 128 characters without ``@``, ``/``, ``\\`` or NUL;
 * **schemas that become a grammar** (tools' ``parameters``, ``response_format``, ``text.format``,
   ``structured_outputs``): at most `MAX_SCHEMA_BYTES` of JSON in one request (`check_schema_bytes`), compiled by
@@ -42,6 +44,7 @@ __all__ = [
     "check_metadata",
     "check_request",
     "check_schema_bytes",
+    "check_template_kwargs",
     "body_field",
     "check_user",
     "is_id",
@@ -59,6 +62,10 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 MAX_SCHEMA_BYTES = 64 * 1024
 """The most JSON, in all, of the schemas and grammars one request asks to constrain its output with."""
 MAX_CACHE_SALT_CHARS = 128
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
+"""The most JSON of a request's ``chat_template_kwargs`` (each step's rendering reads them all)."""
+MAX_TEMPLATE_KWARGS_DEPTH = 8
+"""The deepest nesting of objects and arrays in ``chat_template_kwargs``."""
 
 _ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_ID_CHARS}}}")
 
@@ -129,6 +136,30 @@ def check_cache_salt(salt: object) -> str | None:
     return salt
 
 
+def _depth_past(value: object, limit: int) -> int:
+    """How deep ``value`` nests objects and arrays, counted only until it passes ``limit``."""
+    deepest, stack = 0, [(value, 0)]
+    while stack and deepest <= limit:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping | list | tuple):
+            deepest = max(deepest, depth + 1)
+            stack.extend((inner, depth + 1) for inner in (item.values() if isinstance(item, Mapping) else item))
+    return deepest
+
+
+def check_template_kwargs(kwargs: object) -> None:
+    """``chat_template_kwargs``: None, or an object of at most `MAX_TEMPLATE_KWARGS_BYTES` of JSON nested at most
+    `MAX_TEMPLATE_KWARGS_DEPTH` levels (the template reads them at every step's rendering)."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, Mapping):
+        raise BoundError("chat_template_kwargs", "an object of the chat template's extra arguments")
+    if _size_past(kwargs, MAX_TEMPLATE_KWARGS_BYTES) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise BoundError("chat_template_kwargs", f"at most {MAX_TEMPLATE_KWARGS_BYTES // 1024} KiB of JSON")
+    if _depth_past(kwargs, MAX_TEMPLATE_KWARGS_DEPTH) > MAX_TEMPLATE_KWARGS_DEPTH:
+        raise BoundError("chat_template_kwargs", f"nested at most {MAX_TEMPLATE_KWARGS_DEPTH} levels deep")
+
+
 def _size_past(value: object, budget: int) -> int:
     """About how many bytes of JSON ``value`` is (its strings' characters and the punctuation around them), counted
     only until it passes ``budget``: a value far past it costs no more to refuse than one at it."""
@@ -187,6 +218,7 @@ def check_request(body: BaseModel | Mapping[str, Any]) -> None:
         check_id("request_id", request_id)
     check_metadata(body_field(body, "metadata"))
     check_cache_salt(body_field(body, "cache_salt"))
+    check_template_kwargs(body_field(body, "chat_template_kwargs"))
     tools = body_field(body, "tools") or []
     parameters = []
     for tool in tools:

@@ -79,8 +79,11 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     pairs: int = getattr(args, "pairs", 1)
     engine_args: dict[str, Any] = getattr(args, "engine_args", None) or {}
     options: dict[str, Any] = {"engine_args": engine_args} if engine_args else {}
-    if getattr(args, "max_model_len", None) is not None:
-        options["max_model_len"] = args.max_model_len
+    for name in ("max_model_len", "dtype", "pin_ttl_s"):  # those given (serve: --max-model-len's default too)
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
+    if "pin_ttl_s" in options and args.mode == "colocated":
+        raise UserError("--pin-ttl-s is how long D keeps a pin; colocated is one engine, which pins nothing")
     slo = _slo(args)
     if slo is not None and args.mode == "colocated":
         raise UserError("--slo-ttft-s and --slo-itl-s place mode auto's steps on a pair; colocated is one engine")

@@ -8,6 +8,7 @@ import contextlib
 import signal
 from typing import Any
 
+from ._cli_dropin import add_dropin_arguments, dropin_options
 from ._cli_options import Commands, add_device_arguments, add_vllm_command, positive_int, positive_seconds
 from ._cli_pairs import add_session_arguments, add_slo_arguments, engine_options
 from ._cli_tenants import add_tenant_arguments, door_options, pool_quotas, retention
@@ -41,19 +42,19 @@ def add_serve_command(commands: Commands) -> None:
         help="pairs behind the door, the cores (on a GPU host: the GPUs) split among them (default 1)",
     )
     add_device_arguments(serve)
-    serve.add_argument(
-        "--max-model-len",
-        type=positive_int,
-        default=None,
-        help="the engines' context length in tokens (default 4096; not with --remote)",
-    )
+    add_dropin_arguments(serve)
     add_slo_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this host only)")
     serve.add_argument("--port", type=int, default=8000)
     add_tenant_arguments(serve)
     serve.add_argument("--max-sessions", type=int, default=64, help="sessions kept; least recently used closed first")
     serve.add_argument("--idle-ttl-s", type=float, default=600.0, help="a session idle this long is closed")
-    serve.add_argument("--max-tokens", type=int, default=256, help="answer length when a request names none")
+    serve.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        help="answer length when a request names none (default: the generation config's max_new_tokens, else 256)",
+    )
     for flag, said in _VLLM_PARSERS:
         serve.add_argument(flag, default=None, metavar="NAME", help=said)
     serve.add_argument("--max-request-mb", type=float, default=4.0, help="largest request body (413 above it)")
@@ -112,6 +113,7 @@ def _serve_until(args: argparse.Namespace, signals: StopSignals) -> None:
     sessions: SessionStore | None = None
     where = "memory"
     door = door_options(args)  # the keys checked before anything opens
+    dropin = dropin_options(args)  # the model's context and sampling defaults, as vllm serve takes them
     kept = {"timeout_s": args.store_timeout_s, "max_age_s": retention(args)}
     if args.store == "memory":
         responses = MemoryResponseStore(max_age_s=kept["max_age_s"])
@@ -131,8 +133,8 @@ def _serve_until(args: argparse.Namespace, signals: StopSignals) -> None:
         mode=args.mode,
         max_sessions=args.max_sessions,
         idle_ttl_s=args.idle_ttl_s,
-        max_tokens=args.max_tokens,
         store=sessions,
+        **dropin.pool,
         **pool_quotas(args),
         **_parsers(args),
         **engine_options(args),
@@ -141,6 +143,7 @@ def _serve_until(args: argparse.Namespace, signals: StopSignals) -> None:
         front = FrontDoor(
             pool,
             **door,
+            **dropin.door,
             max_request_bytes=int(args.max_request_mb * 1024 * 1024),
             max_header_bytes=int(args.max_header_kb * 1024),
             max_messages=args.max_messages,

@@ -106,6 +106,8 @@ class ChatRequest(SamplingFields):
     spaces_between_special_tokens: bool | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra arguments of the model's chat template (src/agentkv/_conversation/_template_kwargs.py)."""
 
     def choice_reply(self, reply: StepReply) -> StepReply:
         """``reply`` as this request's choice reports it, as vLLM's server does: a call forced by name ends with
@@ -128,6 +130,7 @@ class ChatRequest(SamplingFields):
             "seed": self.seed,
             "stop": self.stop,
             "sampling": self.sampling_options(),
+            "chat_template_kwargs": self.chat_template_kwargs,
         }
 
     def top(self) -> int | None:

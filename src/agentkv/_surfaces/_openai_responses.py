@@ -114,6 +114,8 @@ class ResponsesRequest(SamplingFields):
     prompt_cache_key: str | None = None
     cache_salt: str | None = None
     request_id: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra arguments of the model's chat template (src/agentkv/_conversation/_template_kwargs.py)."""
 
     @property
     def keeps(self) -> bool:
@@ -130,6 +132,7 @@ class ResponsesRequest(SamplingFields):
             "seed": self.seed,
             "stop": self.stop,
             "sampling": self.sampling_options(),
+            "chat_template_kwargs": self.chat_template_kwargs,
         }
 
     def sampling_options(self) -> SamplingOptions | None:

@@ -48,7 +48,7 @@ def _no_effect(reason: str) -> FieldRule:
 
 
 _TOOLS = "the tools the model may call this step (OpenAI tool dicts; see docs/tools.md)"
-_SAMPLING = "SamplingOptions.{} (vLLM's meaning; omitted: the pool's default)"
+_SAMPLING = "SamplingOptions.{} (vLLM's meaning; omitted: the server's default, as for temperature)"
 _TEMPLATE = "agentkv renders every step with the model's own chat template, the same way each step"
 _RENDER_ONLY = "vLLM reads it on its render endpoints only and ignores it when generating: so does agentkv"
 _KEY = (
@@ -63,7 +63,10 @@ def _sampling_rules(*names: str) -> dict[str, FieldRule]:
 
 
 _COMMON: dict[str, FieldRule] = {
-    "model": _no_effect("the door serves one model; the reply names it (GET /v1/models lists it)"),
+    "model": _honoured(
+        "with agentkv serve --served-model-name, one of those names or none (another is vLLM's 404, The model `x` "
+        "does not exist. Valid aliases: ...); without it, any name; the reply names the first (GET /v1/models lists them)"
+    ),
     "tools": _honoured(_TOOLS),
     "tool_choice": _honoured(
         "auto, required, none or a named function (native format: forced with vLLM's own grammar and read as vLLM"
@@ -71,8 +74,8 @@ _COMMON: dict[str, FieldRule] = {
     ),
     "parallel_tool_calls": _honoured("false: the reply gives the first call only, as vLLM's server filters it"),
     "temperature": _honoured(
-        "the step's temperature; omitted: the pool's (greedy, 0.0, unless agentkv serve was given another), "
-        "where vLLM takes the model's generation config or 1.0"
+        "the step's temperature; omitted: the server's default, as vLLM's: agentkv serve takes the model's "
+        "generation_config.json (--generation-config, --override-generation-config), else 1.0"
     ),
     **_sampling_rules("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"),
     **_sampling_rules("ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens"),
@@ -134,7 +137,10 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "add_special_tokens": _refused("the chat template adds the special tokens; nothing more is added", False),
     "documents": _refused(_TEMPLATE + " from the messages and tools only"),
     "chat_template": _refused(_TEMPLATE),
-    "chat_template_kwargs": _refused(_TEMPLATE + ", with no extra arguments", {}),
+    "chat_template_kwargs": _honoured(
+        "extra arguments of the model's chat template (e.g. enable_thinking), as vLLM passes them: those the template "
+        "reads; chat_template and tokenize refused; at most 16 KiB of JSON, 8 levels deep"
+    ),
     "media_io_kwargs": _refused("text only: there is no media to load", {}),
     "mm_processor_kwargs": _refused("text only: there is no multimodal input to process", {}),
     "mm_payload": _no_effect(_RENDER_ONLY),
@@ -209,7 +215,10 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
     "enable_response_messages": _refused("the response carries output items only, not the rendered messages", False),
     "previous_input_messages": _refused("harmony messages are not served: send input items", []),
     "ec_transfer_params": _refused("agentkv moves no encoder cache: text only", {}),
-    "chat_template_kwargs": _refused(_TEMPLATE + ", with no extra arguments", {}),
+    "chat_template_kwargs": _honoured(
+        "extra arguments of the model's chat template (e.g. enable_thinking), as vLLM passes them: those the template "
+        "reads; chat_template and tokenize refused; at most 16 KiB of JSON, 8 levels deep"
+    ),
 }
 """Every field of ``POST /v1/responses`` (vLLM's `ResponsesRequest`); tests/test_request_fields.py checks it."""
 

@@ -32,6 +32,7 @@ from ._serve_admin import AdminRoutes, gauges
 from ._serve_routes import DoorRoutes, ServeSettings
 from ._signals import StopSignals
 from ._tenants import Tenants
+from ._tokenize_routes import TokenizeRoutes
 from ._trace_context import TraceContext
 
 __all__ = ["FrontDoor", "ServeSettings", "create_app"]
@@ -45,7 +46,7 @@ def create_app(
     in_flight: InFlight | None = None,
 ) -> Starlette:
     """The ASGI app: ``POST /v1/chat/completions``, ``POST /v1/responses``, ``GET`` and ``DELETE
-    /v1/responses/{id}``, ``GET /v1/sessions``, ``DELETE /v1/sessions/{id}``, ``GET /v1/models``, ``GET /health``,
+    /v1/responses/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /v1/sessions``, ``DELETE /v1/sessions/{id}``, ``GET /v1/models``, ``GET /health``,
     ``GET /ready``, ``GET /metrics``; any other path or method a 404 or 405 in OpenAI's error shape. ``store``
     keeps responses for ``previous_response_id`` and ``GET`` (default: in memory). Its steps run in ``in_flight``
     (its ``stop`` ends them); each is cancelled when its client goes away."""
@@ -53,8 +54,9 @@ def create_app(
     routes = DoorRoutes.over(
         pool, settings, store if store is not None else MemoryResponseStore(), steps, lambda: gauges(pool)
     )
-    admin = AdminRoutes(pool, settings.tenants, settings.model_name, steps, routes.metrics, routes.refuse)
-    table = [*routes.table(), *admin.table()]
+    admin = AdminRoutes(pool, settings.tenants, settings.names, steps, routes.metrics, routes.refuse)
+    tokens = TokenizeRoutes(pool, settings, routes.refuse)
+    table = [*routes.table(), *admin.table(), *tokens.table()]
     return Starlette(
         routes=table,
         middleware=[
@@ -77,7 +79,9 @@ class FrontDoor:
     Args:
         pool: the open pool every request goes to (the door never closes it).
         model_name: the model id clients name and ``GET /v1/models`` lists (default: the model folder's name,
-            or the Hugging Face id, ``org/name``, of a model from the HF cache).
+            or the Hugging Face id, ``org/name``, of a model from the HF cache); several names, as ``vllm serve
+            --served-model-name`` takes them: a request may name any, the replies name the first, another name
+            is vLLM's 404.
         api_key: when set, ``/v1`` and ``/metrics`` need ``Authorization: Bearer <key>`` (401 without it): one key
             or several, each a tenant of its own (named ``key-<digest>``; docs/serve.md, "Serving many users").
         api_keys: keys with the tenant each names (key -> tenant; a tenant may have several keys), besides
@@ -106,7 +110,7 @@ class FrontDoor:
         self,
         pool: SessionPool,
         *,
-        model_name: str | None = None,
+        model_name: str | Sequence[str] | None = None,
         api_key: str | Sequence[str] | None = None,
         api_keys: Mapping[str, str] | None = None,
         tenant_header: str | None = None,
@@ -125,8 +129,12 @@ class FrontDoor:
         if not pool.is_open:
             raise UserError("open the pool first: FrontDoor(pool) serves an open SessionPool")
         keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+        names = (model_name,) if isinstance(model_name, str) else tuple(model_name or ())
+        if not all(names) or len(set(names)) != len(names):
+            raise UserError(f"model_name takes distinct non-empty names, not {model_name!r}")
         settings = ServeSettings(
-            model_name=model_name or served_name(pool.engine.info.model_path),
+            model_name=names[0] if names else served_name(pool.engine.info.model_path),
+            served_names=names,
             tenants=Tenants.of(keys, named=api_keys, header=tenant_header),
             max_request_bytes=max_request_bytes,
             max_header_bytes=max_header_bytes,

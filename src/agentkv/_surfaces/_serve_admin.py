@@ -51,7 +51,8 @@ class AdminRoutes:
 
     pool: SessionPool
     tenants: Tenants
-    model_name: str
+    model_names: tuple[str, ...]
+    """The model ids served (the first is the one replies name)."""
     steps: InFlight
     metrics: ServeMetrics
     refuse: Callable[[BaseException], Response]
@@ -86,8 +87,12 @@ class AdminRoutes:
             self.tenants.tenant_of(request.headers)
         except Exception as exc:
             return self.refuse(exc)
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentkv"}
-        return JSONResponse({"object": "list", "data": [model]})
+        length = self.pool.engine.info.max_model_len if self.pool.is_open else None
+        models = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "agentkv", "max_model_len": length}
+            for name in self.model_names
+        ]
+        return JSONResponse({"object": "list", "data": models})
 
     async def metrics_page(self, request: Request) -> Response:
         try:

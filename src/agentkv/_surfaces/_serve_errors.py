@@ -30,9 +30,21 @@ from ._openai_responses import PreviousResponseNotFoundError, ResponseNotFoundEr
 from ._serve_admin import MethodNotAllowedError, NotFoundError
 from ._tenants import UnauthorizedError
 
-__all__ = ["failure"]
+__all__ = ["ModelNotFoundError", "failure"]
 
 logger = logging.getLogger("agentkv")
+
+
+class ModelNotFoundError(UserError):
+    """A request naming a model the door does not serve: vLLM's 404, its body as vLLM writes it (type
+    ``NotFoundError``, param ``model``, code 404)."""
+
+    openai_code = 404
+    openai_param = "model"
+
+    def __init__(self, name: str, served: tuple[str, ...]) -> None:
+        super().__init__(f"The model `{name[:256]}` does not exist. Valid aliases: {', '.join(served)}.")
+
 
 _STATUS: list[tuple[type[BaseException], int, str]] = [
     (UnauthorizedError, 401, "authentication_error"),
@@ -40,6 +52,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (HeadersTooLargeError, 431, "invalid_request_error"),
     (OverloadedError, 429, "rate_limit_error"),
     (SessionBusyError, 409, "conflict_error"),
+    (ModelNotFoundError, 404, "NotFoundError"),
     (ResponseNotFoundError, 404, "invalid_request_error"),
     (PreviousResponseNotFoundError, 404, "invalid_request_error"),
     (NotFoundError, 404, "invalid_request_error"),
@@ -75,7 +88,7 @@ def failure(exc: BaseException, metrics: ServeMetrics) -> JSONResponse:
     code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else type(exc).__name__
     code = getattr(exc, "openai_code", code)
     param = getattr(exc, "openai_param", None)
-    metrics.error(code)
+    metrics.error(code if isinstance(code, str) else type(exc).__name__)
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     headers = getattr(exc, "http_headers", None)
     if isinstance(exc, StoreUnavailableError):  # the store is checked again by the next call

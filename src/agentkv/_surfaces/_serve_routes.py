@@ -41,7 +41,7 @@ from ._openai_responses import (
 )
 from ._response_events import ResponseEvents
 from ._response_store import ResponseStore, StoredResponse
-from ._serve_errors import failure
+from ._serve_errors import ModelNotFoundError, failure
 from ._tenants import Tenants
 
 __all__ = ["OFF_LOOP_BYTES", "DoorRoutes", "ServeSettings"]
@@ -58,7 +58,11 @@ class ServeSettings:
     """What the front door enforces besides the pool's own limits."""
 
     model_name: str
-    """The model id clients name (and ``GET /v1/models`` lists)."""
+    """The model id replies name (the first of ``served_names``)."""
+    served_names: tuple[str, ...] = ()
+    """Every model id a request may name, as ``vllm serve --served-model-name`` takes them (``GET /v1/models`` lists
+    them); another is vLLM's 404. None given: ``model_name`` is listed and a request may name any model (agentkv's
+    clients before these names; vLLM would take its ``--model`` only)."""
     tenants: Tenants = field(default_factory=Tenants)
     """The API keys, each with its tenant (none: no key needed, one tenant), and the gateway's tenant header; keys
     are compared in constant time, never logged, nor shown in the settings' repr."""
@@ -78,6 +82,17 @@ class ServeSettings:
     """The most one write of a stream waits for a client that does not read (then the connection is dropped)."""
     keep_responses: bool = True
     """Whether ``POST /v1/responses`` keeps responses (``store``); False: none is (as vLLM's default)."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The model ids served: ``served_names``, else ``model_name``."""
+        return self.served_names or (self.model_name,)
+
+    def check_model(self, name: str | None) -> None:
+        """Refuse a request naming a model not among ``served_names`` (when given), with vLLM's 404 (none named, or
+        an empty name: the first)."""
+        if name and self.served_names and name not in self.served_names:
+            raise ModelNotFoundError(name, self.served_names)
 
     def __post_init__(self) -> None:
         limits = ("max_request_bytes", "max_header_bytes", "max_messages", "max_in_flight")
@@ -153,6 +168,7 @@ class DoorRoutes:
         try:
             tenant = settings.tenants.tenant_of(request.headers)
             parsed = await self.parsed(request, read_request)
+            settings.check_model(parsed.model)
             check_items("messages", len(parsed.messages), settings.max_messages)
             key = conversation_key(request.headers, parsed)
             options: dict[str, Any] = {**self.step_options(tenant, key, parsed), **parsed.step_options()}
@@ -175,6 +191,7 @@ class DoorRoutes:
         try:
             tenant = settings.tenants.tenant_of(request.headers)
             parsed = await self.parsed(request, read_responses_request)
+            settings.check_model(parsed.model)
             if not settings.keep_responses:  # as vLLM without its store: taken as store false
                 parsed = parsed.model_copy(update={"store": False})
             check_items("input", 1 if isinstance(parsed.input, str) else len(parsed.input), settings.max_messages)
