@@ -5,7 +5,9 @@ the cut rule a growing prompt's pin goes by (`KVHandle.cut`, `cut_to_prompt`).""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -181,10 +183,26 @@ def test_another_tenants_key_is_a_conversation_of_its_own(door: Door) -> None:
     assert stats(again)["pulled_tokens"] > 0
 
 
-def test_every_completions_field_of_vllm_is_ruled() -> None:
+def test_every_completions_field_of_vllm_is_ruled_and_a_refused_one_takes_vllms_default() -> None:
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     assert set(CompletionRequest.model_fields) <= set(COMPLETIONS_FIELDS)
+    for name, field in CompletionRequest.model_fields.items():
+        rule = COMPLETIONS_FIELDS[name]
+        default = field.get_default(call_default_factory=True)
+        if rule.status == "refused":
+            assert any(default == accepted and type(default) is type(accepted) for accepted in rule.accepts), name
+
+
+_ROW = re.compile(r"^\| `([a-z_]+)` \| [^|]* \| (\*\*refused\*\* \(400\)|honoured|no effect): ", re.MULTILINE)
+
+
+def test_the_docs_table_lists_exactly_the_completions_fields() -> None:
+    page = (Path(__file__).parent.parent / "docs" / "serve.md").read_text()
+    section = page[page.index("### Text completions") :]
+    body = section[: section.index("\n#")]
+    rows = {name: status.replace("**refused** (400)", "refused") for name, status in _ROW.findall(body)}
+    assert rows == {name: rule.status for name, rule in COMPLETIONS_FIELDS.items()}
 
 
 # ----------------------------------------------------------------- the cut rule
