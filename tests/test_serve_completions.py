@@ -272,3 +272,30 @@ def test_a_handle_is_never_cut_past_itself_nor_with_groups_it_lists_short() -> N
     assert handle.cut(15, block_size=BLOCK) is None
     short = handle.model_copy(update={"remote_block_ids": [[1, 2, 3], [4]]})  # a sliding-window group: not cut
     assert short.cut(32, block_size=BLOCK) is None
+
+
+@pytest.mark.parametrize("prefill_cache", [False, True], ids=["p-cache-off", "p-cache-on"])
+def test_a_cut_pins_stats_say_where_each_prompt_token_came_from(prefill_cache: bool) -> None:
+    """`Session.complete` on the honest double: a prompt sharing 40 tokens with the pin pulls the 32 of its whole
+    blocks (or finds them in P's own cache), computes the rest; one sharing less than a block forwards nothing and
+    the pin is released; every split sums to the prompt, and D checks every pin it is given."""
+    import anyio
+
+    from agentkv import Session
+
+    async def run() -> list[Any]:
+        engine = HonestPairEngine(respond, prefill_cache=prefill_cache)
+        async with engine, Session(engine=engine) as session:
+            first = await session.complete(list(range(300, 350)), max_tokens=8)
+            cut = await session.complete([*range(300, 340), 7, 8, 9], max_tokens=8)
+            short = await session.complete([*range(300, 310), 7], max_tokens=8)
+        assert engine.violations == [] and engine.live_pins == 0
+        return [first.stats, cut.stats, short.stats]
+
+    first, cut, short = anyio.run(run)
+    for step in (first, cut, short):
+        assert step.local_hit_tokens + step.pulled_tokens + step.computed_tokens == step.prompt_tokens
+    assert (first.pulled_tokens, first.computed_tokens + first.local_hit_tokens) == (0, 50)
+    assert cut.handle_forwarded and cut.miss_reason is None and cut.computed_tokens == 43 - 32
+    assert (cut.local_hit_tokens, cut.pulled_tokens) == ((32, 0) if prefill_cache else (0, 32))
+    assert not short.handle_forwarded and short.miss_reason == "prefix_mismatch" and short.pulled_tokens == 0
