@@ -408,13 +408,27 @@ def test_completions_answer_as_vllm_serve(servers: dict[str, str], tokenizer: An
     assert not differences, "\n".join(differences)
 
 
+PIPELINE = '''"""A pipeline of compute steps, each fed the value of the step before it.
+
+Every step is numbered, so that a failure names the step where it happened, and every value is kept, so that the
+steps after a failure can be run again from the last good value without computing the ones before it once more.
+A step that takes longer than its budget is stopped and reported as failed, with the value it was given, so that
+it can be run again by hand; the steps before it keep their values, and the ones after it wait for the rerun.
+"""
+
+
+def pipeline(value_0):
+'''
+"""The file's head: more than one 128-token block (the CPU's), so that the second request shares a whole block."""
+
+
 def test_a_growing_file_on_one_key_pulls_back_and_answers_as_vllm(servers: dict[str, str]) -> None:
     """An editor's file prefix grown by a line per request, on one conversation key: from the second request on
     the pair reuses the shared blocks (P's own cache holds them here; with P's cache off they are pulled back from
     D: tests/test_completions_pair.py), and every completion is vLLM's."""
     lines = [f"    value_{n} = compute(value_{n - 1}, {n})\n" for n in range(1, 7)]
     for count in range(1, len(lines) + 1):
-        body = {"prompt": "def pipeline(value_0):\n" + "".join(lines[:count]), "temperature": 0.0, "max_tokens": 12}
+        body = {"prompt": PIPELINE + "".join(lines[:count]), "temperature": 0.0, "max_tokens": 12}
         oracle, _ = complete(servers["vllm"], body)
         answer = httpx.post(
             servers["pair"] + "/completions", json={"model": "smol", **body}, headers={"x-session-id": "editor-1"}
