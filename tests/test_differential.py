@@ -391,3 +391,122 @@ def test_detokenize_answers_as_vllm_serve(servers: dict[str, str], text: str) ->
     assert oracle.status_code == 200
     for where in ("pair", "colocated"):
         assert (answers[where].status_code, answers[where].json()) == (200, oracle.json()), where
+
+
+# ----------------------------------------------------------------- POST /v1/completions
+
+CODE = "def fibonacci(n):\n    "
+
+
+def completion_matrix(tokenizer: Any) -> dict[str, dict[str, Any]]:
+    """``POST /v1/completions`` bodies by name (``model`` added when sent): a text prompt and its token ids, greedy
+    and seeded, stop strings, logprobs and echo."""
+    ids = [int(token) for token in tokenizer.encode(CODE)]
+    return {
+        "text": {"prompt": CODE, "temperature": 0.0, "max_tokens": 16},
+        "token_ids": {"prompt": ids, "temperature": 0.0, "max_tokens": 16},
+        "default_max_tokens": {"prompt": CODE, "temperature": 0.0},
+        "seeded": {"prompt": CODE, "temperature": 0.8, "seed": 7, "max_tokens": 16},
+        "stop": {"prompt": CODE, "temperature": 0.0, "max_tokens": 32, "stop": ["\n"]},
+        "logprobs": {"prompt": CODE, "temperature": 0.0, "max_tokens": 8, "logprobs": 3},
+        "logprobs_0": {"prompt": ids, "temperature": 0.0, "max_tokens": 8, "logprobs": 0},
+        "echo": {"prompt": CODE, "temperature": 0.0, "max_tokens": 8, "echo": True},
+        "echo_ids": {"prompt": ids, "temperature": 0.0, "max_tokens": 8, "echo": True},
+    }
+
+
+def _completion_answer(body: dict[str, Any]) -> dict[str, Any]:
+    choice = body["choices"][0]
+    return {"text": choice["text"], "finish": choice["finish_reason"], "logprobs": choice.get("logprobs")}
+
+
+def complete(url: str, body: dict[str, Any], *, stream: bool = False, headers: dict[str, str] | None = None) -> Any:
+    """One completion (its text, finish reason and logprobs; streamed: the chunks joined) and its usage."""
+    body = {"model": "smol", **body}
+    if not stream:
+        answer = httpx.post(url + "/completions", json=body, headers=headers, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return _completion_answer(answer.json()), answer.json()["usage"]
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    text, finish, logprobs, usage = "", None, None, None
+    with httpx.stream("POST", url + "/completions", json=body, headers=headers, timeout=120) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+                if choice.get("logprobs"):
+                    logprobs = logprobs or {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+                    for key in logprobs:
+                        logprobs[key] += choice["logprobs"][key]
+    return {"text": text, "finish": finish, "logprobs": logprobs}, usage
+
+
+def assert_same_completion(name: str, oracle: dict[str, Any], answer: dict[str, Any], where: str) -> None:
+    assert answer["text"] == oracle["text"], f"{name} on {where}: {answer['text']!r} != vLLM's {oracle['text']!r}"
+    assert answer["finish"] == oracle["finish"], f"{name} on {where}: finish {answer['finish']} != {oracle['finish']}"
+    mine, theirs = answer["logprobs"], oracle["logprobs"]
+    if theirs is None:
+        assert mine is None, f"{name} on {where}: logprobs nobody asked for"
+        return
+    assert mine is not None, f"{name} on {where}: no logprobs"
+    for key in ("tokens", "text_offset"):
+        assert mine[key] == theirs[key], f"{name} on {where}: {key} {mine[key]} != {theirs[key]}"
+    for position, (value, o_value) in enumerate(zip(mine["token_logprobs"], theirs["token_logprobs"], strict=True)):
+        assert abs(value - o_value) <= LOGPROB_TOLERANCE, f"{name} on {where}: logprob {position}"
+    for position, (top, o_top) in enumerate(zip(mine["top_logprobs"], theirs["top_logprobs"], strict=True)):
+        assert list(top) == list(o_top), f"{name} on {where}: top tokens at {position}: {list(top)} != {list(o_top)}"
+        for token, value in top.items():
+            assert abs(value - o_top[token]) <= LOGPROB_TOLERANCE, f"{name} on {where}: top logprob at {position}"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_answer_as_vllm_serve(servers: dict[str, str], tokenizer: Any, stream: bool) -> None:
+    """Every completions request of the matrix, to the three servers: the same text, finish reason, logprobs
+    (within the tolerance) and prompt tokens; the failure lists every difference."""
+    differences = []
+    for name, body in completion_matrix(tokenizer).items():
+        oracle, oracle_usage = complete(servers["vllm"], body, stream=stream)
+        for where in ("pair", "colocated"):
+            try:
+                answer, usage = complete(servers[where], body, stream=stream)
+                assert_same_completion(name, oracle, answer, where)
+                assert usage["prompt_tokens"] == oracle_usage["prompt_tokens"], f"{name} on {where}: prompt tokens"
+            except AssertionError as exc:
+                differences.append(str(exc).splitlines()[0])
+    assert not differences, "\n".join(differences)
+
+
+PIPELINE = '''"""A pipeline of compute steps, each fed the value of the step before it.
+
+Every step is numbered, so that a failure names the step where it happened, and every value is kept, so that the
+steps after a failure can be run again from the last good value without computing the ones before it once more.
+A step that takes longer than its budget is stopped and reported as failed, with the value it was given, so that
+it can be run again by hand; the steps before it keep their values, and the ones after it wait for the rerun.
+"""
+
+
+def pipeline(value_0):
+'''
+"""The file's head: more than one 128-token block (the CPU's), so that the second request shares a whole block."""
+
+
+def test_a_growing_file_on_one_key_pulls_back_and_answers_as_vllm(servers: dict[str, str]) -> None:
+    """An editor's file prefix grown by a line per request, on one conversation key: from the second request on
+    the pair reuses the shared blocks (P's own cache holds them here; with P's cache off they are pulled back from
+    D: tests/test_completions_pair.py), and every completion is vLLM's."""
+    lines = [f"    value_{n} = compute(value_{n - 1}, {n})\n" for n in range(1, 7)]
+    for count in range(1, len(lines) + 1):
+        body = {"prompt": PIPELINE + "".join(lines[:count]), "temperature": 0.0, "max_tokens": 12}
+        oracle, _ = complete(servers["vllm"], body)
+        answer = httpx.post(
+            servers["pair"] + "/completions", json={"model": "smol", **body}, headers={"x-session-id": "editor-1"}
+        ).json()
+        assert_same_completion("growing file", oracle, _completion_answer(answer), "pair")
+        if count > 1:
+            step = answer["agentkv"]["stats"]
+            assert step["local_hit_tokens"] + step["pulled_tokens"] > 0, step

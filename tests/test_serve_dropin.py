@@ -158,10 +158,10 @@ def test_a_request_may_name_any_served_name_and_the_reply_names_the_first(door: 
     assert httpx.get(door + "/v1/models").status_code == 401
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/completions"])
 def test_another_model_name_gets_vllms_404(door: str, path: str) -> None:
-    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}], "input": "Hi"}
-    body.pop("input" if path == "/v1/chat/completions" else "messages")
+    field = {"/v1/chat/completions": "messages", "/v1/responses": "input", "/v1/completions": "prompt"}[path]
+    body = {"model": "gpt-4o", field: [{"role": "user", "content": "Hi"}] if field == "messages" else "Hi"}
     answer = _post(door, path, body)
     assert answer.status_code == 404
     assert answer.json() == {

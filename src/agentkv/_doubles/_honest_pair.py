@@ -282,6 +282,11 @@ class HonestPairEngine(ModelFolderDouble):
     def guard_releases(self, guard: ReleaseGuard | None) -> None:
         self._guard = guard
 
+    def cut_pin(self, pin: Pin, tokens: int) -> Pin | None:
+        """The pin's handle cut to its first whole blocks (`BLOCK_SIZE`) within ``tokens``, as a pair cuts it."""
+        cut = handle_of(pin).cut(tokens, block_size=BLOCK_SIZE)
+        return None if cut is None else Pin(tokens=cut.remote_num_tokens, expires_at=pin.expires_at, ref=cut)
+
     async def release(self, pin: Pin) -> None:
         """Free ``pin``'s blocks (a session gave it up, its guard agreeing); releasing one this engine never issued,
         or one already read or released, is a violation."""
@@ -318,13 +323,18 @@ class HonestPairEngine(ModelFolderDouble):
         if pin is None:
             problems.append("a handle this engine never issued")
         else:
-            if handle.model_dump() != pin.issued or given != pin_of(handle):
+            issued = KVHandle.model_validate(pin.issued) if pin.malformation is None else None
+            cut = issued.cut(given.tokens, block_size=BLOCK_SIZE) if issued is not None else None
+            if handle.model_dump() not in (pin.issued, None if cut is None else cut.model_dump()) or (
+                given.tokens != handle.remote_num_tokens
+                or given.expires_at != (issued or handle).remote_blocks_expiry_time
+            ):
                 what = f"a malformed handle ({pin.malformation})" if pin.malformation else "an altered handle"
                 problems.append(what)
             if pin.spent:
                 problems.append("a spent handle (handles are single-use)")
             held = given.tokens
-            if held != len(pin.tokens) or len(prompt) <= held or prompt[:held] != pin.tokens:
+            if held > len(pin.tokens) or len(prompt) <= held or prompt[:held] != pin.tokens[:held]:
                 problems.append("a prompt that does not strictly extend the tokens the handle holds")
             pin.spent = True
         deadline = given.expires_at

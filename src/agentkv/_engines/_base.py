@@ -285,6 +285,13 @@ class Engine(Lifecycle, ABC):
         Must not raise; an engine that is closed or dead ignores it.
         """
 
+    def cut_pin(self, pin: Pin, tokens: int) -> Pin | None:
+        """``pin`` keeping only the KV of its first whole blocks within ``tokens`` tokens, for a prompt that shares
+        only those tokens with it (the rest of the pin is then of no use to that prompt); None when no whole block
+        is shared or the engine cannot cut its pins (the default). The cut pin replaces ``pin``: its user gives
+        back or releases one of the two, once, never both."""
+        return None
+
     def saved_pin(self, pin: Pin) -> SavedPin | None:
         """``pin`` as another process on the same servers could take it back (`adopt_pin`), or None when its KV
         is only this process's to reach (the default: an engine this process runs, or one that does not say)."""

@@ -175,6 +175,12 @@ class EngineGroup(Engine):
             raise EngineDeadError("every engine of the group died")
         return min(serving, key=lambda m: (m.in_flight, len(m.pins))), request
 
+    def cut_pin(self, pin: Pin, tokens: int) -> Pin | None:
+        """The pin cut by the member whose pair made it (None: its pair is gone)."""
+        handle = pin.ref
+        owner = self._owners.get(handle.remote_engine_id) if isinstance(handle, KVHandle) else None
+        return owner.engine.cut_pin(pin, tokens) if owner is not None and owner.serves else None
+
     async def release(self, pin: Pin) -> None:
         handle = pin.ref
         if not isinstance(handle, KVHandle):  # no member's pin: nothing to release (a release never raises)

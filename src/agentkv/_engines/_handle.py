@@ -77,6 +77,26 @@ class KVHandle(_RemoteBlocks):
         """The ``kv_transfer_params`` that ask P to prefill and to pull these blocks back."""
         return self.model_dump()
 
+    def cut(self, tokens: int, *, block_size: int) -> KVHandle | None:
+        """This handle keeping only its first whole blocks within ``tokens`` tokens, for a prompt that shares only
+        those with the pinned tokens (None: not one whole block, or blocks this handle does not list in full).
+
+        P pulls ``remote_num_tokens`` past its own cache hit, reading the end of ``remote_block_ids`` (vLLM 0.32
+        ``NixlPullConnectorScheduler.get_num_new_matched_tokens`` and ``_apply_prefix_caching``, which keeps the
+        last blocks of the list): the cut list ends at the last shared block, so P reads exactly the shared blocks
+        it lacks. The cut handle is the same D request: its read frees all of the pin's blocks on D, as the whole
+        handle's would (single use: the user forwards one of the two, never both)."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, not {block_size}")
+        if tokens >= self.remote_num_tokens:
+            return self
+        blocks = max(0, tokens) // block_size
+        listed = -(-self.remote_num_tokens // block_size)
+        if blocks == 0 or any(len(group) != listed for group in self.remote_block_ids):
+            return None
+        cut = [group[:blocks] for group in self.remote_block_ids]
+        return self.model_copy(update={"remote_block_ids": cut, "remote_num_tokens": blocks * block_size})
+
 
 class PrefillResult(_RemoteBlocks):
     """P's dict after a prefill: the blocks D must pull, leased on P for a short time."""

@@ -255,6 +255,14 @@ class PairLayer(Engine):
     def guard_releases(self, guard: ReleaseGuard | None) -> None:
         self._release_guard = guard
 
+    def cut_pin(self, pin: Pin, tokens: int) -> Pin | None:
+        """D's handle cut to its first whole blocks of D's block size within ``tokens`` (`KVHandle.cut`)."""
+        handle = handle_of(pin)
+        cut = handle.cut(tokens, block_size=self._pin_budget().block_size)
+        if cut is None:
+            return None
+        return Pin(tokens=cut.remote_num_tokens, expires_at=pin.expires_at, ref=cut)
+
     async def _release(self, handle: KVHandle, deadline: float) -> None:
         """`release` of D's ``handle``, which expires at ``deadline`` in this process's clock (asking the guard
         first: a handle saved for other processes may be in another's hands)."""

@@ -10,12 +10,13 @@ it keeps (`Pin.tokens`) and until when (`Pin.expires_at`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._stats._stats import MissReason
 from ._base import Pin
 
-__all__ = ["HeldPin", "choose_pin", "miss_after_step"]
+__all__ = ["HeldPin", "choose_pin", "cut_to_prompt", "miss_after_step"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,23 @@ def choose_pin(
     if kept > len(held.token_ids) or len(prompt) <= kept or prompt[:kept] != held.token_ids[:kept]:
         return None, "prefix_mismatch"
     return held.pin, None
+
+
+def cut_to_prompt(held: HeldPin, prompt: list[int], cut: Callable[[Pin, int], Pin | None]) -> HeldPin | None:
+    """``held`` cut to the tokens ``prompt`` shares with it, for a prompt that does not extend it (an editor's
+    file prefix that grew by a line and lost the last answer): the pin's first whole blocks within the shared
+    prefix, less the prompt's last token (P computes at least one), by the engine's ``cut`` (`Engine.cut_pin`).
+    The cut pin then passes `choose_pin`: the new prompt extends exactly the tokens it keeps. None: no whole
+    block is shared, or the engine cannot cut."""
+    kept = held.token_ids[: held.pin.tokens]
+    limit = min(len(kept), len(prompt) - 1)
+    shared = next((i for i in range(limit) if kept[i] != prompt[i]), limit)
+    if shared <= 0:
+        return None
+    pin = cut(held.pin, shared)
+    if pin is None or pin.tokens > shared:
+        return None
+    return HeldPin(pin, held.token_ids)
 
 
 def miss_after_step(

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, Unpack, overload
 
 import anyio
@@ -25,14 +25,16 @@ from pydantic import ValidationError
 from .._conversation._conversation import Message
 from .._engines import Engine
 from .._engines._base import SavedPin
+from .._engines._sampling import SamplingOptions
 from .._errors import SessionBusyError, UserError
 from .._home import Background, start_background
 from .._postgres import StoreLease
 from ._engine_user import EngineUser
 from ._message_step import MessageRequest, StepOptions
+from ._pool_completions import CompletionOptions, pooled_completion
 from ._pool_members import Member, Offers, offered_id
 from ._pool_stream import streamed_step
-from ._results import ReasoningDelta, StepReply, ToolCallDelta
+from ._results import ReasoningDelta, Step, StepReply, TextDelta, ToolCallDelta
 from ._session import Session
 from ._session_config import SessionConfig
 from ._session_core import make_engine
@@ -171,8 +173,12 @@ class SessionPool(EngineUser):
         member = self._named(conversation_id, tenant)
         return member.session if member is not None else None
 
-    def _named(self, conversation_id: str, tenant: str | None) -> Member | None:
-        return next((m for m in self._members if m.conversation_id == conversation_id and m.tenant == tenant), None)
+    def _named(self, conversation_id: str, tenant: str | None, *, raw: bool = False) -> Member | None:
+        """The member of ``tenant``'s named conversation: a chat's, or with ``raw`` a completions' one."""
+        return next(
+            (m for m in self._members if m.conversation_id == conversation_id and m.tenant == tenant and m.raw == raw),
+            None,
+        )
 
     async def forget(self, conversation_id: str, *, tenant: str | None = None) -> bool:
         """Forget ``tenant``'s named conversation: its live session closed (its pin released) and its saved
@@ -192,6 +198,11 @@ class SessionPool(EngineUser):
             if member is not None:
                 member.busy = True
                 await self._close(member, "forgotten")
+            completions = self._named(conversation_id, tenant, raw=True)
+            if completions is not None and not completions.busy:  # its completions' session too (never stored)
+                completions.busy = True
+                await self._close(completions, "forgotten")
+                member = member or completions
             store = self.store
             if store is None:
                 return member is not None
@@ -225,6 +236,35 @@ class SessionPool(EngineUser):
         self._require_open()
         assert self._home is not None
         step = functools.partial(self._step, messages, conversation_id, options, tenant, cache_salt)
+        if not self._home.is_current():
+            return await self._home.call_async(step)
+        return await step()
+
+    async def complete(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        conversation_id: str | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        sampling: SamplingOptions | None = None,
+        on_delta: Callable[[TextDelta], None] | None = None,
+    ) -> Step:
+        """`Session.complete` (a raw-token prompt, the same sampling arguments) on ``tenant``'s completions session named ``conversation_id``
+        (src/agentkv/_session/_pool_completions.py; `streamed_completion` streams it); None: a one-shot session,
+        closed after the step."""
+        self._require_open()
+        assert self._home is not None
+        options = CompletionOptions(
+            max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop, sampling=sampling, on_delta=on_delta
+        )
+        step = functools.partial(
+            pooled_completion, self, prompt_token_ids, conversation_id, tenant, cache_salt, options
+        )
         if not self._home.is_current():
             return await self._home.call_async(step)
         return await step()

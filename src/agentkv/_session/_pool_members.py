@@ -42,6 +42,8 @@ class Member:
     """The store's number of that save, where it numbers them (a store several doors share)."""
     offered: str | None = None
     """The id of the pin that save offered to the door that steps the conversation next."""
+    raw: bool = False
+    """Its conversation is raw-token completions (`SessionPool.complete`), apart from a chat's of the same name."""
     offering: anyio.Lock = field(default_factory=anyio.Lock)
     """Held while the pool offers the session's pin or takes it back (its save, `Offers`): one at a time."""
 

@@ -16,6 +16,7 @@ from .._conversation._tools import Tool, ToolChoice, ToolFormat
 from .._engines import Engine
 from .._engines._sampling import SamplingOptions
 from .._errors import UserError
+from ._completion_api import CompletionAPI
 from ._modes import Mode
 from ._session_config import SessionConfig
 from ._session_core import load_tokenizer, make_engine
@@ -26,7 +27,7 @@ from ._turn_api import TurnAPI
 __all__ = ["Mode", "Session", "load_tokenizer", "make_engine"]
 
 
-class Session(TurnAPI, StepAPI, SessionEdits):
+class Session(TurnAPI, StepAPI, CompletionAPI, SessionEdits):
     """A multi-turn conversation on an engine, with its KV pinned between steps.
 
     Use it as a context manager: ``async with Session() as s`` on your event loop, or

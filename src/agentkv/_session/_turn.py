@@ -29,7 +29,7 @@ from .._conversation._tools import (
 )
 from .._engines import Engine, Placement, Sampling, StepDone, StepRequest, TokenDelta
 from .._engines._base import Pin
-from .._engines._pinning import HeldPin, choose_pin, miss_after_step
+from .._engines._pinning import HeldPin, choose_pin, cut_to_prompt, miss_after_step
 from .._errors import ContextLengthError
 from .._stats._stats import MissReason, StepStats, TurnStats
 from .._stats._telemetry import sdk_configured
@@ -97,6 +97,9 @@ class StepContext:
     """The vLLM parsers the model's output is read with (native tool calls, reasoning)."""
     trace: TraceInfo | None = None
     """What the session's spans name (its conversation and model)."""
+    cut_pins: bool = False
+    """A prompt that shares only a prefix with the pin gets the pin cut to the whole blocks they share
+    (`cut_to_prompt`; raw-token prompts, src/agentkv/_session/_completion_api.py), rather than no pin."""
 
 
 async def turn_events(turn: Turn, context: StepContext) -> AsyncGenerator[Event]:
@@ -167,11 +170,14 @@ async def model_step(
         stop=config.stop if json_schema is None else (),  # a stop string would cut the forced JSON
         options=config.sampling,
     )
-    pin, reason = choose_pin(turn.pin, prompt, push_back=context.push_back, expiry_margin_s=config.expiry_margin_s)
+    held = turn.pin
+    if context.cut_pins and context.push_back and held is not None and not _extends(held, prompt):
+        held = cut_to_prompt(held, prompt, engine.cut_pin) or held  # the cut replaces the pin (same D request)
+    pin, reason = choose_pin(held, prompt, push_back=context.push_back, expiry_margin_s=config.expiry_margin_s)
     if reason == "no_handle" and context.resumed and not turn.steps:  # the first engine call since the restore only
         reason = "resumed"
-    if turn.pin is not None and pin is None:
-        context.discard_pin(turn.pin)
+    if held is not None and pin is None:
+        context.discard_pin(held)
     turn.pin = None  # a pin is single-use
     request = StepRequest(
         request_id=f"agentkv-{uuid.uuid4().hex}",
@@ -221,6 +227,11 @@ async def model_step(
         logprobs=None if done.logprobs is None else list(done.logprobs),
         stats=stats,
     )
+
+
+def _extends(held: HeldPin, prompt: list[int]) -> bool:
+    kept = held.pin.tokens
+    return kept <= len(held.token_ids) and len(prompt) > kept and prompt[:kept] == held.token_ids[:kept]
 
 
 async def tool_round(

@@ -31,6 +31,7 @@ from ._limits import TRIM_BYTES, Admission, check_items, check_positive, give_ba
 from ._logprobs import logprob_writer
 from ._metrics import ServeMetrics
 from ._openai_chat import ChatRequest, CompletionIds, StreamedCalls, chunk, completion, read_request
+from ._openai_completions import serve_completion
 from ._openai_responses import (
     PreviousResponseNotFoundError,
     ResponseNotFoundError,
@@ -133,6 +134,7 @@ class DoorRoutes:
     def table(self) -> list[Route]:
         return [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/responses/{response_id:path}", self.stored_response, methods=["GET", "DELETE"]),
         ]
@@ -186,6 +188,10 @@ class DoorRoutes:
             completion(reply, ids, logprobs=None if writer is None else writer.rest(reply)), headers=headers
         )
 
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``: src/agentkv/_surfaces/_openai_completions.py."""
+        return await serve_completion(self, request)
+
     async def responses(self, request: Request) -> Response:
         settings = self.settings
         try:
@@ -236,7 +242,7 @@ class DoorRoutes:
             return self.refuse(exc)
         return JSONResponse(kept.response)
 
-    async def _step(self, request: Request, tenant: str | None, step: Callable[[], Awaitable[StepReply]]) -> StepReply:
+    async def _step(self, request: Request, tenant: str | None, step: Callable[[], Awaitable[_Item]]) -> _Item:
         """A plain (not streamed) step, admitted, within the timeout, cancelled if the client goes away."""
         with anyio.fail_after(self.settings.timeout_s), self.admission.admit(tenant):
             return await self.steps.call(request, step)
