@@ -6,7 +6,7 @@ and part of what decides whether D's pinned KV is still the conversation's prefi
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +74,20 @@ def _turn(pool: SessionPool, history: list[dict[str, Any]], question: str, kwarg
     return reply
 
 
-def test_the_rendered_tokens_decide_whether_the_pin_still_extends(thinking_model: Path) -> None:
+def _recording(model: Path) -> tuple[list[str], Callable[[StepRequest], str]]:
+    """A double's answer ("Fine.") that records each prompt it is given, as text."""
     prompts: list[str] = []
-    tokenizer = LightTokenizer(thinking_model)
+    tokenizer = LightTokenizer(model)
 
     def respond(request: StepRequest) -> str:
         prompts.append(tokenizer.decode(list(request.prompt_token_ids)))
         return "Fine."
 
+    return prompts, respond
+
+
+def test_the_rendered_tokens_decide_whether_the_pin_still_extends(thinking_model: Path) -> None:
+    prompts, respond = _recording(thinking_model)
     with HonestPairEngine(respond, model_path=thinking_model) as engine, SessionPool(engine=engine) as pool:
         history: list[dict[str, Any]] = []
         off = {"enable_thinking": False}
@@ -98,13 +104,7 @@ def test_the_rendered_tokens_decide_whether_the_pin_still_extends(thinking_model
 
 @pytest.fixture(scope="module")
 def door(thinking_model: Path) -> Iterator[tuple[str, list[str]]]:
-    prompts: list[str] = []
-    tokenizer = LightTokenizer(thinking_model)
-
-    def respond(request: StepRequest) -> str:
-        prompts.append(tokenizer.decode(list(request.prompt_token_ids)))
-        return "Fine."
-
+    prompts, respond = _recording(thinking_model)
     with HonestPairEngine(respond, model_path=thinking_model) as engine, SessionPool(engine=engine) as pool:
         with FrontDoor(pool, model_name="m", port=free_port()) as front:
             yield front.url, prompts

@@ -10,7 +10,6 @@ step: an editor's requests without a key share nothing but P's prefix cache.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypedDict
@@ -20,6 +19,7 @@ import anyio
 from .._engines._sampling import SamplingOptions
 from .._errors import SessionBusyError
 from ._pool_members import Member
+from ._pool_stream import pumped
 from ._results import Step, TextDelta
 from ._session import Session
 from ._tenancy import tenant_salt
@@ -97,33 +97,9 @@ async def _member(pool: SessionPool, conversation_id: str, tenant: str | None) -
     return member
 
 
-async def streamed_completion(
+def streamed_completion(
     step: Callable[[Callable[[TextDelta], None]], Awaitable[Step]],
 ) -> AsyncGenerator[TextDelta | Step]:
     """The `TextDelta`s ``step(on_delta)`` gives, then its `Step`; its error raised. From any loop (the pool's may be
-    another thread's: see src/agentkv/_session/_pool_stream.py); a consumer that stops early cancels the step."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[TextDelta | Step | BaseException] = asyncio.Queue()
-
-    def put(item: TextDelta | Step | BaseException) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    async def run() -> None:
-        try:
-            put(await step(put))
-        except BaseException as exc:  # handed to the consumer, who raises it
-            put(exc)
-
-    task = asyncio.ensure_future(run())
-    try:
-        while True:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if isinstance(item, Step):
-                return
-    finally:
-        task.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(task, return_exceptions=True)
+    another thread's: src/agentkv/_session/_pool_stream.py); a consumer that stops early cancels the step."""
+    return pumped(step, Step)

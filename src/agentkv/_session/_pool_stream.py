@@ -6,44 +6,55 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 
 from ._message_step import StepOptions
 from ._results import ReasoningDelta, StepReply, ToolCallDelta
 
-__all__ = ["Item", "streamed_step"]
+__all__ = ["Item", "pumped", "streamed_step"]
 
 Item = str | ToolCallDelta | ReasoningDelta | StepReply
+Done = TypeVar("Done")
 
 
-async def streamed_step(
+def streamed_step(
     step: Callable[[StepOptions], Awaitable[StepReply]], options: StepOptions, *, first_token: bool, deltas: bool
 ) -> AsyncGenerator[Item]:
     """The items of ``step(options)``, its callbacks set to queue them: the answer's text pieces (with
     ``first_token``, an empty string first, at the model's first token; with ``deltas``, the tool-call and reasoning
     pieces too), then the `StepReply`; its error raised. A consumer that stops early cancels the step, and waits
     for it to unwind."""
+
+    def start(put: Callable[[Any], None]) -> Awaitable[StepReply]:
+        streamed: StepOptions = {**options, "on_text": put}
+        if first_token:
+            streamed["on_first_token"] = functools.partial(put, "")
+        if deltas:
+            streamed["on_tool_call"] = streamed["on_reasoning"] = put
+        return step(streamed)
+
+    return pumped(start, StepReply)
+
+
+async def pumped(start: Callable[[Callable[[Any], None]], Awaitable[Done]], done: type[Done]) -> AsyncGenerator[Any]:
+    """What ``start(put)`` puts (from any thread, in call order), then what it returns (a ``done``); its error
+    raised. A consumer that stops early cancels it, and waits for it to unwind."""
     # asyncio, not anyio: the pool's loop (maybe another thread's) feeds this loop's queue through
     # loop.call_soon_threadsafe (anyio has no call from another thread that does not block it), and the step's
     # task (asyncio.ensure_future) outlives each yield of this generator, which an anyio task group may not span
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Item | BaseException] = asyncio.Queue()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
 
-    def on_text(text: Item | BaseException) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, text)  # from any thread, queued in call order
+    def put(item: Any) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, item)  # from any thread, queued in call order
 
-    streamed: StepOptions = {**options, "on_text": on_text}
-    if first_token:
-        streamed["on_first_token"] = functools.partial(on_text, "")
-    if deltas:
-        streamed["on_tool_call"] = streamed["on_reasoning"] = on_text
-
-    async def run() -> None:  # the reply or error queued after every piece before it, even on the pool's loop
+    async def run() -> None:  # the result or error queued after every piece before it, even on the pool's loop
         try:
-            on_text(await step(streamed))
+            put(await start(put))
         except BaseException as exc:  # handed to the consumer, who raises it
-            on_text(exc)
+            put(exc)
 
     task = asyncio.ensure_future(run())
     try:
@@ -52,7 +63,7 @@ async def streamed_step(
             if isinstance(item, BaseException):
                 raise item
             yield item
-            if isinstance(item, StepReply):
+            if isinstance(item, done):
                 return
     finally:
         task.cancel()

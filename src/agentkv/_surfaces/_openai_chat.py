@@ -48,13 +48,15 @@ __all__ = [
 Body = TypeVar("Body", bound=BaseModel)
 
 
-class _StreamOptions(BaseModel):
+class StreamOptions(BaseModel):
+    """``stream_options`` of a chat or completions body."""
+
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
 class SamplingFields(BaseModel):
-    """The `SamplingOptions` fields that both request bodies (chat and Responses) take under their own names."""
+    """The `SamplingOptions` fields that the request bodies (chat, completions, Responses) take under their own names."""
 
     structured_outputs: dict[str, Any] | None = None
     top_p: float | None = None
@@ -70,7 +72,22 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
 
 
-class ChatRequest(SamplingFields):
+class KeyFields(BaseModel):
+    """The fields of a chat or completions body that say whose conversation it is and how it is named."""
+
+    user: str | None = None
+    """OpenAI's end-user id: metadata, never a conversation's key."""
+    session_id: str | None = None
+    """The conversation's id (src/agentkv/_surfaces/_conversation_keys.py reads it, with the two below)."""
+    conversation_id: str | None = None
+    prompt_cache_key: str | None = None
+    cache_salt: str | None = None
+    """The request's own prefix-cache salt, over its tenant's (src/agentkv/_session/_tenancy.py)."""
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+
+class ChatRequest(SamplingFields, KeyFields):
     """A ``POST /v1/chat/completions`` body: the fields agentkv honours, typed; every other field of vLLM's request
     is refused by name or accepted with no effect, as `CHAT_FIELDS` says (docs/serve.md lists each)."""
 
@@ -88,17 +105,7 @@ class ChatRequest(SamplingFields):
     stop: str | list[str] | None = None
     """Up to 4 stop strings: the answer ends before the first (`Session.step`'s ``stop``)."""
     stream: bool | None = False
-    stream_options: _StreamOptions | None = None
-    user: str | None = None
-    """OpenAI's end-user id: metadata, never a conversation's key."""
-    session_id: str | None = None
-    """The conversation's id (src/agentkv/_surfaces/_conversation_keys.py reads it, with the two below)."""
-    conversation_id: str | None = None
-    prompt_cache_key: str | None = None
-    cache_salt: str | None = None
-    """The request's own prefix-cache salt, over its tenant's (src/agentkv/_session/_tenancy.py)."""
-    request_id: str | None = None
-    return_tokens_as_token_ids: bool | None = None
+    stream_options: StreamOptions | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = 0
     response_format: dict[str, Any] | None = None
@@ -192,6 +199,11 @@ def read_body(model: type[Body], body: bytes, table: Mapping[str, FieldRule]) ->
     if isinstance(raw, dict):
         check_fields(raw, table)
         check_request(raw)
+    return validated(model, raw)
+
+
+def validated(model: type[Body], raw: Any) -> Body:
+    """``raw`` read as ``model``; a bad field is a `UserError` naming where it is (``messages.0.role: ...``)."""
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -200,14 +212,18 @@ def read_body(model: type[Body], body: bytes, table: Mapping[str, FieldRule]) ->
         raise UserError(f"{where}: {first['msg']}") from None
 
 
-def read_request(body: bytes) -> ChatRequest:
-    """The request, checked; anything agentkv cannot honour is a `UserError` naming it."""
-    request = read_body(ChatRequest, body, CHAT_FIELDS)
-    options = request.stream_options
-    if options is not None and not request.stream:
+def check_stream_options(options: StreamOptions | None, stream: bool | None) -> None:
+    """vLLM's rules for ``stream_options``, and the one agentkv cannot honour refused by name."""
+    if options is not None and not stream:
         raise UserError("stream_options: stream options can only be defined when stream is true")
     if options is not None and options.continuous_usage_stats:
         raise UserError("stream_options.continuous_usage_stats is not supported: usage comes once, at the end")
+
+
+def read_request(body: bytes) -> ChatRequest:
+    """The request, checked; anything agentkv cannot honour is a `UserError` naming it."""
+    request = read_body(ChatRequest, body, CHAT_FIELDS)
+    check_stream_options(request.stream_options, request.stream)
     request.sampling_options()  # checked now: a bad option is a 400 before the step
     return request
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -31,7 +31,16 @@ from .._session._results import Step, TextDelta
 from .._session._session import load_tokenizer
 from ._conversation_keys import conversation_key
 from ._logprobs import LogprobWriter
-from ._openai_chat import given_options, read_body, sampling_options, structured_outputs
+from ._openai_chat import (
+    KeyFields,
+    SamplingFields,
+    StreamOptions,
+    check_stream_options,
+    given_options,
+    read_body,
+    sampling_options,
+    structured_outputs,
+)
 from ._request_fields import CHAT_FIELDS, FieldRule
 
 if TYPE_CHECKING:
@@ -122,12 +131,7 @@ COMPLETIONS_FIELDS: dict[str, FieldRule] = {
 """Every field of ``POST /v1/completions`` (vLLM's `CompletionRequest`, and the two other conversation keys)."""
 
 
-class _StreamOptions(BaseModel):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
-
-
-class CompletionRequest(BaseModel):
+class CompletionRequest(SamplingFields, KeyFields):
     """A ``POST /v1/completions`` body: the fields agentkv honours, typed (`COMPLETIONS_FIELDS` rules the others)."""
 
     model_config = ConfigDict(extra="allow")
@@ -139,29 +143,10 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
-    stream_options: _StreamOptions | None = None
+    stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool | None = False
-    user: str | None = None
-    session_id: str | None = None
-    conversation_id: str | None = None
-    prompt_cache_key: str | None = None
-    cache_salt: str | None = None
-    request_id: str | None = None
-    return_tokens_as_token_ids: bool | None = None
-    structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
     min_tokens: int | None = None
     spaces_between_special_tokens: bool | None = None
     bad_words: list[str] | None = None
@@ -193,11 +178,7 @@ def read_completion_request(body: bytes) -> CompletionRequest:
     """The request, checked; anything agentkv cannot honour is a `UserError` naming it."""
     request = read_body(CompletionRequest, body, COMPLETIONS_FIELDS)
     request.one_prompt()
-    options = request.stream_options
-    if options is not None and not request.stream:
-        raise UserError("stream_options: stream options can only be defined when stream is true")
-    if options is not None and options.continuous_usage_stats:
-        raise UserError("stream_options.continuous_usage_stats is not supported: usage comes once, at the end")
+    check_stream_options(request.stream_options, request.stream)
     if request.echo and request.logprobs is not None:
         raise UserError(
             "echo with logprobs is not supported: it needs the prompt's logprobs, and most of the prompt is not "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -33,6 +33,7 @@ from .._session._pool import SessionPool
 from .._session._session import load_tokenizer
 from ._bounds import check_template_kwargs, parse_json
 from ._limits import check_items, read_body
+from ._openai_chat import validated
 from ._serve_routes import ServeSettings
 
 __all__ = ["TokenizeRoutes"]
@@ -71,15 +72,6 @@ class Detokenize(BaseModel):
 
     model: str | None = None
     tokens: list[int] = Field(default_factory=list)
-
-
-def _read(model: type[BaseModel], raw: Any) -> Any:
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise UserError(f"{where}: {first['msg']}") from None
 
 
 def _text(content: Any) -> Any:
@@ -157,7 +149,7 @@ class TokenizeRoutes:
 
     def _tokenize(self, raw: Any) -> dict[str, Any]:
         chat = isinstance(raw, dict) and "messages" in raw and "prompt" not in raw
-        parsed = _read(TokenizeChat if chat else TokenizePrompt, raw)
+        parsed: TokenizeChat | TokenizePrompt = validated(TokenizeChat, raw) if chat else validated(TokenizePrompt, raw)
         self.settings.check_model(parsed.model)
         tokenizer = self._tokenizer()
         if isinstance(parsed, TokenizeChat):
@@ -213,7 +205,7 @@ class TokenizeRoutes:
         return JSONResponse(answer)
 
     def _detokenize(self, raw: Any) -> dict[str, Any]:
-        parsed = _read(Detokenize, raw)
+        parsed = validated(Detokenize, raw)
         self.settings.check_model(parsed.model)
         tokenizer = self._tokenizer()
         size = _vocabulary_size(tokenizer)
